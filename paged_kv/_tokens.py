@@ -1,0 +1,123 @@
+"""Parsing and validating token ids and a step's ``{seq_id: tokens or count}`` mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from itertools import chain
+
+import numpy as np
+import torch
+
+from .page_table import PageTables, SeqId
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
+    """Token ids as an int32 array; TypeError / ValueError naming `name` otherwise."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    if isinstance(token_ids, str | bytes) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"{name}: expected a sequence of ints, got {type(token_ids).__name__}")
+    array = np.asarray(token_ids)
+    if array.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected a flat sequence of ints, got dtype {array.dtype} "
+                        f"and shape {array.shape}")
+    if array.min() < 0 or array.max() > MAX_TOKEN_ID:
+        raise ValueError(f"{name}: token ids must be in [0, {MAX_TOKEN_ID}], got "
+                         f"min {array.min()} max {array.max()}")
+    return array.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """A validated `prepare` request: rows, counts, and the known token ids flattened."""
+
+    seq_ids: tuple[SeqId, ...]
+    rows: np.ndarray                # [B] int64
+    counts: np.ndarray              # [B] int64 new tokens per sequence
+    has_ids: np.ndarray             # [B] bool, token ids given (not just a count)
+    token_ids: np.ndarray | None    # [sum(counts[has_ids])] int32
+
+    @property
+    def token_rows(self) -> np.ndarray:
+        return np.repeat(self.rows[self.has_ids], self.counts[self.has_ids])
+
+    @property
+    def rows_without_ids(self) -> np.ndarray:
+        return self.rows[~self.has_ids]
+
+    def token_positions(self, old_lens: np.ndarray) -> np.ndarray:
+        """Position in its sequence of every known token."""
+        counts = self.counts[self.has_ids]
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(old_lens[self.has_ids], counts) + np.arange(first.size) - first
+
+
+def parse_step(new_tokens: Mapping[SeqId, object], tables: PageTables) -> Step:
+    """Validate a `prepare` mapping against the page tables without changing anything."""
+    if not isinstance(new_tokens, Mapping):
+        raise TypeError(f"prepare(): expected a mapping of seq_id to tokens, "
+                        f"got {type(new_tokens).__name__}")
+    if not new_tokens:
+        raise ValueError("prepare(): no sequences given; pass at least one")
+    seq_ids = tuple(new_tokens)
+    rows = _rows_of(seq_ids, tables)
+    values = list(new_tokens.values())
+    if set(map(type, values)) <= _LIST_TYPES:
+        return _parse_lists(seq_ids, rows, values)
+    return _parse_mixed(seq_ids, rows, values)
+
+
+_LIST_TYPES = {list, tuple}
+_INT_TYPES = {int}
+
+
+def _rows_of(seq_ids: tuple, tables: PageTables) -> np.ndarray:
+    try:
+        rows = tables.rows_of(seq_ids)
+    except KeyError as exc:
+        raise KeyError(f"prepare(): unknown sequence {exc.args[0]!r}") from None
+    swapped = tables.swapped[rows]
+    if swapped.any():
+        seq_id = seq_ids[int(swapped.argmax())]
+        raise ValueError(f"prepare(): sequence {seq_id!r} is swapped out; swap_in() it first")
+    return rows
+
+
+def _parse_lists(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:
+    """The common case, every sequence given as a list of ids: one flat numpy conversion."""
+    counts = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    if counts.min() < 1:
+        seq_id = seq_ids[int(counts.argmin())]
+        raise ValueError(f"prepare(): sequence {seq_id!r} has no new tokens; give at least one")
+    flat = list(chain.from_iterable(values))
+    if set(map(type, flat)) <= _INT_TYPES:  # plain ints: skip numpy's dtype inference
+        token_ids = np.array(flat, dtype=np.int64)
+        if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
+            tokens_to_array("prepare(): token ids", token_ids)  # raises, naming the range
+        token_ids = token_ids.astype(np.int32)
+    else:
+        token_ids = tokens_to_array("prepare(): token ids", flat)
+    return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool), token_ids)
+
+
+def _parse_mixed(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:
+    counts = np.empty(len(values), dtype=np.int64)
+    has_ids = np.empty(len(values), dtype=bool)
+    arrays = []
+    for i, (seq_id, value) in enumerate(zip(seq_ids, values, strict=True)):
+        if isinstance(value, int | np.integer) and not isinstance(value, bool):
+            counts[i], has_ids[i] = int(value), False
+        else:
+            array = tokens_to_array(f"prepare(): tokens of {seq_id!r}", value)
+            counts[i], has_ids[i] = array.size, True
+            arrays.append(array)
+        if counts[i] < 1:
+            raise ValueError(f"prepare(): sequence {seq_id!r} has {counts[i]} new tokens; "
+                             f"give at least one")
+    token_ids = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int32)
+    return Step(seq_ids, rows, counts, has_ids, token_ids)

@@ -1,0 +1,256 @@
+"""`BlockAllocator`: block ids, refcounts, the prefix-cache index and eviction order.
+
+It never sees a tensor. Every block but the null block 0 is in exactly one state:
+
+- *live*   refcount > 0, owned by one or more sequences;
+- *cached* refcount 0 but holding a full, indexed block a later prefix can reuse (evictable);
+- *free*   refcount 0, nothing worth keeping.
+
+Free blocks are handed out first (a stack: O(1) pop and push); cached blocks are evicted
+least recently freed first from an ``OrderedDict`` (O(1) pop-front, O(1) removal from the
+middle when a prefix hit revives one). A sequence's blocks are freed tail first, so its
+tail is evicted before the prefix that other sequences are likelier to share.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Iterable
+
+import numpy as np
+
+from .errors import InvariantError, OutOfBlocksError
+
+NULL_BLOCK = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """One allocator event: ``kind`` is allocated / freed / cached / evicted / hit."""
+
+    kind: str
+    block_ids: tuple[int, ...]
+
+
+def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
+    """Chained, process-independent key of a full block.
+
+    Parameters
+    ----------
+    parent_hash : bytes
+        Key of the previous block of the sequence (the salt's root key for the first one).
+    token_ids : bytes
+        The block's token ids as little-endian int64 bytes.
+    """
+    return hashlib.sha256(parent_hash + token_ids).digest()
+
+
+def root_hash(salt: str | None = None) -> bytes:
+    """Key that the first block of a sequence chains from; a salt isolates tenants."""
+    return hashlib.sha256(b"paged_kv:" + (salt or "").encode()).digest()
+
+
+class BlockAllocator:
+    """Hands out block ids of a pool of `num_blocks` (block 0 reserved), counts owners.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Blocks in the pool, the null block included.
+    enable_prefix_caching : bool
+        Keep freed full blocks indexed (cached) instead of freeing them.
+    max_events : int
+        Events kept until `take_events` drains them; older ones are dropped.
+
+    Examples
+    --------
+    >>> allocator = BlockAllocator(8)
+    >>> allocator.allocate(3).tolist()
+    [1, 2, 3]
+    >>> allocator.num_free_blocks  # 7 usable - 3
+    4
+    """
+
+    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
+                 max_events: int = 65536) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = np.zeros(num_blocks, dtype=np.int32)
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._block_hash: dict[int, bytes] = {}
+        self._block_tokens: dict[int, bytes] = {}
+        self._index: dict[bytes, int] = {}
+        # bounded, so a user who never drains events does not leak memory
+        self._events: collections.deque[BlockEvent] = collections.deque(maxlen=max_events)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def refcount(self) -> np.ndarray:
+        """Read-only view of the per-block owner counts ``[num_blocks]``."""
+        view = self._refcount.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_obtainable_blocks(self) -> int:
+        """Blocks `allocate` can hand out now: free plus evictable cached."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_live_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self._free) - len(self._cached)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_obtainable_blocks
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._block_hash.get(block_id)
+
+    def lookup(self, key: bytes, token_ids: bytes) -> int | None:
+        """Block indexed under `key` whose tokens equal `token_ids`, else None."""
+        block_id = self._index.get(key)
+        if block_id is None or self._block_tokens[block_id] != token_ids:
+            return None
+        return block_id
+
+    # -- mutators -------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> np.ndarray:
+        """Take `num_blocks` blocks (refcount 1), evicting cached blocks LRU first if needed.
+
+        Returns
+        -------
+        np.ndarray
+            ``[num_blocks]`` int64 block ids.
+
+        Raises
+        ------
+        OutOfBlocksError
+            Fewer than `num_blocks` obtainable; nothing changed.
+        """
+        if num_blocks > len(self._free) + len(self._cached):
+            raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
+        from_free = min(num_blocks, len(self._free))
+        taken = self._free[len(self._free) - from_free:][::-1]
+        del self._free[len(self._free) - from_free:]
+        if from_free < num_blocks:
+            evicted = [self._cached.popitem(last=False)[0] for _ in range(num_blocks - from_free)]
+            for block_id in evicted:
+                del self._index[self._block_hash.pop(block_id)]
+                del self._block_tokens[block_id]
+            self._events.append(BlockEvent("evicted", tuple(evicted)))
+            taken += evicted
+        ids = np.array(taken, dtype=np.int64)
+        self._refcount[ids] = 1
+        self._events.append(BlockEvent("allocated", tuple(taken)))
+        return ids
+
+    def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        revived = ids[self._refcount[ids] == 0].tolist()
+        for block_id in revived:
+            del self._cached[block_id]
+        if revived:
+            self._events.append(BlockEvent("hit", tuple(revived)))
+        self._refcount[ids] += 1
+
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry).
+
+        Blocks left with no owner become cached when indexed, free otherwise; they are
+        released tail first, so the tail is evicted first and the prefix outlives it.
+        """
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        np.subtract.at(self._refcount, ids, 1)
+        released = list(dict.fromkeys(ids[self._refcount[ids] == 0][::-1].tolist()))
+        cached = [b for b in released if b in self._block_hash]
+        freed = [b for b in released if b not in self._block_hash]
+        self._cached.update(dict.fromkeys(cached))
+        self._free.extend(freed)
+        if cached:
+            self._events.append(BlockEvent("cached", tuple(cached)))
+        if freed:
+            self._events.append(BlockEvent("freed", tuple(freed)))
+
+    def register(self, block_id: int, key: bytes, token_ids: bytes) -> bool:
+        """Index a live, full block under `key`; False when that key is already indexed."""
+        if not self.enable_prefix_caching or key in self._index:
+            return False
+        self._index[key] = block_id
+        self._block_hash[block_id] = key
+        self._block_tokens[block_id] = token_ids
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Free every cached block and empty the index; returns how many blocks were dropped."""
+        dropped = list(self._cached)
+        self._cached.clear()
+        self._free.extend(reversed(dropped))
+        self._index.clear()
+        self._block_hash.clear()
+        self._block_tokens.clear()
+        if dropped:
+            self._events.append(BlockEvent("freed", tuple(dropped)))
+        return len(dropped)
+
+    def take_events(self) -> list[BlockEvent]:
+        """Return and clear the events logged since the last call."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    # -- checking -------------------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """Comparable copy of the whole state (for tests of rejected calls)."""
+        return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
+                tuple(sorted(self._index.items())), tuple(sorted(self._block_tokens.items())))
+
+    def check_invariants(self, owners: np.ndarray | None = None) -> None:
+        """Raise `InvariantError` if the block states do not partition the pool.
+
+        Parameters
+        ----------
+        owners : np.ndarray, optional
+            ``[num_blocks]`` count of page-table rows holding each block; compared with the
+            refcounts when given.
+        """
+        free, cached = self._free, list(self._cached)
+        ensure = _ensure
+        live = np.flatnonzero(self._refcount > 0).tolist()
+        everything = free + cached + live
+        ensure(len(set(everything)) == len(everything), "a block is in two states")
+        ensure(sorted(everything) == list(range(1, self.num_blocks)), "blocks leaked or invented")
+        ensure(self._refcount.min() >= 0, "negative refcount")
+        ensure(self._refcount[NULL_BLOCK] == 0, "the null block was handed out")
+        for block_id in free:
+            ensure(block_id not in self._block_hash, f"free block {block_id} is still indexed")
+        for block_id in cached:
+            ensure(block_id in self._block_hash, f"cached block {block_id} is not indexed")
+        for key, block_id in self._index.items():
+            ensure(self._block_hash.get(block_id) == key, f"index entry of {block_id} is stale")
+        ensure(len(self._block_hash) == len(self._index) == len(self._block_tokens),
+               "index, block keys and block tokens disagree in size")
+        if owners is not None:
+            bad = np.flatnonzero(owners != self._refcount)
+            ensure(bad.size == 0,
+                   f"refcount differs from owners for blocks {bad[:8].tolist()}: "
+                   f"{self._refcount[bad[:8]].tolist()} vs {owners[bad[:8]].tolist()}")
+
+
+def _ensure(condition: bool, message: str) -> None:
+    # explicit raise, not assert: check() must keep working under python -O
+    if not condition:
+        raise InvariantError(message)

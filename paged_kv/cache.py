@@ -1,0 +1,531 @@
+"""`PagedKVCache`: the facade that composes the three owners.
+
+    BlockAllocator  block ids, refcounts, prefix index, eviction   (ints, never tensors)
+    PageTables      per-sequence rows of block ids and token counts (numpy rows)
+    KVPool          the one preallocated K/V tensor and the host pool
+
+Every public mutator validates everything first and only then changes state, so a rejected
+call leaves allocator, tables and pool exactly as they were.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import kernels
+from ._checks import check_tensor
+from ._tokens import parse_step, tokens_to_array
+from .accounting import CacheStats, compute_stats
+from .allocator import BlockAllocator, hash_block, root_hash
+from .config import CacheConfig
+from .errors import InvariantError, OutOfBlocksError, PagedKVError
+from .page_table import PageTables, SeqId, StepBatch
+from .pool import KVPool
+
+BatchOrSeqIds = StepBatch | Sequence[SeqId]
+
+
+class PagedKVCache:
+    """A paged KV cache for many sequences at once.
+
+    Parameters
+    ----------
+    config : CacheConfig
+        Pool shape, dtype, device, prefix caching, host pool size.
+
+    Examples
+    --------
+    >>> cfg = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4,
+    ...                   num_blocks=16, dtype=torch.float32)
+    >>> cache = PagedKVCache(cfg)
+    >>> cache.add_sequence("a", [1, 2, 3, 4, 5])
+    0
+    >>> batch = cache.prepare({"a": [1, 2, 3, 4, 5]})
+    >>> batch.slot_mapping.tolist()  # block 1 holds tokens 0-3, block 2 token 4
+    [4, 5, 6, 7, 8]
+    >>> k = torch.randn(5, 2, 8)
+    >>> cache.write(0, k, -k, batch)
+    >>> keys, values = cache.gather(0, ["a"])
+    >>> torch.equal(keys[0], k)
+    True
+    >>> cache.stats().num_live_blocks, cache.stats().num_empty_slots
+    (2, 3)
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self._allocator = BlockAllocator(config.num_blocks,
+                                         enable_prefix_caching=config.enable_prefix_caching)
+        self._tables = PageTables(config.block_size, config.max_num_seqs)
+        self._pool = KVPool(config)
+        self._host_allocator = (BlockAllocator(config.num_host_blocks + 1,
+                                               enable_prefix_caching=False)
+                                if config.num_host_blocks else None)
+        self._swapped_keys: dict[SeqId, list[bytes | None]] = {}
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._num_preemptions = 0
+        self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
+
+    # -- read-only views of the owners ----------------------------------------------------
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self._allocator
+
+    @property
+    def tables(self) -> PageTables:
+        return self._tables
+
+    @property
+    def pool(self) -> KVPool:
+        return self._pool
+
+    @property
+    def seq_ids(self) -> tuple[SeqId, ...]:
+        """Sequences in the cache, in insertion order."""
+        return self._tables.seq_ids
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def seq_len(self, seq_id: SeqId) -> int:
+        """Tokens of `seq_id` written or reserved so far."""
+        self._require_known("seq_len()", seq_id)
+        return self._tables.num_tokens_of(seq_id)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks are obtainable now (free plus evictable cached)."""
+        return self._allocator.can_allocate(num_blocks)
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        self._require_known("is_swapped()", seq_id)
+        return bool(self._tables.swapped[self._tables.row_of[seq_id]])
+
+    # -- sequence lifecycle ---------------------------------------------------------------
+    def add_sequence(self, seq_id: SeqId, prompt_token_ids: Sequence[int] | None = None, *,
+                     salt: str | None = None) -> int:
+        """Register a sequence and map its longest cached prefix of full blocks.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            New, unique id.
+        prompt_token_ids : sequence of int, optional
+            The prompt, only looked up here; its tokens arrive through `prepare`.
+        salt : str, optional
+            Isolates prefix reuse between tenants.
+
+        Returns
+        -------
+        int
+            Tokens already cached (a multiple of ``block_size``, always below the prompt's
+            length so the last prompt token is computed); `seq_len` is now that number.
+        """
+        self._require_new("add_sequence()", seq_id)
+        tokens = (None if prompt_token_ids is None
+                  else tokens_to_array("prompt_token_ids", prompt_token_ids))
+        chain = root_hash(salt) if self.config.enable_prefix_caching else None
+        hits: list[int] = []
+        if chain is not None and tokens is not None and len(tokens):
+            chain, hits = self._lookup_prefix(chain, tokens)
+        row = self._tables.add(seq_id, chain)
+        num_hit = len(hits) * self.config.block_size
+        if hits:
+            self._allocator.share(hits)
+            self._tables.append_blocks(np.array([row]), np.array([len(hits)]), np.array(hits))
+            self._tables.set_num_tokens(np.array([row]), np.array([num_hit]))
+            self._tables.set_token_ids(np.full(num_hit, row), np.arange(num_hit),
+                                       tokens[:num_hit])
+        if tokens is not None and chain is not None:
+            self._prefix_query_tokens += len(tokens)
+            self._prefix_hit_tokens += num_hit
+        self._after_mutation()
+        return num_hit
+
+    def _lookup_prefix(self, chain: bytes, tokens: np.ndarray) -> tuple[bytes, list[int]]:
+        block_size = self.config.block_size
+        hits: list[int] = []
+        for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
+            block_tokens = tokens[start:start + block_size].astype("<i4").tobytes()
+            key = hash_block(chain, block_tokens)
+            block_id = self._allocator.lookup(key, block_tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            chain = key
+        return chain, hits
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """Make `child` share all of `parent`'s blocks; the first write into a shared,
+        partly filled block copies it (copy-on-write)."""
+        self._require_resident("fork()", parent)
+        self._require_new("fork()", child)
+        self._tables.fork(parent, child)
+        self._allocator.share(self._tables.blocks(child))
+        self._after_mutation()
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release `seq_id`: full indexed blocks become cached (evictable), the rest free."""
+        if seq_id not in self._tables:
+            raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
+        if self.is_swapped(seq_id):
+            self._host_allocator.free(self._tables.remove(seq_id))
+            del self._swapped_keys[seq_id]
+        else:
+            self._allocator.free(self._tables.remove(seq_id))
+        self._after_mutation()
+
+    def reset_prefix_cache(self) -> int:
+        """Free every cached block and empty the prefix index; returns blocks dropped."""
+        dropped = self._allocator.reset_prefix_cache()
+        self._after_mutation()
+        return dropped
+
+    # -- a step ---------------------------------------------------------------------------
+    def prepare(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> StepBatch:
+        """Reserve slots for each sequence's new tokens and build the step's `StepBatch`.
+
+        Parameters
+        ----------
+        new_tokens : mapping of seq_id to token ids or a count
+            At least one token each; a count means ids unknown (such blocks are never
+            indexed for reuse). Rows and tokens follow the mapping's order.
+
+        Returns
+        -------
+        StepBatch
+
+        Raises
+        ------
+        OutOfBlocksError
+            The step needs more blocks than obtainable; nothing changed.
+        KeyError, TypeError, ValueError
+            Unknown or swapped-out sequence, bad token ids or counts; nothing changed.
+        """
+        step = parse_step(new_tokens, self._tables)
+        tables, allocator, block_size = self._tables, self._allocator, self.config.block_size
+        rows = step.rows
+        old_lens = tables.num_tokens[rows]
+        new_lens = old_lens + step.counts
+        old_num_blocks = tables.num_blocks[rows]
+        num_new_blocks = -(-new_lens // block_size) - old_num_blocks
+        cow_rows, cow_columns, cow_src = self._plan_copy_on_write(rows, old_lens, old_num_blocks)
+        requested = int(num_new_blocks.sum()) + len(cow_rows)
+        if requested > allocator.num_obtainable_blocks:
+            raise OutOfBlocksError(requested, allocator.num_obtainable_blocks)
+
+        new_ids = allocator.allocate(requested) if requested else np.empty(0, np.int64)
+        if len(cow_rows):
+            copies = new_ids[: len(cow_rows)]
+            self._pool.copy(cow_src, copies)
+            tables.replace_blocks(cow_rows, cow_columns, copies)
+            allocator.free(cow_src)
+        tables.append_blocks(rows, num_new_blocks, new_ids[len(cow_rows):])
+        tables.set_num_tokens(rows, new_lens)
+        if step.token_ids is not None:
+            tables.set_token_ids(step.token_rows, step.token_positions(old_lens),
+                                 step.token_ids)
+        for row in step.rows_without_ids:
+            tables.set_chain(int(row), None)
+        if self.config.enable_prefix_caching:
+            self._index_full_blocks(rows, old_lens, new_lens)
+        width = int(tables.num_blocks[rows].max()) if len(rows) else 0
+        batch = StepBatch.from_arrays(step.seq_ids, tables.block_ids[rows, :width],
+                                      tables.num_blocks[rows], new_lens, step.counts,
+                                      block_size, self.config.device)
+        self._after_mutation()
+        return batch
+
+    def _plan_copy_on_write(self, rows: np.ndarray, old_lens: np.ndarray,
+                            old_num_blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Rows whose partly filled last block has other owners, and which block they copy.
+
+        When every owner of such a block writes in this step, the first keeps the original.
+        """
+        nothing = np.empty(0, np.int64)
+        partial = (old_lens % self.config.block_size != 0).nonzero()[0]
+        columns = old_num_blocks[partial] - 1
+        last = self._tables.block_ids[rows[partial], columns].astype(np.int64)
+        refcount = self._allocator.refcount[last]
+        shared = refcount > 1
+        if not shared.any():
+            return nothing, nothing, nothing
+        partial, columns, last, refcount = (a[shared] for a in (partial, columns, last, refcount))
+        _, first, writers = np.unique(last, return_index=True, return_counts=True)
+        keep = first[writers == refcount[first]]
+        copy = np.setdiff1d(np.arange(partial.size), keep, assume_unique=True)
+        return rows[partial[copy]], columns[copy], last[copy]
+
+    def _index_full_blocks(self, rows: np.ndarray, old_lens: np.ndarray,
+                           new_lens: np.ndarray) -> None:
+        """Enter every block this step filled with known ids into the prefix index."""
+        block_size, tables = self.config.block_size, self._tables
+        first_full, end_full = old_lens // block_size, new_lens // block_size
+        num_filled = end_full - first_full
+        if not num_filled.any():
+            return
+        # every (row, block column) filled this step, gathered at once; hashing stays serial
+        # because each key chains the previous block's key
+        owner = np.repeat(rows, num_filled)
+        rank = np.arange(owner.size) - np.repeat(np.cumsum(num_filled) - num_filled, num_filled)
+        columns = np.repeat(first_full, num_filled) + rank
+        block_ids = tables.block_ids[owner, columns].tolist()
+        slots = columns[:, None] * block_size + np.arange(block_size)
+        data = tables.token_ids[owner[:, None], slots].astype("<i4").tobytes()
+        width, register = 4 * block_size, self._allocator.register
+        row, chain = -1, None
+        for i, (block_row, block_id) in enumerate(zip(owner.tolist(), block_ids, strict=True)):
+            if block_row != row:
+                if row >= 0 and chain is not None:
+                    tables.set_chain(row, chain)
+                row, chain = block_row, tables.chain(block_row)
+            if chain is not None:
+                block_tokens = data[i * width:(i + 1) * width]
+                chain = hash_block(chain, block_tokens)
+                register(block_id, chain, block_tokens)
+        if chain is not None:
+            tables.set_chain(row, chain)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              batch: StepBatch) -> None:
+        """Scatter the step's new K/V of one layer into their slots.
+
+        Parameters
+        ----------
+        layer : int
+        key, value : torch.Tensor
+            ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device.
+        batch : StepBatch
+            From this step's `prepare`.
+
+        Mutates
+        -------
+        The pool's slots named by ``batch.slot_mapping``.
+        """
+        self._require_layer("write()", layer)
+        self._require_batch("write()", batch)
+        shape = (batch.num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        for name, tensor in (("key", key), ("value", value)):
+            check_tensor(f"write(): {name}", tensor, shape, dtype=self.config.dtype,
+                         device=self.config.device)
+        kernels.write_kv(key, value, *self._pool.layer(layer), batch.slot_mapping)
+
+    def gather(self, layer: int, batch_or_seq_ids: BatchOrSeqIds, pad_to: int | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K/V of some sequences as they are now, zero-padded.
+
+        Returns
+        -------
+        (torch.Tensor, torch.Tensor)
+            K and V ``[B, T, num_kv_heads, head_dim]``, ``T = pad_to or`` the longest length,
+            zeros past each sequence's length.
+        """
+        self._require_layer("gather()", layer)
+        block_tables, seq_lens, longest = self._tables_of("gather()", batch_or_seq_ids)
+        if pad_to is not None and (not isinstance(pad_to, int) or pad_to < longest):
+            raise ValueError(f"gather(): pad_to must be an int >= the longest sequence "
+                             f"({longest}), got {pad_to!r}")
+        length = longest if pad_to is None else pad_to
+        if out is not None:
+            shape = (seq_lens.shape[0], length, self.config.num_kv_heads, self.config.head_dim)
+            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
+                check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
+                             device=self.config.device)
+        return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out)
+
+    def gather_packed(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K/V of some sequences packed end to end (varlen form).
+
+        Returns
+        -------
+        (torch.Tensor, torch.Tensor, torch.Tensor)
+            K and V ``[total_tokens, num_kv_heads, head_dim]`` and ``cu_seqlens [B + 1]``
+            int32.
+        """
+        self._require_layer("gather_packed()", layer)
+        block_tables, seq_lens, _ = self._tables_of("gather_packed()", batch_or_seq_ids)
+        cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=cu_seqlens[1:])
+        if out is not None:
+            shape = (int(cu_seqlens[-1]), self.config.num_kv_heads, self.config.head_dim)
+            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
+                check_tensor(f"gather_packed(): {name}", tensor, shape,
+                             dtype=self.config.dtype, device=self.config.device)
+        k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
+                                        cu_seqlens, out)
+        return k, v, cu_seqlens
+
+    def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
+                  scale: float | None = None) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's cached K/V.
+
+        Parameters
+        ----------
+        query : torch.Tensor
+            ``[batch.num_tokens, num_q_heads, head_dim]``; ``num_q_heads`` a multiple of
+            ``num_kv_heads``.
+        scale : float, optional
+            Default ``head_dim ** -0.5``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[batch.num_tokens, num_q_heads, head_dim]``.
+        """
+        self._require_layer("attention()", layer)
+        self._require_batch("attention()", batch)
+        check_tensor("attention(): query", query, (batch.num_tokens, None, self.config.head_dim),
+                     dtype=self.config.dtype, device=self.config.device)
+        if query.shape[1] % self.config.num_kv_heads:
+            raise ValueError(f"attention(): query heads ({query.shape[1]}) must be a multiple "
+                             f"of num_kv_heads ({self.config.num_kv_heads})")
+        return kernels.paged_attention(query, *self._pool.layer(layer), batch.block_tables,
+                                       batch.seq_lens, batch.query_start_loc, scale)
+
+    # -- swapping -------------------------------------------------------------------------
+    def swap_out(self, seq_id: SeqId) -> None:
+        """Move a sequence's blocks to the host pool and release its device blocks."""
+        self._require_resident("swap_out()", seq_id)
+        if self._host_allocator is None:
+            raise PagedKVError("swap_out(): no host pool; set CacheConfig.num_host_blocks > 0")
+        block_ids = self._tables.blocks(seq_id)
+        if not self._host_allocator.can_allocate(block_ids.size):
+            raise OutOfBlocksError(block_ids.size, self._host_allocator.num_obtainable_blocks,
+                                   "swap_out() host pool")
+        host_ids = self._host_allocator.allocate(block_ids.size)
+        self._pool.swap_out(block_ids, host_ids)
+        self._swapped_keys[seq_id] = [self._allocator.block_hash(b) for b in block_ids.tolist()]
+        self._allocator.free(block_ids)
+        self._tables.set_swapped(seq_id, host_ids, True)
+        self._num_preemptions += 1
+        self._after_mutation()
+
+    def swap_in(self, seq_id: SeqId) -> None:
+        """Bring a swapped-out sequence back into fresh device blocks."""
+        self._require_known("swap_in()", seq_id)
+        if not self.is_swapped(seq_id):
+            raise ValueError(f"swap_in(): sequence {seq_id!r} is not swapped out")
+        host_ids = self._tables.blocks(seq_id)
+        if not self._allocator.can_allocate(host_ids.size):
+            raise OutOfBlocksError(host_ids.size, self._allocator.num_obtainable_blocks,
+                                   "swap_in()")
+        block_ids = self._allocator.allocate(host_ids.size)
+        self._pool.swap_in(host_ids, block_ids)
+        self._host_allocator.free(host_ids)
+        self._tables.set_swapped(seq_id, block_ids, False)
+        token_ids = self._tables.token_ids[self._tables.row_of[seq_id]]
+        block_size = self.config.block_size
+        for j, key in enumerate(self._swapped_keys.pop(seq_id)):
+            if key is not None:
+                block_tokens = token_ids[j * block_size:(j + 1) * block_size].astype("<i4")
+                self._allocator.register(int(block_ids[j]), key, block_tokens.tobytes())
+        self._after_mutation()
+
+    # -- accounting and checking ----------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Where every block and byte is now (see `CacheStats`)."""
+        return compute_stats(
+            allocator=self._allocator, tables=self._tables, block_size=self.config.block_size,
+            bytes_per_block=self.config.bytes_per_block, total_bytes=self._pool.nbytes,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens, num_preemptions=self._num_preemptions)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    @property
+    def prefix_counters(self) -> tuple[int, int]:
+        """``(prefix_query_tokens, prefix_hit_tokens)`` so far."""
+        return self._prefix_query_tokens, self._prefix_hit_tokens
+
+    def take_events(self) -> list:
+        """Drain the allocator's block events (allocated / freed / cached / evicted / hit)."""
+        return self._allocator.take_events()
+
+    def check(self) -> None:
+        """Raise `InvariantError` if any invariant of allocator, tables or pool is broken."""
+        self._tables.check()
+        self._allocator.check_invariants(self._tables.owners(self.config.num_blocks))
+        if self._host_allocator is not None:
+            self._host_allocator.check_invariants(
+                self._tables.owners(self._host_allocator.num_blocks, swapped=True))
+        swapped = {s for s in self._tables.seq_ids if self._tables.swapped[self._tables.row_of[s]]}
+        if swapped != set(self._swapped_keys):
+            raise InvariantError("swapped sequences and their saved prefix keys disagree")
+
+    def snapshot(self) -> tuple:
+        """Comparable copy of the full state (tables, allocator, counters, pool bytes)."""
+        pools = (self._pool.kv.clone(), None if self._pool.host is None
+                 else self._pool.host.clone())
+        host = None if self._host_allocator is None else self._host_allocator.snapshot()
+        return (self._allocator.snapshot(), self._tables.snapshot(), host,
+                tuple((k, tuple(v)) for k, v in self._swapped_keys.items()),
+                self.prefix_counters, self._num_preemptions, pools)
+
+    # -- validation helpers ---------------------------------------------------------------
+    def _after_mutation(self) -> None:
+        if self._debug:
+            self.check()
+
+    def _require_known(self, what: str, seq_id: SeqId) -> None:
+        if seq_id not in self._tables:
+            raise KeyError(f"{what}: unknown sequence {seq_id!r}")
+
+    def _require_resident(self, what: str, seq_id: SeqId) -> None:
+        self._require_known(what, seq_id)
+        if self._tables.swapped[self._tables.row_of[seq_id]]:
+            raise ValueError(f"{what}: sequence {seq_id!r} is swapped out; swap_in() it first")
+
+    def _require_new(self, what: str, seq_id: SeqId) -> None:
+        if not isinstance(seq_id, Hashable):
+            raise TypeError(f"{what}: seq_id must be hashable, got {type(seq_id).__name__}")
+        if seq_id in self._tables:
+            raise ValueError(f"{what}: sequence {seq_id!r} already exists")
+
+    def _require_layer(self, what: str, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+            raise TypeError(f"{what}: layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"{what}: layer {layer} out of range [0, {self.config.num_layers})")
+
+    def _require_batch(self, what: str, batch: object) -> None:
+        if not isinstance(batch, StepBatch):
+            raise TypeError(f"{what}: batch must be the StepBatch prepare() returned, "
+                            f"got {type(batch).__name__}")
+
+    def _tables_of(self, what: str, batch_or_seq_ids: BatchOrSeqIds,
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Block tables ``[B, W]``, lengths ``[B]`` and the longest length, now."""
+        if isinstance(batch_or_seq_ids, StepBatch):
+            # the batch's tensors describe its sequences as prepare() left them
+            batch = batch_or_seq_ids
+            return batch.block_tables, batch.seq_lens, batch.max_seq_len
+        if isinstance(batch_or_seq_ids, str | bytes) or not isinstance(batch_or_seq_ids,
+                                                                         Sequence):
+            raise TypeError(f"{what}: expected a StepBatch or a list of sequence ids, "
+                            f"got {type(batch_or_seq_ids).__name__}")
+        seq_ids = batch_or_seq_ids
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"{what}: duplicate sequence ids in {list(seq_ids)!r}")
+        for seq_id in seq_ids:
+            self._require_resident(what, seq_id)
+        rows = np.array([self._tables.row_of[s] for s in seq_ids], dtype=np.int64)
+        lengths = self._tables.num_tokens[rows]
+        width = max(int(self._tables.num_blocks[rows].max()) if rows.size else 0, 1)
+        device = self.config.device
+        block_tables = torch.from_numpy(self._tables.block_ids[rows, :width].copy()).to(device)
+        seq_lens = torch.from_numpy(lengths.astype(np.int32)).to(device)
+        return block_tables, seq_lens, int(lengths.max()) if rows.size else 0
+
+
+__all__ = ["InvariantError", "OutOfBlocksError", "PagedKVCache", "PagedKVError"]

@@ -1,0 +1,229 @@
+"""paged_attention: causal attention of a step's queries over each sequence's cached K/V."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import tl, triton
+from .backend import use_triton
+from .gather import gather_kv_reference
+
+
+def paged_attention_reference(
+    query: torch.Tensor,            # [num_tokens, num_q_heads, D]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, D]
+    value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, D]
+    block_tables: torch.Tensor,     # [B, max_blocks] int32
+    seq_lens: torch.Tensor,         # [B] int32, after this step's tokens
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch implementation of `paged_attention`: gather, then SDPA in float32 (the CPU path)."""
+    batch_size = seq_lens.shape[0]
+    device = query.device
+    k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens)  # (B, T, Hkv, D)
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    max_query_len = int(query_lens.max()) if batch_size else 0
+    seq_index = torch.repeat_interleave(torch.arange(batch_size, device=device), query_lens,
+                                        output_size=query.shape[0])
+    row = torch.arange(query.shape[0], device=device) - query_start_loc.long()[seq_index]
+    padded_q = query.new_zeros(batch_size, max_query_len, *query.shape[1:])
+    padded_q[seq_index, row] = query
+    # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j
+    key_pos = torch.arange(k.shape[1], device=device)
+    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None])
+    attended = F.scaled_dot_product_attention(
+        padded_q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
+    ).transpose(1, 2)  # (B, Qmax, Hq, D)
+    result = attended[seq_index, row].to(query.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        query_ptr,            # [num_tokens, num_q_heads, D]
+        key_cache_ptr,        # [num_blocks, block_size, num_kv_heads, D]
+        value_cache_ptr,      # [num_blocks, block_size, num_kv_heads, D], same strides
+        block_tables_ptr,     # [B, max_blocks] int32
+        seq_lens_ptr,         # [B] int32, including this step's tokens
+        query_start_loc_ptr,  # [B + 1] int32
+        out_ptr,              # [num_tokens, num_q_heads, D]
+        query_stride_token,   # strides, in elements
+        query_stride_head,
+        query_stride_dim,
+        out_stride_token,
+        out_stride_head,
+        out_stride_dim,
+        cache_stride_block,
+        cache_stride_offset,
+        cache_stride_head,
+        cache_stride_dim,
+        block_tables_stride,
+        num_seqs,             # B
+        block_size,
+        group_size,           # num_q_heads // num_kv_heads
+        head_dim,
+        scale,                # softmax scale
+        BLOCK_B: tl.constexpr,  # next_power_of_2(B), to find the token's sequence in one load
+        BLOCK_G: tl.constexpr,  # query heads of one kv head, padded to >= 16 for tl.dot
+        BLOCK_N: tl.constexpr,  # keys per step
+        BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16 for tl.dot
+        UPCAST_DOT: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
+    ):
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seqs = tl.arange(0, BLOCK_B)
+        ends = tl.load(query_start_loc_ptr + 1 + seqs, mask=seqs < num_seqs, other=0)
+        seq = tl.sum(((ends <= token) & (seqs < num_seqs)).to(tl.int32), axis=0)
+        # bottom-right causal: position seq_len - n + j = seq_len - (query_end - token)
+        query_end = tl.load(query_start_loc_ptr + seq + 1)
+        num_keys = tl.load(seq_lens_ptr + seq) - query_end + token + 1
+
+        heads = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, BLOCK_D)
+        is_dim = dims < head_dim
+        q_mask = (heads < group_size)[:, None] & is_dim[None, :]
+        q_offsets = (token.to(tl.int64) * query_stride_token
+                     + (kv_head * group_size + heads)[:, None] * query_stride_head
+                     + dims[None, :] * query_stride_dim)
+        q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+        q = q.to(key_cache_ptr.dtype.element_ty)  # tl.dot wants one dtype
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max
+        l_i = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        keys = tl.arange(0, BLOCK_N)
+        table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+        for start in range(0, num_keys, BLOCK_N):
+            positions = start + keys
+            is_key = positions < num_keys
+            blocks = tl.load(table_row + positions // block_size, mask=is_key, other=0)
+            rows = (blocks.to(tl.int64) * cache_stride_block
+                    + (positions % block_size) * cache_stride_offset + kv_head * cache_stride_head)
+            kv_offsets = rows[:, None] + dims[None, :] * cache_stride_dim
+            kv_mask = is_key[:, None] & is_dim[None, :]
+            k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            scores = tl.where(is_key[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # p rounds to the cache dtype, as flash attention does, so the dot runs on tensor cores
+            p = p.to(value_cache_ptr.dtype.element_ty)
+            if UPCAST_DOT:
+                p = p.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        out_offsets = (token.to(tl.int64) * out_stride_token
+                       + (kv_head * group_size + heads)[:, None] * out_stride_head
+                       + dims[None, :] * out_stride_dim)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,            # [num_tokens, num_q_heads, D]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, D]
+    value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, D]
+    block_tables: torch.Tensor,     # [B, max_blocks] int32
+    seq_lens: torch.Tensor,         # [B] int32, after this step's tokens
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton implementation of `paged_attention` (the CUDA path); same contract."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: expected num_q_heads divisible by num_kv_heads "
+                         f"({num_kv_heads}), got {num_q_heads}")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"value_cache: expected key_cache's strides {key_cache.stride()}, "
+                         f"got {value_cache.stride()}")
+    out = query.new_empty(query.shape) if out is None else out
+    if num_tokens == 0:
+        return out
+    group_size = num_q_heads // num_kv_heads
+    # a program per (token, kv head), so the kv head's query heads share each K/V tile; 64 keys
+    # per step spans blocks of any size and keeps a [64, D] tile (16 KiB bf16 at D=128) in flight
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc, out_ptr=out,
+        query_stride_token=query.stride(0), query_stride_head=query.stride(1),
+        query_stride_dim=query.stride(2),
+        out_stride_token=out.stride(0), out_stride_head=out.stride(1),
+        out_stride_dim=out.stride(2),
+        cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
+        cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
+        block_tables_stride=block_tables.stride(0),
+        num_seqs=seq_lens.shape[0], block_size=key_cache.shape[1], group_size=group_size,
+        head_dim=head_dim, scale=head_dim ** -0.5 if scale is None else scale,
+        BLOCK_B=triton.next_power_of_2(seq_lens.shape[0]),
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST_DOT=not query.is_cuda,
+    )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each new token over its sequence's cached K/V, read through the page table.
+
+    Query j of a sequence with ``n`` new tokens sits at position ``seq_len - n + j`` and sees
+    keys ``0 .. seq_len - n + j`` (bottom-right causal), so chunked prefill and single-token
+    decode are one case. Grouped-query: ``num_q_heads % num_kv_heads == 0``.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[num_tokens, num_q_heads, D]``, rows grouped by sequence as `query_start_loc` says.
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, D]`` (one layer's pages, already written).
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32.
+    seq_lens : torch.Tensor
+        ``[B]`` int32, cached tokens per sequence including this step's.
+    query_start_loc : torch.Tensor
+        ``[B + 1]`` int32 offsets of each sequence's queries.
+    scale : float, optional
+        Softmax scale, default ``D ** -0.5``.
+    out : torch.Tensor, optional
+        ``[num_tokens, num_q_heads, D]`` output buffer.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[num_tokens, num_q_heads, D]`` in the query's dtype (accumulated in float32).
+    """
+    if use_triton(query):
+        return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
+                                      query_start_loc, scale, out)
+    return paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, out)

@@ -1,0 +1,118 @@
+"""copy_blocks (copy-on-write inside one pool) and swap_blocks (between device and host pools)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl, triton
+from .backend import use_triton
+
+
+def copy_blocks_reference(
+    kv_cache: torch.Tensor,       # [num_layers, 2, num_blocks, block_size, H, D]
+    src_block_ids: torch.Tensor,  # [num_copies] int64
+    dst_block_ids: torch.Tensor,  # [num_copies] int64, disjoint from src
+) -> None:
+    """Torch implementation of `copy_blocks` (the CPU path)."""
+    kv_cache.index_copy_(2, dst_block_ids, kv_cache.index_select(2, src_block_ids))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks_kernel(
+        kv_cache_ptr,        # [num_layers, 2, num_blocks, block_size, H, D], blocks contiguous
+        src_block_ids_ptr,   # [num_copies] int64
+        dst_block_ids_ptr,   # [num_copies] int64
+        cache_stride_layer,  # kv_cache strides, in elements
+        cache_stride_kv,
+        cache_stride_block,
+        block_numel,         # block_size * H * D
+        BLOCK: tl.constexpr,  # elements per program
+    ):
+        pair = tl.program_id(0)
+        layer_kv = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
+        offsets = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < block_numel
+        base = ((layer_kv // 2).to(tl.int64) * cache_stride_layer
+                + (layer_kv % 2).to(tl.int64) * cache_stride_kv)
+        src = tl.load(src_block_ids_ptr + pair).to(tl.int64) * cache_stride_block
+        dst = tl.load(dst_block_ids_ptr + pair).to(tl.int64) * cache_stride_block
+        data = tl.load(kv_cache_ptr + base + src + offsets, mask=mask)
+        tl.store(kv_cache_ptr + base + dst + offsets, data, mask=mask)
+
+
+def copy_blocks_triton(
+    kv_cache: torch.Tensor,       # [num_layers, 2, num_blocks, block_size, H, D]
+    src_block_ids: torch.Tensor,  # [num_copies] int64
+    dst_block_ids: torch.Tensor,  # [num_copies] int64, disjoint from src
+) -> None:
+    """Triton implementation of `copy_blocks` (the CUDA path); same contract as the reference."""
+    num_layers, _, _, block_size, num_heads, head_dim = kv_cache.shape
+    if kv_cache.stride()[3:] != (num_heads * head_dim, head_dim, 1):
+        raise ValueError("kv_cache: expected each block contiguous (strides "
+                         f"{(num_heads * head_dim, head_dim, 1)} in the last three dims), "
+                         f"got {kv_cache.stride()[3:]}; pass the pool itself, not a view")
+    num_copies = src_block_ids.shape[0]
+    block_numel = block_size * num_heads * head_dim
+    if num_copies == 0:
+        return
+    # a block is one contiguous run; 4K-element chunks keep many programs in flight per block
+    chunk = min(4096, triton.next_power_of_2(block_numel))
+    _copy_blocks_kernel[(num_copies, num_layers * 2, triton.cdiv(block_numel, chunk))](
+        kv_cache_ptr=kv_cache, src_block_ids_ptr=src_block_ids, dst_block_ids_ptr=dst_block_ids,
+        cache_stride_layer=kv_cache.stride(0), cache_stride_kv=kv_cache.stride(1),
+        cache_stride_block=kv_cache.stride(2), block_numel=block_numel, BLOCK=chunk,
+    )
+
+
+def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
+                dst_block_ids: torch.Tensor) -> None:
+    """Copy whole blocks, every layer, K and V: ``block dst[i] <- block src[i]``.
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_layers, 2, num_blocks, block_size, H, D]``, the pool.
+    src_block_ids, dst_block_ids : torch.Tensor
+        ``[num_copies]`` int64 on the pool's device; no dst appears twice or among the srcs.
+
+    Mutates
+    -------
+    kv_cache at the dst blocks only.
+
+    Examples
+    --------
+    >>> pool = torch.arange(8.0).view(1, 2, 4, 1, 1, 1)
+    >>> copy_blocks(pool, torch.tensor([1]), torch.tensor([3]))
+    >>> pool[0, 0].flatten().tolist()
+    [0.0, 1.0, 2.0, 1.0]
+    """
+    if src_block_ids.numel() == 0:
+        return
+    if use_triton(kv_cache):
+        copy_blocks_triton(kv_cache, src_block_ids, dst_block_ids)
+    else:
+        copy_blocks_reference(kv_cache, src_block_ids, dst_block_ids)
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+    """Copy blocks between two pools of the same block shape (device <-> host), batched.
+
+    Parameters
+    ----------
+    src_cache, dst_cache : torch.Tensor
+        ``[num_layers, 2, num_blocks_*, block_size, H, D]``; may live on different devices.
+    src_block_ids, dst_block_ids : torch.Tensor
+        ``[num_blocks]`` int64 block ids in each pool.
+
+    Mutates
+    -------
+    dst_cache at `dst_block_ids` only.
+    """
+    if src_block_ids.numel() == 0:
+        return
+    moved = src_cache.index_select(2, src_block_ids.to(src_cache.device))
+    dst_cache.index_copy_(2, dst_block_ids.to(dst_cache.device),
+                          moved.to(dst_cache.device, non_blocking=True))

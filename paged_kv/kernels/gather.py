@@ -1,0 +1,277 @@
+"""gather_kv: rebuild contiguous K/V from the pages, padded ``[B, T, H, D]`` or packed varlen."""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl, triton
+from .backend import use_triton
+
+
+def _slots(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
+           block_size: int) -> torch.Tensor:
+    """Slot of each (sequence row, token position) pair; positions past the table read block 0."""
+    columns = torch.div(positions, block_size, rounding_mode="floor")
+    inside = columns < block_tables.shape[1]
+    blocks = block_tables[seq_index, columns.clamp(max=block_tables.shape[1] - 1)].long()
+    return torch.where(inside, blocks, 0) * block_size + positions % block_size
+
+
+def gather_kv_reference(
+    key_cache: torch.Tensor,     # [num_blocks, block_size, H, D]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,      # [B] int32
+    pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch implementation of `gather_kv` (the CPU path)."""
+    batch_size = seq_lens.shape[0]
+    block_size = key_cache.shape[1]
+    longest = int(seq_lens.max()) if batch_size else 0
+    length = longest if pad_to is None else pad_to
+    if length < longest:
+        raise ValueError(f"pad_to: expected >= the longest sequence ({longest}), got {pad_to}")
+    if out is None:
+        shape = (batch_size, length, *key_cache.shape[2:])
+        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
+    positions = torch.arange(length, device=key_cache.device)
+    seq_index = torch.arange(batch_size, device=key_cache.device)[:, None]
+    slots = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
+    padding = (positions[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
+    for cache, dst in zip((key_cache, value_cache), out, strict=True):
+        flat_dst = dst.view(batch_size * length, *cache.shape[2:])
+        torch.index_select(cache.view(-1, *cache.shape[2:]), 0, slots, out=flat_dst)
+        flat_dst.index_fill_(0, padding, 0)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kv_kernel(
+        key_cache_ptr,        # [num_blocks, block_size, H, D]
+        value_cache_ptr,      # [num_blocks, block_size, H, D], same strides
+        key_out_ptr,          # padded [B, T, H, D], or packed [total_tokens, H, D]
+        value_out_ptr,        # as key_out, same strides
+        block_tables_ptr,     # [B, max_blocks] int32
+        seq_lens_ptr,         # [B] int32
+        cu_seqlens_ptr,       # [B + 1] int32, read only when PACKED
+        block_tables_stride,  # block_tables.stride(0)
+        cache_stride_block,   # key_cache / value_cache strides, in elements
+        cache_stride_offset,
+        cache_stride_head,
+        cache_stride_dim,
+        out_stride_seq,       # padded only, 0 when PACKED
+        out_stride_token,
+        out_stride_head,
+        out_stride_dim,
+        out_len,              # padded T: rows seq_len .. T - 1 get zeros; unused when PACKED
+        block_size,
+        max_blocks,
+        num_heads,
+        head_dim,
+        PACKED: tl.constexpr,   # rows cu_seqlens[b] + t of packed, else [b, t] of padded
+        BLOCK_T: tl.constexpr,  # token positions per program
+        BLOCK_H: tl.constexpr,  # next_power_of_2(num_heads)
+        BLOCK_D: tl.constexpr,  # next_power_of_2(head_dim)
+    ):
+        positions = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+        seq = tl.program_id(1).to(tl.int64)
+        is_token = positions < tl.load(seq_lens_ptr + seq)
+        columns = positions // block_size
+        # past the table reads block 0, as the reference does; such positions are padding
+        blocks = tl.load(block_tables_ptr + seq * block_tables_stride + columns,
+                         mask=is_token & (columns < max_blocks), other=0).to(tl.int64)
+        src_rows = blocks * cache_stride_block + (positions % block_size) * cache_stride_offset
+        if PACKED:
+            rows = tl.load(cu_seqlens_ptr + seq).to(tl.int64) + positions
+            is_row = is_token
+        else:
+            rows = positions.to(tl.int64)
+            is_row = positions < out_len
+        dst_rows = seq * out_stride_seq + rows * out_stride_token
+        heads = tl.arange(0, BLOCK_H)[None, :, None]
+        dims = tl.arange(0, BLOCK_D)[None, None, :]
+        inner = (heads < num_heads) & (dims < head_dim)
+        src = src_rows[:, None, None] + heads * cache_stride_head + dims * cache_stride_dim
+        dst = dst_rows[:, None, None] + heads * out_stride_head + dims * out_stride_dim
+        load_mask = is_token[:, None, None] & inner  # zeros past seq_len
+        store_mask = is_row[:, None, None] & inner
+        key = tl.load(key_cache_ptr + src, mask=load_mask, other=0.0)  # [BLOCK_T, BLOCK_H, BLOCK_D]
+        value = tl.load(value_cache_ptr + src, mask=load_mask, other=0.0)
+        tl.store(key_out_ptr + dst, key, mask=store_mask)
+        tl.store(value_out_ptr + dst, value, mask=store_mask)
+
+
+def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None, longest: int,
+                   out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Launch `_gather_kv_kernel` into `out`: packed when `cu_seqlens` is given, else padded."""
+    for name, tensor, like in (("value_cache", value_cache, key_cache),
+                               ("value out", out[1], out[0])):
+        if tensor.stride() != like.stride():
+            raise ValueError(f"{name}: expected strides {like.stride()}, got {tensor.stride()}")
+    batch_size, num_heads, head_dim = seq_lens.shape[0], *key_cache.shape[2:]
+    is_packed = cu_seqlens is not None
+    block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+    padded_len = 0 if is_packed else out[0].shape[1]
+    tile_len = max(longest, padded_len)
+    if batch_size == 0 or tile_len == 0:
+        return
+    # ~4K elements (8 KiB of bf16) per tile per tensor: enough bytes in flight, small register use;
+    # tiles on grid axis 0, whose limit is 2**31 - 1 (axis 1 allows only 65535)
+    block_t = min(max(1, 4096 // (block_h * block_d)), triton.next_power_of_2(tile_len))
+    _gather_kv_kernel[(triton.cdiv(tile_len, block_t), batch_size)](
+        key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        key_out_ptr=out[0], value_out_ptr=out[1],
+        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        cu_seqlens_ptr=cu_seqlens if is_packed else seq_lens,
+        block_tables_stride=block_tables.stride(0),
+        cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
+        cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
+        out_stride_seq=0 if is_packed else out[0].stride(0),
+        out_stride_token=out[0].stride(-3), out_stride_head=out[0].stride(-2),
+        out_stride_dim=out[0].stride(-1),
+        out_len=padded_len, block_size=key_cache.shape[1], max_blocks=block_tables.shape[1],
+        num_heads=num_heads, head_dim=head_dim,
+        PACKED=is_packed, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
+def gather_kv_triton(
+    key_cache: torch.Tensor,     # [num_blocks, block_size, H, D]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,      # [B] int32
+    pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton implementation of `gather_kv` (the CUDA path); same contract as the reference."""
+    batch_size = seq_lens.shape[0]
+    longest = int(seq_lens.max()) if batch_size else 0
+    length = longest if pad_to is None else pad_to
+    if length < longest:
+        raise ValueError(f"pad_to: expected >= the longest sequence ({longest}), got {pad_to}")
+    if out is None:
+        shape = (batch_size, length, *key_cache.shape[2:])
+        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
+    _launch_gather(key_cache, value_cache, block_tables, seq_lens, None, longest, out)
+    return out
+
+
+def gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rebuild each sequence's contiguous K/V, zero-padded to a common length.
+
+    Parameters
+    ----------
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, H, D]``, contiguous (one layer's pages).
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32 block ids per sequence (padding entries 0).
+    seq_lens : torch.Tensor
+        ``[B]`` int32 tokens per sequence.
+    pad_to : int, optional
+        Output length ``T`` (default the longest sequence); below it is a ValueError.
+    out : (torch.Tensor, torch.Tensor), optional
+        Preallocated ``[B, T, H, D]`` contiguous outputs for K and V.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        K and V ``[B, T, H, D]``, zeros at positions ``>= seq_lens[b]``.
+
+    Examples
+    --------
+    >>> kc = torch.arange(8.0).view(4, 2, 1, 1); vc = -kc
+    >>> k, v = gather_kv(kc, vc, torch.tensor([[3, 1]], dtype=torch.int32),
+    ...                  torch.tensor([3], dtype=torch.int32), pad_to=4)
+    >>> k.flatten().tolist()  # block 3 (6, 7), then block 1 offset 0 (2), then padding
+    [6.0, 7.0, 2.0, 0.0]
+    """
+    if use_triton(key_cache):
+        return gather_kv_triton(key_cache, value_cache, block_tables, seq_lens, pad_to, out)
+    return gather_kv_reference(key_cache, value_cache, block_tables, seq_lens, pad_to, out)
+
+
+def gather_kv_packed_reference(
+    key_cache: torch.Tensor,     # [num_blocks, block_size, H, D]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,      # [B] int32
+    cu_seqlens: torch.Tensor,    # [B + 1] int32
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch implementation of `gather_kv_packed` (the CPU path)."""
+    total = int(cu_seqlens[-1]) if out is None else out[0].shape[0]
+    if out is None:
+        shape = (total, *key_cache.shape[2:])
+        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
+    device = key_cache.device
+    seq_index = torch.repeat_interleave(
+        torch.arange(seq_lens.shape[0], device=device), seq_lens.long(), output_size=total)
+    positions = torch.arange(total, device=device) - cu_seqlens.long()[seq_index]
+    slots = _slots(block_tables, seq_index, positions, key_cache.shape[1])
+    for cache, dst in zip((key_cache, value_cache), out, strict=True):
+        torch.index_select(cache.view(-1, *cache.shape[2:]), 0, slots, out=dst)
+    return out
+
+
+def gather_kv_packed_triton(
+    key_cache: torch.Tensor,     # [num_blocks, block_size, H, D]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, H, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,      # [B] int32
+    cu_seqlens: torch.Tensor,    # [B + 1] int32
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton implementation of `gather_kv_packed` (the CUDA path); same contract."""
+    longest = int(seq_lens.max()) if seq_lens.shape[0] else 0
+    if out is None:
+        shape = (int(cu_seqlens[-1]), *key_cache.shape[2:])
+        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
+    _launch_gather(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, longest, out)
+    return out
+
+
+def gather_kv_packed(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rebuild K/V of a batch in the packed varlen form (FlashAttention's ``cu_seqlens``).
+
+    Parameters
+    ----------
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, H, D]``, contiguous.
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32.
+    seq_lens : torch.Tensor
+        ``[B]`` int32.
+    cu_seqlens : torch.Tensor
+        ``[B + 1]`` int32, ``cu_seqlens[b + 1] - cu_seqlens[b] == seq_lens[b]``.
+    out : (torch.Tensor, torch.Tensor), optional
+        Preallocated ``[total_tokens, H, D]`` outputs.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        K and V ``[total_tokens, H, D]``; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
+    """
+    if use_triton(key_cache):
+        return gather_kv_packed_triton(key_cache, value_cache, block_tables, seq_lens,
+                                       cu_seqlens, out)
+    return gather_kv_packed_reference(key_cache, value_cache, block_tables, seq_lens,
+                                      cu_seqlens, out)

@@ -1,0 +1,134 @@
+"""write_kv: scatter a step's new K/V into their slots of one layer's pages."""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl, triton
+from .backend import use_triton
+
+
+def write_kv_reference(
+    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Torch implementation of `write_kv` (the CPU path)."""
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    flat_k = key_cache.view(num_slots, *key_cache.shape[2:])
+    flat_v = value_cache.view(num_slots, *value_cache.shape[2:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        key_ptr,              # [num_tokens, num_kv_heads, head_dim]
+        value_ptr,            # [num_tokens, num_kv_heads, head_dim]
+        key_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache_ptr,      # [num_blocks, block_size, num_kv_heads, head_dim], same strides
+        slot_mapping_ptr,     # [num_tokens] int64, -1 = padding
+        key_stride_token,     # key strides, in elements
+        key_stride_head,
+        key_stride_dim,
+        value_stride_token,   # value strides
+        value_stride_head,
+        value_stride_dim,
+        cache_stride_block,   # key_cache / value_cache strides
+        cache_stride_offset,
+        cache_stride_head,
+        cache_stride_dim,
+        block_size,           # tokens per block
+        num_kv_heads,
+        head_dim,
+        BLOCK_H: tl.constexpr,  # next_power_of_2(num_kv_heads)
+        BLOCK_D: tl.constexpr,  # next_power_of_2(head_dim)
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot < 0:
+            return
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < num_kv_heads) & (dims < head_dim)
+        # 64-bit: block * cache_stride_block passes 2**31 in large pools
+        dst = ((slot // block_size) * cache_stride_block + (slot % block_size) * cache_stride_offset
+               + heads * cache_stride_head + dims * cache_stride_dim)
+        key = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head
+                      + dims * key_stride_dim, mask=mask)
+        value = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head
+                        + dims * value_stride_dim, mask=mask)
+        tl.store(key_cache_ptr + dst, key, mask=mask)
+        tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Triton implementation of `write_kv` (the CUDA path); same contract as the reference."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"value_cache: expected key_cache's strides {key_cache.stride()}, "
+                         f"got {value_cache.stride()}")
+    if num_tokens == 0:
+        return
+    # one program per token: slots scatter, and a token's heads x head_dim is one small tile
+    _write_kv_kernel[(num_tokens,)](
+        key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping,
+        key_stride_token=key.stride(0), key_stride_head=key.stride(1),
+        key_stride_dim=key.stride(2),
+        value_stride_token=value.stride(0), value_stride_head=value.stride(1),
+        value_stride_dim=value.stride(2),
+        cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
+        cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
+        block_size=key_cache.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V into the pool slots named by `slot_mapping`.
+
+    Parameters
+    ----------
+    key, value : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_dim]``, the pool's dtype.
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous (one layer's pages).
+    slot_mapping : torch.Tensor
+        ``[num_tokens]`` int64, ``slot = block_id * block_size + offset``; -1 skips the token.
+
+    Mutates
+    -------
+    key_cache, value_cache at the named slots only.
+
+    Examples
+    --------
+    >>> kc, vc = torch.zeros(4, 2, 1, 1), torch.zeros(4, 2, 1, 1)
+    >>> k = torch.tensor([1.0, 2.0]).view(2, 1, 1)
+    >>> write_kv(k, -k, kc, vc, torch.tensor([3, -1]))  # token 0 -> block 1 offset 1
+    >>> kc.flatten().tolist()
+    [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    if use_triton(key):
+        write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        write_kv_reference(key, value, key_cache, value_cache, slot_mapping)

@@ -1,0 +1,348 @@
+"""`PageTables` (per-sequence block ids and token counts as numpy rows) and `StepBatch`.
+
+Row r of the preallocated arrays belongs to one sequence::
+
+    block_ids[r]  = [b0, b1, b2, 0, 0, ...]   # its blocks in token order, 0 past num_blocks[r]
+    num_tokens[r] = 37                          # tokens written or reserved
+    token_ids[r]  = [t0, t1, ..., t36, ...]    # ids of known tokens (for prefix keys)
+
+so a step's block tables and slot mapping are built by slicing and arithmetic, never by a
+Python loop over tokens. Rows and columns grow by doubling when a sequence needs more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from .errors import InvariantError
+
+SeqId = Hashable
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Everything kernels need for one step, built once by `prepare` and reused by every layer.
+
+    Attributes
+    ----------
+    seq_ids : tuple
+        ``B`` sequences, in the order of their rows and tokens.
+    slot_mapping : torch.Tensor
+        ``[num_tokens]`` int64 slot of each new token (-1 = skip).
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32 block ids; padding entries are the null block 0.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 tokens per sequence after this step.
+    query_start_loc : torch.Tensor
+        ``[B + 1]`` int32 offsets of each sequence's new tokens.
+    num_tokens, max_seq_len, max_query_len : int
+        Totals, kept as Python ints so no kernel launch needs a device sync.
+    kv_indptr, kv_indices, kv_last_page_len : torch.Tensor
+        FlashInfer's CSR page table: ``[B + 1]``, ``[sum of blocks]``, ``[B]`` int32; built
+        on first access (most steps never need them, and they cost a pass over all blocks).
+    """
+
+    seq_ids: tuple[SeqId, ...]
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_tokens: int
+    max_seq_len: int
+    max_query_len: int
+    block_size: int
+    _host: tuple[np.ndarray, np.ndarray, np.ndarray]  # block tables, num blocks, seq lens
+    _csr: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self._flashinfer_form()["kv_indptr"]
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self._flashinfer_form()["kv_indices"]
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return self._flashinfer_form()["kv_last_page_len"]
+
+    def _flashinfer_form(self) -> dict[str, torch.Tensor]:
+        if not self._csr:
+            block_tables, num_blocks, seq_lens = self._host
+            kv_indptr = np.zeros(len(num_blocks) + 1, dtype=np.int32)
+            np.cumsum(num_blocks, out=kv_indptr[1:])
+            in_use = np.arange(block_tables.shape[1]) < num_blocks[:, None]
+            last_page_len = (seq_lens - 1) % self.block_size + 1
+            device = self.block_tables.device
+            for name, array in (("kv_indptr", kv_indptr), ("kv_indices", block_tables[in_use]),
+                                ("kv_last_page_len", last_page_len)):
+                self._csr[name] = torch.from_numpy(array.astype(np.int32)).to(device)
+        return self._csr
+
+    @classmethod
+    def from_arrays(cls, seq_ids: Sequence[SeqId], block_tables: np.ndarray,
+                    num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                    block_size: int, device: torch.device) -> StepBatch:
+        """Build a batch from plain arrays (host side), then ship it to `device` once.
+
+        Parameters
+        ----------
+        block_tables : np.ndarray
+            ``[B, max_blocks]`` int32, zero past each row's `num_blocks`.
+        num_blocks, seq_lens, query_lens : np.ndarray
+            ``[B]`` blocks, tokens after the step, and new tokens of each sequence.
+        """
+        batch_size = len(seq_ids)
+        num_tokens = int(query_lens.sum())
+        if num_tokens == batch_size:  # pure decode: one token per sequence
+            query_start_loc = np.arange(batch_size + 1)
+            token_row, positions = query_start_loc[:-1], seq_lens - 1
+        else:
+            query_start_loc = np.zeros(batch_size + 1, dtype=np.int64)
+            np.cumsum(query_lens, out=query_start_loc[1:])
+            # position of a token: its sequence's old length plus its rank in the step
+            token_row = np.repeat(np.arange(batch_size), query_lens)
+            positions = (np.arange(num_tokens) - query_start_loc[token_row]
+                         + (seq_lens - query_lens)[token_row])
+        slot_mapping = block_tables[token_row, positions // block_size] * block_size
+        slot_mapping += positions % block_size
+        on_cpu = device.type == "cpu"
+
+        def ship(array: np.ndarray, dtype: type) -> torch.Tensor:
+            tensor = torch.from_numpy(array.astype(dtype, copy=False))
+            return tensor if on_cpu else tensor.to(device, non_blocking=True)
+
+        return cls(
+            seq_ids=tuple(seq_ids),
+            slot_mapping=ship(slot_mapping, np.int64),
+            block_tables=ship(block_tables, np.int32),
+            seq_lens=ship(seq_lens, np.int32),
+            query_start_loc=ship(query_start_loc, np.int32),
+            num_tokens=num_tokens,
+            max_seq_len=int(seq_lens.max()),
+            max_query_len=int(query_lens.max()),
+            block_size=block_size,
+            _host=(block_tables, num_blocks, seq_lens),
+        )
+
+
+class PageTables:
+    """Owns each sequence's row: block ids, token count, known token ids, prefix-key chain.
+
+    The only writer of those rows; it never frees a block (the allocator does) and never
+    touches a tensor.
+
+    Examples
+    --------
+    >>> tables = PageTables(block_size=4)
+    >>> row = tables.add("a")
+    >>> tables.append_blocks(np.array([row]), np.array([2]), np.array([7, 3]))
+    >>> tables.set_num_tokens(np.array([row]), np.array([5]))
+    >>> tables.blocks("a").tolist(), tables.num_tokens_of("a")
+    ([7, 3], 5)
+    """
+
+    def __init__(self, block_size: int, max_num_seqs: int = 256, max_blocks: int = 16) -> None:
+        self.block_size = block_size
+        self._row_of: dict[SeqId, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._block_ids = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self._num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self._num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self._token_ids = np.zeros((max_num_seqs, max_blocks * block_size), dtype=np.int32)
+        self._chain: list[bytes | None] = [None] * max_num_seqs
+        self._swapped = np.zeros(max_num_seqs, dtype=bool)
+        self._version = 0  # bumped whenever the seq_id -> row mapping changes
+        self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        # read-only views made once (not per access): the step's hot path reads them often
+        self.block_ids = _read_only(self._block_ids)     # [rows, width] int32
+        self.num_blocks = _read_only(self._num_blocks)   # [rows] int64
+        self.num_tokens = _read_only(self._num_tokens)   # [rows] int64
+        self.token_ids = _read_only(self._token_ids)     # [rows, width * block_size] int32
+        self.swapped = _read_only(self._swapped)         # [rows] bool
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def seq_ids(self) -> tuple[SeqId, ...]:
+        return tuple(self._row_of)
+
+    @property
+    def row_of(self) -> dict[SeqId, int]:
+        """Mapping of sequence id to row (do not mutate)."""
+        return self._row_of
+
+    def rows_of(self, seq_ids: tuple[SeqId, ...]) -> np.ndarray:
+        """``[B]`` int64 rows of `seq_ids` (KeyError for an unknown one).
+
+        Decode steps repeat the same batch, so the last answer is reused while no sequence
+        has gained or lost a row since.
+        """
+        last_version, last_ids, last_rows = self._last_lookup
+        if last_version == self._version and last_ids == seq_ids:
+            return last_rows
+        rows = np.fromiter(map(self._row_of.__getitem__, seq_ids), dtype=np.int64,
+                           count=len(seq_ids))
+        rows.flags.writeable = False
+        self._last_lookup = (self._version, seq_ids, rows)
+        return rows
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._row_of
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def chain(self, row: int) -> bytes | None:
+        """Prefix key of the row's last full block (None: its tokens cannot be indexed)."""
+        return self._chain[row]
+
+    def rows(self) -> np.ndarray:
+        """``[num_seqs]`` int64 rows in use, in insertion order."""
+        return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
+
+    def check(self) -> None:
+        """Raise `InvariantError` if a row's blocks disagree with its token count."""
+        rows = self.rows()
+        expected = -(-self._num_tokens[rows] // self.block_size)
+        bad = np.flatnonzero(self._num_blocks[rows] != expected)
+        _ensure(bad.size == 0, f"rows {rows[bad].tolist()} hold a wrong number of blocks")
+        in_use = np.arange(self._block_ids.shape[1]) < self._num_blocks[:, None]
+        _ensure(not (self._block_ids[in_use] == 0).any(), "a row points at the null block")
+        _ensure(not self._block_ids[~in_use].any(), "a row has entries past its blocks")
+        free = np.array(self._free_rows, dtype=np.int64)
+        _ensure(not self._num_blocks[free].any(), "a free row holds blocks")
+
+    def blocks(self, seq_id: SeqId) -> np.ndarray:
+        row = self._row_of[seq_id]
+        return self._block_ids[row, : self._num_blocks[row]].astype(np.int64)
+
+    def num_tokens_of(self, seq_id: SeqId) -> int:
+        return int(self._num_tokens[self._row_of[seq_id]])
+
+    def owners(self, num_pool_blocks: int, swapped: bool = False) -> np.ndarray:
+        """``[num_pool_blocks]`` count of rows holding each block (of the host pool when
+        `swapped`, of the device pool otherwise)."""
+        rows = self.rows()
+        rows = rows[self._swapped[rows] == swapped]
+        in_use = np.arange(self._block_ids.shape[1]) < self._num_blocks[rows, None]
+        return np.bincount(self._block_ids[rows][in_use], minlength=num_pool_blocks)
+
+    # -- mutators -------------------------------------------------------------------------
+    def add(self, seq_id: SeqId, chain: bytes | None = None) -> int:
+        """Give `seq_id` an empty row and return it."""
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._free_rows.pop()
+        self._row_of[seq_id] = row
+        self._version += 1
+        self._chain[row] = chain
+        return row
+
+    def remove(self, seq_id: SeqId) -> np.ndarray:
+        """Drop `seq_id`'s row; returns the block ids it held, in token order."""
+        blocks = self.blocks(seq_id)
+        row = self._row_of.pop(seq_id)
+        self._version += 1
+        self._block_ids[row, : blocks.size] = 0
+        self._num_blocks[row] = self._num_tokens[row] = 0
+        self._swapped[row] = False
+        self._chain[row] = None
+        self._free_rows.append(row)
+        return blocks
+
+    def append_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        """Append ``counts[i]`` of `block_ids` (consumed in order) to row ``rows[i]``."""
+        new_num_blocks = self._num_blocks[rows] + counts
+        if new_num_blocks.size and new_num_blocks.max() > self._block_ids.shape[1]:
+            self._grow_columns(int(new_num_blocks.max()))
+        owner = np.repeat(rows, counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        columns = np.repeat(self._num_blocks[rows], counts) + np.arange(owner.size) - first
+        self._block_ids[owner, columns] = block_ids
+        self._num_blocks[rows] = new_num_blocks
+
+    def replace_blocks(self, rows: np.ndarray, columns: np.ndarray, block_ids: np.ndarray) -> None:
+        """Point entry ``columns[i]`` of row ``rows[i]`` at ``block_ids[i]`` (copy-on-write)."""
+        self._block_ids[rows, columns] = block_ids
+
+    def set_num_tokens(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        if num_tokens.size and num_tokens.max() > self._token_ids.shape[1]:
+            self._grow_columns(-(-int(num_tokens.max()) // self.block_size))
+        self._num_tokens[rows] = num_tokens
+
+    def set_token_ids(self, token_rows: np.ndarray, positions: np.ndarray,
+                      token_ids: np.ndarray) -> None:
+        """Record known token ids at ``(token_rows[i], positions[i])``."""
+        self._token_ids[token_rows, positions] = token_ids
+
+    def set_chain(self, row: int, chain: bytes | None) -> None:
+        self._chain[row] = chain
+
+    def set_swapped(self, seq_id: SeqId, block_ids: np.ndarray, swapped: bool) -> None:
+        """Re-point a row at `block_ids` in the host (swapped) or device pool."""
+        row = self._row_of[seq_id]
+        self._block_ids[row, : block_ids.size] = block_ids
+        self._swapped[row] = swapped
+
+    def fork(self, parent: SeqId, child: SeqId) -> int:
+        """Give `child` a copy of `parent`'s row; returns the child's row."""
+        src = self._row_of[parent]
+        row = self.add(child, self._chain[src])
+        self._block_ids[row] = self._block_ids[src]
+        self._num_blocks[row] = self._num_blocks[src]
+        self._num_tokens[row] = self._num_tokens[src]
+        self._token_ids[row] = self._token_ids[src]
+        return row
+
+    def snapshot(self) -> tuple:
+        """Comparable copy of the whole state (for tests of rejected calls)."""
+        return (tuple(self._row_of.items()), tuple(self._free_rows), self._block_ids.tobytes(),
+                self._num_blocks.tobytes(), self._num_tokens.tobytes(),
+                self._token_ids.tobytes(), tuple(self._chain), self._swapped.tobytes())
+
+    # -- growth ---------------------------------------------------------------------------
+    def _grow_rows(self) -> None:
+        old = self._block_ids.shape[0]
+        self._block_ids = _pad_rows(self._block_ids, old)
+        self._num_blocks = _pad_rows(self._num_blocks, old)
+        self._num_tokens = _pad_rows(self._num_tokens, old)
+        self._token_ids = _pad_rows(self._token_ids, old)
+        self._swapped = _pad_rows(self._swapped, old)
+        self._chain += [None] * old
+        self._free_rows = list(range(2 * old - 1, old - 1, -1)) + self._free_rows
+        self._refresh_views()
+
+    def _grow_columns(self, min_blocks: int) -> None:
+        width = self._block_ids.shape[1]
+        while width < min_blocks:
+            width *= 2
+        extra = width - self._block_ids.shape[1]
+        self._block_ids = np.pad(self._block_ids, ((0, 0), (0, extra)))
+        self._token_ids = np.pad(self._token_ids, ((0, 0), (0, extra * self.block_size)))
+        self._refresh_views()
+
+
+def _pad_rows(array: np.ndarray, extra: int) -> np.ndarray:
+    return np.concatenate([array, np.zeros((extra, *array.shape[1:]), dtype=array.dtype)])
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _ensure(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)

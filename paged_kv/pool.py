@@ -1,0 +1,72 @@
+"""`KVPool`: the one preallocated K/V buffer, and an optional host pool for swapped-out blocks."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .config import CacheConfig
+from .kernels import copy_blocks, swap_blocks
+
+logger = logging.getLogger(__name__)
+
+
+class KVPool:
+    """Owns the tensors; never allocates or frees blocks (the allocator decides which ids).
+
+    ``kv`` is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``: K at index
+    0, V at 1, token-major ("NHD") inside a block. It is zero-filled once, so the null block
+    reads as zeros. ``host`` has the same block shape with ``num_host_blocks + 1`` blocks on the
+    CPU (pinned when the pool is on CUDA); its block 0 is unused, like the null block.
+
+    Examples
+    --------
+    >>> pool = KVPool(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2,
+    ...                           num_blocks=3, dtype=torch.float32))
+    >>> tuple(pool.kv.shape), pool.nbytes  # 2*2*3*2*1*4 elements * 4 bytes
+    ((2, 2, 3, 2, 1, 4), 384)
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        block_shape = (config.block_size, config.num_kv_heads, config.head_dim)
+        self.kv = torch.zeros((config.num_layers, 2, config.num_blocks, *block_shape),
+                              dtype=config.dtype, device=config.device)
+        self.host: torch.Tensor | None = None
+        if config.num_host_blocks:
+            pin = self.kv.is_cuda
+            self.host = torch.zeros((config.num_layers, 2, config.num_host_blocks + 1,
+                                     *block_shape), dtype=config.dtype, pin_memory=pin)
+        logger.info("paged_kv: pool of %d blocks x %d tokens = %d tokens, %.3f GiB on %s",
+                    config.num_blocks, config.block_size, config.num_blocks * config.block_size,
+                    self.nbytes / 2**30, config.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device pool."""
+        return self.kv.nbytes
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``([num_blocks, block_size, H, D], same)`` of one layer's K and V pages."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def _ids(self, block_ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)).to(device)
+
+    def copy(self, src_block_ids: np.ndarray, dst_block_ids: np.ndarray) -> None:
+        """Copy whole blocks (all layers, K and V) inside the device pool."""
+        copy_blocks(self.kv, self._ids(src_block_ids, self.kv.device),
+                    self._ids(dst_block_ids, self.kv.device))
+
+    def swap_out(self, block_ids: np.ndarray, host_block_ids: np.ndarray) -> None:
+        """Copy device blocks to host blocks."""
+        assert self.host is not None, "swap_out without a host pool"
+        swap_blocks(self.kv, self.host, self._ids(block_ids, self.kv.device),
+                    self._ids(host_block_ids, self.host.device))
+
+    def swap_in(self, host_block_ids: np.ndarray, block_ids: np.ndarray) -> None:
+        """Copy host blocks back into device blocks."""
+        assert self.host is not None, "swap_in without a host pool"
+        swap_blocks(self.host, self.kv, self._ids(host_block_ids, self.host.device),
+                    self._ids(block_ids, self.kv.device))

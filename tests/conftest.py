@@ -1,0 +1,26 @@
+"""Shared helpers for the paged_kv tests."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_kv import CacheConfig
+
+
+def tiny_config(**overrides) -> CacheConfig:
+    """A small cache config for state-machine and bad-input tests."""
+    fields = dict(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=24,
+                  dtype=torch.float32, device="cpu", num_host_blocks=16)
+    fields.update(overrides)
+    return CacheConfig(**fields)
+
+
+def assert_same_snapshot(before: tuple, after: tuple, what: str = "") -> None:
+    """Compare two `PagedKVCache.snapshot()` values, tensors by exact equality."""
+    assert len(before) == len(after)
+    for i, (a, b) in enumerate(zip(before, after, strict=True)):
+        if isinstance(a, tuple) and any(isinstance(x, torch.Tensor) for x in a):
+            for x, y in zip(a, b, strict=True):
+                assert (x is None and y is None) or torch.equal(x, y), f"{what}: pool changed"
+        else:
+            assert a == b, f"{what}: part {i} of the state changed"
