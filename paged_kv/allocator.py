@@ -194,6 +194,13 @@ class BlockAllocator:
         self._block_tokens[block_id] = token_ids
         return True
 
+    def unregister(self, block_id: int) -> None:
+        """Take a live block out of the prefix index (it is about to be overwritten)."""
+        key = self._block_hash.pop(block_id, None)
+        if key is not None:
+            del self._index[key]
+            del self._block_tokens[block_id]
+
     def reset_prefix_cache(self) -> int:
         """Free every cached block and empty the index; returns how many blocks were dropped."""
         dropped = list(self._cached)

@@ -68,6 +68,7 @@ class PagedKVCache:
                                                enable_prefix_caching=False)
                                 if config.num_host_blocks else None)
         self._swapped_keys: dict[SeqId, list[bytes | None]] = {}
+        self._roots: dict[SeqId, bytes] = {}  # each sequence's salted root key
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_preemptions = 0
@@ -135,6 +136,8 @@ class PagedKVCache:
         if chain is not None and tokens is not None and len(tokens):
             chain, hits = self._lookup_prefix(chain, tokens)
         row = self._tables.add(seq_id, chain)
+        if self.config.enable_prefix_caching:
+            self._roots[seq_id] = root_hash(salt)
         num_hit = len(hits) * self.config.block_size
         if hits:
             self._allocator.share(hits)
@@ -167,13 +170,46 @@ class PagedKVCache:
         self._require_resident("fork()", parent)
         self._require_new("fork()", child)
         self._tables.fork(parent, child)
+        if parent in self._roots:
+            self._roots[child] = self._roots[parent]
         self._allocator.share(self._tables.blocks(child))
+        self._after_mutation()
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens of a resident sequence (speculative
+        decoding rollback, ``crop``); blocks past them are released, tail first.
+
+        The sequence keeps extending its prefix-index chain only while its last kept full
+        block is still indexed.
+        """
+        self._require_resident("truncate()", seq_id)
+        current = self._tables.num_tokens_of(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
+            raise TypeError(f"truncate(): num_tokens must be an int, got {num_tokens!r}")
+        if not 0 <= num_tokens <= current:
+            raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
+                             f"{seq_id!r}, got {num_tokens}")
+        num_full = num_tokens // self.config.block_size
+        if self._tables.chain(self._tables.row_of[seq_id]) is None:
+            chain = None  # ids unknown somewhere (or no prefix caching): never index again
+        elif num_full == 0:
+            chain = self._roots.get(seq_id)
+        else:
+            chain = self._allocator.block_hash(int(self._tables.blocks(seq_id)[num_full - 1]))
+        if num_tokens % self.config.block_size:
+            # the kept last block becomes partial and will be written again: if this sequence
+            # alone owns it, it must leave the index so no one reuses the overwritten slots
+            last = int(self._tables.blocks(seq_id)[num_full])
+            if self._allocator.refcount[last] == 1:
+                self._allocator.unregister(last)
+        self._allocator.free(self._tables.truncate(seq_id, int(num_tokens), chain))
         self._after_mutation()
 
     def free(self, seq_id: SeqId) -> None:
         """Release `seq_id`: full indexed blocks become cached (evictable), the rest free."""
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
+        self._roots.pop(seq_id, None)
         if self.is_swapped(seq_id):
             self._host_allocator.free(self._tables.remove(seq_id))
             del self._swapped_keys[seq_id]
@@ -470,6 +506,7 @@ class PagedKVCache:
         host = None if self._host_allocator is None else self._host_allocator.snapshot()
         return (self._allocator.snapshot(), self._tables.snapshot(), host,
                 tuple((k, tuple(v)) for k, v in self._swapped_keys.items()),
+                tuple(self._roots.items()),
                 self.prefix_counters, self._num_preemptions, pools)
 
     # -- validation helpers ---------------------------------------------------------------

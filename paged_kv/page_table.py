@@ -289,6 +289,16 @@ class PageTables:
     def set_chain(self, row: int, chain: bytes | None) -> None:
         self._chain[row] = chain
 
+    def truncate(self, seq_id: SeqId, num_tokens: int, chain: bytes | None) -> np.ndarray:
+        """Keep the first `num_tokens` tokens of a row; returns the block ids dropped."""
+        row = self._row_of[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        dropped = self._block_ids[row, keep: self._num_blocks[row]].astype(np.int64)
+        self._block_ids[row, keep: self._num_blocks[row]] = 0
+        self._num_blocks[row], self._num_tokens[row] = keep, num_tokens
+        self._chain[row] = chain
+        return dropped
+
     def set_swapped(self, seq_id: SeqId, block_ids: np.ndarray, swapped: bool) -> None:
         """Re-point a row at `block_ids` in the host (swapped) or device pool."""
         row = self._row_of[seq_id]

@@ -123,3 +123,15 @@ def test_reset_prefix_cache_drops_only_cached_blocks():
     assert s.num_cached_blocks == 0 and s.num_live_blocks == 3
     assert cache.add_sequence("c", list(range(20, 29))) == 0, "the index was emptied"
     cache.check()
+
+
+def test_truncate_into_an_indexed_block_unindexes_it_before_it_is_overwritten():
+    cache = PagedKVCache(tiny_config())
+    prompt = list(range(9))
+    cache.add_sequence("a", prompt)
+    cache.prepare({"a": prompt})
+    cache.truncate("a", 6)  # block 1 (tokens 4-7) was full and indexed, now partial
+    cache.prepare({"a": [50, 51]})
+    assert cache.add_sequence("b", prompt) == 4, "only the untouched first block is reused"
+    assert cache.seq_len("a") == 8 and cache.stats().num_live_blocks == 2
+    cache.check()

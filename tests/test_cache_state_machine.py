@@ -1,4 +1,4 @@
-"""Random programs of add / prepare / write / fork / free / swap / reset against a dict model.
+"""Random programs of add / prepare / write / fork / free / swap / truncate / reset, vs a model.
 
 K/V of a token is a deterministic function of its prefix of token ids, so K/V served from
 the prefix cache must equal what the sequence would have written itself; after every rule
@@ -129,6 +129,15 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.swap_out(seq_id)
         except OutOfBlocksError:
             assert_same_snapshot(before, self.cache.snapshot(), "swap out of blocks")
+
+    @rule(seq_id=seqs, keep=st.floats(0, 1))
+    def truncate(self, seq_id, keep):
+        if seq_id not in self.tokens or self.cache.is_swapped(seq_id):
+            return
+        num_tokens = int(len(self.tokens[seq_id]) * keep)
+        self.cache.truncate(seq_id, num_tokens)
+        self.tokens[seq_id] = self.tokens[seq_id][:num_tokens]
+        self.kv[seq_id] = self.kv[seq_id][:num_tokens]
 
     @rule()
     def reset_prefix_cache(self):
