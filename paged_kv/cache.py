@@ -151,6 +151,14 @@ class PagedKVCache:
         self._after_mutation()
         return num_hit
 
+    def match_prefix(self, prompt_token_ids: Sequence[int], *, salt: str | None = None) -> int:
+        """Tokens `add_sequence` would find cached for this prompt now; changes nothing
+        (no counters either), so a scheduler can size a request before admitting it."""
+        tokens = tokens_to_array("prompt_token_ids", prompt_token_ids)
+        if not self.config.enable_prefix_caching or not len(tokens):
+            return 0
+        return len(self._lookup_prefix(root_hash(salt), tokens)[1]) * self.config.block_size
+
     def _lookup_prefix(self, chain: bytes, tokens: np.ndarray) -> tuple[bytes, list[int]]:
         block_size = self.config.block_size
         hits: list[int] = []
@@ -249,9 +257,7 @@ class PagedKVCache:
         rows = step.rows
         old_lens = tables.num_tokens[rows]
         new_lens = old_lens + step.counts
-        old_num_blocks = tables.num_blocks[rows]
-        num_new_blocks = -(-new_lens // block_size) - old_num_blocks
-        cow_rows, cow_columns, cow_src = self._plan_copy_on_write(rows, old_lens, old_num_blocks)
+        num_new_blocks, (cow_rows, cow_columns, cow_src) = self._count_blocks(step)
         requested = int(num_new_blocks.sum()) + len(cow_rows)
         if requested > allocator.num_obtainable_blocks:
             raise OutOfBlocksError(requested, allocator.num_obtainable_blocks)
@@ -277,6 +283,31 @@ class PagedKVCache:
                                       block_size, self.config.device)
         self._after_mutation()
         return batch
+
+    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> int:
+        """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),
+        without changing anything: a scheduler's admission check.
+
+        Examples
+        --------
+        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8))
+        >>> cache.add_sequence("a")
+        0
+        >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
+        3
+        """
+        num_new_blocks, (cow_rows, _, _) = self._count_blocks(parse_step(new_tokens,
+                                                                         self._tables))
+        return int(num_new_blocks.sum()) + len(cow_rows)
+
+    def _count_blocks(self, step) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """New blocks per row of `step`, and the copy-on-write plan."""
+        rows, block_size = step.rows, self.config.block_size
+        old_lens = self._tables.num_tokens[rows]
+        old_num_blocks = self._tables.num_blocks[rows]
+        num_new_blocks = -(-(old_lens + step.counts) // block_size) - old_num_blocks
+        return num_new_blocks, self._plan_copy_on_write(rows, old_lens, old_num_blocks)
 
     def _plan_copy_on_write(self, rows: np.ndarray, old_lens: np.ndarray,
                             old_num_blocks: np.ndarray) -> tuple[np.ndarray, ...]:

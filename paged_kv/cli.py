@@ -45,6 +45,26 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        return _synthetic_demo(args)
+    from .serving import TinyLlamaConfig
+    from .serving.demo import format_report, run_demo
+
+    model_config = TinyLlamaConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                   num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                                   head_dim=args.head_dim, vocab_size=args.vocab_size,
+                                   intermediate_size=2 * args.hidden_size)
+    report = run_demo(num_requests=args.num_requests, block_size=args.block_size,
+                      memory_mib=args.memory_mib, preemption=args.preemption,
+                      model_config=model_config, seed=args.seed,
+                      max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      progress=not args.json)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _synthetic_demo(args: argparse.Namespace) -> int:
     config = CacheConfig.for_memory(
         args.memory_mib * 2**20, num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim, block_size=args.block_size, dtype=DTYPES[args.dtype])
@@ -75,15 +95,26 @@ def _stats_dict(stats: CacheStats) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged-kv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="serve a synthetic workload and print accounting")
-    demo.add_argument("--num-requests", type=int, default=48)
+    demo = commands.add_parser(
+        "demo", help="serve a workload on the embedded model and report throughput, latency "
+                     "and memory accounting")
+    demo.add_argument("--num-requests", type=int, default=64)
     demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--memory-mib", type=float, default=64.0, help="KV pool budget")
+    demo.add_argument("--memory-mib", type=float, default=16.0, help="KV pool budget")
+    demo.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    demo.add_argument("--max-num-seqs", type=int, default=64)
+    demo.add_argument("--max-num-batched-tokens", type=int, default=512)
     demo.add_argument("--num-layers", type=int, default=4)
-    demo.add_argument("--num-kv-heads", type=int, default=4)
-    demo.add_argument("--head-dim", type=int, default=64)
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    demo.add_argument("--hidden-size", type=int, default=256)
+    demo.add_argument("--num-heads", type=int, default=8)
+    demo.add_argument("--num-kv-heads", type=int, default=2)
+    demo.add_argument("--head-dim", type=int, default=32)
+    demo.add_argument("--vocab-size", type=int, default=2048)
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
+                      help="pool dtype of --synthetic (the model runs in float32)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--synthetic", action="store_true",
+                      help="drive the cache alone (no model) through a synthetic workload")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(run=_demo)
     return parser

@@ -20,31 +20,43 @@ def paged_attention_reference(
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch implementation of `paged_attention`: gather, then SDPA in float32 (the CPU path)."""
-    batch_size = seq_lens.shape[0]
-    device = query.device
-    k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens)  # (B, T, Hkv, D)
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    max_query_len = int(query_lens.max()) if batch_size else 0
-    seq_index = torch.repeat_interleave(torch.arange(batch_size, device=device), query_lens,
-                                        output_size=query.shape[0])
-    row = torch.arange(query.shape[0], device=device) - query_start_loc.long()[seq_index]
-    padded_q = query.new_zeros(batch_size, max_query_len, *query.shape[1:])
-    padded_q[seq_index, row] = query
-    # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j
-    key_pos = torch.arange(k.shape[1], device=device)
-    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
-        key_pos[None, None, :] < seq_lens[:, None, None])
-    attended = F.scaled_dot_product_attention(
-        padded_q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
-    ).transpose(1, 2)  # (B, Qmax, Hq, D)
-    result = attended[seq_index, row].to(query.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
+    """Torch implementation of `paged_attention` (the CPU path): gather, then SDPA in float32.
+
+    Decode rows (one query each) run as one batched SDPA; rows with several queries (prefill
+    chunks) run one sequence at a time, so a long chunk never pads every decode row to its
+    length.
+    """
+    out = torch.empty_like(query) if out is None else out
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decode = (query_lens == 1).nonzero().flatten()
+    if decode.numel():
+        starts = query_start_loc[decode].long()
+        out[starts] = _attend(query[starts, :, None], key_cache, value_cache,
+                              block_tables[decode], seq_lens[decode], scale)[:, :, 0]
+    for row in (query_lens > 1).nonzero().flatten().tolist():
+        start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
+        attended = _attend(query[None, start:end].transpose(1, 2), key_cache, value_cache,
+                           block_tables[row:row + 1], seq_lens[row:row + 1], scale)
+        out[start:end] = attended[0].transpose(0, 1)
     return out
+
+
+def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            scale: float | None) -> torch.Tensor:
+    """``query (B, Hq, n, D)``, the last n positions of each sequence -> ``(B, Hq, n, D)``."""
+    k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens)  # (B, T, Hkv, D)
+    num_queries = query.shape[2]
+    key_pos = torch.arange(k.shape[1], device=query.device)
+    # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j
+    query_pos = (seq_lens[:, None] - num_queries) + torch.arange(num_queries,
+                                                                 device=query.device)
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None])  # (B, n, T)
+    attended = F.scaled_dot_product_attention(
+        query.float(), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
+    return attended.to(query.dtype)
 
 
 if triton is not None:

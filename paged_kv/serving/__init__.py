@@ -1,0 +1,11 @@
+"""Serving on the paged cache: an embedded model, a continuous-batching engine, metrics.
+
+Needs the ``serve`` extra (prometheus-client, tqdm).
+"""
+
+from .engine import CompletionOutput, Engine, RequestOutput
+from .model import TinyLlama, TinyLlamaConfig
+from .sampling import SamplingParams
+
+__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "TinyLlama",
+           "TinyLlamaConfig"]

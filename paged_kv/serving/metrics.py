@@ -1,0 +1,54 @@
+"""Engine metrics in a prometheus-client registry of the engine's own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from ..accounting import CacheStats
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+class EngineMetrics:
+    """Blocks by state, tokens, prefix-cache and preemption counters, request queues."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.blocks = Gauge("paged_kv_blocks", "KV blocks by state", ["state"], registry=r)
+        self.live_tokens = Gauge("paged_kv_live_tokens", "Tokens held in live blocks",
+                                 registry=r)
+        self.empty_slots = Gauge("paged_kv_empty_slots", "Allocated but unfilled slots",
+                                 registry=r)
+        self.prefix_queries = Counter("paged_kv_prefix_query_tokens",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("paged_kv_prefix_hit_tokens",
+                                   "Prompt tokens found in the prefix cache", registry=r)
+        self.preemptions = Counter("paged_kv_preemptions", "Sequences preempted", registry=r)
+        self.running = Gauge("paged_kv_running_requests", "Sequences running", registry=r)
+        self.waiting = Gauge("paged_kv_waiting_requests", "Sequences waiting or swapped",
+                             registry=r)
+        self.generated = Counter("paged_kv_generated_tokens", "Tokens generated", registry=r)
+        self._seen = (0, 0, 0)
+
+    def observe(self, stats: CacheStats, scheduler: Scheduler, num_generated: int) -> None:
+        """Update from one step: gauges are set, counters advance by what is new."""
+        for state, value in (("live", stats.num_live_blocks), ("cached", stats.num_cached_blocks),
+                             ("free", stats.num_free_blocks)):
+            self.blocks.labels(state=state).set(value)
+        self.live_tokens.set(stats.num_live_tokens)
+        self.empty_slots.set(stats.num_empty_slots)
+        totals = (stats.prefix_query_tokens, stats.prefix_hit_tokens, scheduler.num_preemptions)
+        for counter, total, seen in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
+                                        totals, self._seen, strict=True):
+            counter.inc(total - seen)
+        self._seen = totals
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
+        self.generated.inc(num_generated)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,177 @@
+"""The scheduler: a token budget per step mixing prefill chunks and decodes (vLLM v1's model).
+
+Each sequence's computed tokens catch up with its tokens: a step gives every running
+sequence ``min(len(tokens) - num_computed, budget left)`` new tokens, then swapped-in and
+waiting ones get what is left. When blocks run out, the most recently admitted running
+sequence is preempted: freed and requeued (recompute), or moved to the host pool (swap).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from ..cache import PagedKVCache
+from .sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt and its `n` samples; owned by the engine."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[Sequence] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefix_hit_tokens: int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens (prompt + output) and how many are in the cache."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    num_computed: int = 0
+    status: str = "waiting"  # waiting | running | swapped | finished
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def seq_id(self) -> tuple[int, int]:
+        return (self.request.request_id, self.index)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.request.prompt_token_ids):]
+
+
+class Scheduler:
+    """Decides each step's ``{sequence: number of new tokens}``; the only caller of the cache's
+    add / free / swap for sequences."""
+
+    def __init__(self, cache: PagedKVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption: str) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption = preemption
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.swapped: collections.deque[Sequence] = collections.deque()
+        self.num_preemptions = 0
+        self._reserved = 0  # blocks this step's scheduled sequences will take
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> dict[Sequence, int]:
+        """This step's new tokens per sequence; may preempt, swap in, and admit."""
+        step: dict[Sequence, int] = {}
+        budget = [self.max_num_batched_tokens]
+        preempted = self._schedule_running(step, budget)
+        if not preempted:
+            self._schedule_swapped(step, budget)
+            self._schedule_waiting(step, budget)
+        return step
+
+    def _available(self, step_blocks: int) -> int:
+        return self.cache.allocator.num_obtainable_blocks - step_blocks
+
+    def _schedule_running(self, step: dict[Sequence, int], budget: list[int]) -> bool:
+        preempted, reserved, i = False, 0, 0
+        while i < len(self.running) and budget[0] > 0:
+            seq = self.running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget[0])
+            need = self.cache.num_blocks_needed({seq.seq_id: num_new})
+            while need > self._available(reserved) and seq in self.running:
+                self._preempt(self.running[-1])
+                preempted = True
+            if seq not in self.running:
+                break  # it preempted itself: nothing lower-priority was left
+            step[seq], reserved, budget[0], i = num_new, reserved + need, budget[0] - num_new, i + 1
+        self._reserved = reserved
+        return preempted
+
+    def _schedule_swapped(self, step: dict[Sequence, int], budget: list[int]) -> None:
+        while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            num_blocks = len(self.cache.tables.blocks(seq.seq_id))
+            if num_blocks + 1 > self._available(self._reserved):
+                return
+            self.cache.swap_in(seq.seq_id)
+            self.swapped.popleft()
+            seq.status = "running"
+            self.running.append(seq)
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget[0])
+            self._reserved += self.cache.num_blocks_needed({seq.seq_id: num_new})
+            step[seq] = num_new
+            budget[0] -= num_new
+
+    def _schedule_waiting(self, step: dict[Sequence, int], budget: list[int]) -> None:
+        while self.waiting and budget[0] > 0:
+            seq = self.waiting[0]
+            # a request's samples are forked together once its prompt is computed
+            slots = seq.request.params.n if not seq.request.samples[1:] else 1
+            if len(self.running) + slots > self.max_num_seqs:
+                return
+            hit = self.cache.match_prefix(seq.token_ids)
+            num_new = min(len(seq.token_ids) - hit, budget[0])
+            # counts the hit blocks as new: exact when they are cached, safe when live
+            need = self.cache.config.blocks_for(hit + num_new)
+            if need > self._available(self._reserved):
+                return
+            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids)
+            self.waiting.popleft()
+            if seq.request.prefix_hit_tokens is None:
+                seq.request.prefix_hit_tokens = hit
+            seq.num_computed, seq.status = hit, "running"
+            self.running.append(seq)
+            step[seq] = num_new
+            self._reserved += need
+            budget[0] -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Make room: swap `seq` to the host pool, or free it to be recomputed later."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        host = self.cache.config.num_host_blocks
+        if self.preemption == "swap" and host and self._host_room(seq):
+            self.cache.swap_out(seq.seq_id)
+            seq.status = "swapped"
+            self.swapped.append(seq)
+            return
+        self.cache.free(seq.seq_id)
+        seq.num_computed, seq.status = 0, "waiting"
+        self.waiting.appendleft(seq)
+
+    def _host_room(self, seq: Sequence) -> bool:
+        host_free = self.cache.config.num_host_blocks - self.cache.stats().num_swapped_blocks
+        return len(self.cache.tables.blocks(seq.seq_id)) <= host_free
+
+    def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Fork a request's other samples off its first, right behind it."""
+        position = self.running.index(parent) + 1
+        for child in children:
+            self.cache.fork(parent.seq_id, child.seq_id)
+            child.num_computed, child.status = parent.num_computed, "running"
+        self.running[position:position] = children
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status, seq.finish_reason = "finished", reason
