@@ -43,6 +43,12 @@ class Step:
     token_ids: np.ndarray | None    # [sum(counts[has_ids])] int32
 
     @property
+    def is_decode(self) -> bool:
+        """One known token per sequence."""
+        return self.token_ids is not None and self.token_ids.size == self.rows.size \
+            and bool(self.has_ids.all())
+
+    @property
     def token_rows(self) -> np.ndarray:
         return np.repeat(self.rows[self.has_ids], self.counts[self.has_ids])
 
@@ -67,13 +73,8 @@ def parse_step(new_tokens: Mapping[SeqId, object], tables: PageTables) -> Step:
     seq_ids = tuple(new_tokens)
     rows = _rows_of(seq_ids, tables)
     values = list(new_tokens.values())
-    if set(map(type, values)) <= _LIST_TYPES:
-        return _parse_lists(seq_ids, rows, values)
-    return _parse_mixed(seq_ids, rows, values)
-
-
-_LIST_TYPES = {list, tuple}
-_INT_TYPES = {int}
+    step = _parse_sequences(seq_ids, rows, values)
+    return step if step is not None else _parse_mixed(seq_ids, rows, values)
 
 
 def _rows_of(seq_ids: tuple, tables: PageTables) -> np.ndarray:
@@ -88,21 +89,23 @@ def _rows_of(seq_ids: tuple, tables: PageTables) -> np.ndarray:
     return rows
 
 
-def _parse_lists(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:
-    """The common case, every sequence given as a list of ids: one flat numpy conversion."""
-    counts = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    if counts.min() < 1:
-        seq_id = seq_ids[int(counts.argmin())]
-        raise ValueError(f"prepare(): sequence {seq_id!r} has no new tokens; give at least one")
-    flat = list(chain.from_iterable(values))
-    if set(map(type, flat)) <= _INT_TYPES:  # plain ints: skip numpy's dtype inference
-        token_ids = np.array(flat, dtype=np.int64)
-        if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
-            tokens_to_array("prepare(): token ids", token_ids)  # raises, naming the range
-        token_ids = token_ids.astype(np.int32)
-    else:
-        token_ids = tokens_to_array("prepare(): token ids", flat)
-    return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool), token_ids)
+def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | None:
+    """The common case, every sequence given as a sequence of int ids, in a few numpy calls;
+    None sends anything else (counts, odd types, bad values) to the precise slow path."""
+    try:
+        lengths = list(map(len, values))
+    except TypeError:
+        return None
+    if not lengths or min(lengths) < 1:
+        return None
+    token_ids = np.array(list(chain.from_iterable(values)))
+    if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu" or token_ids.size == 0:
+        return None
+    if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
+        return None
+    counts = np.array(lengths, dtype=np.int64)
+    return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool),
+                token_ids.astype(np.int32))
 
 
 def _parse_mixed(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:
@@ -117,7 +120,7 @@ def _parse_mixed(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:
             counts[i], has_ids[i] = array.size, True
             arrays.append(array)
         if counts[i] < 1:
-            raise ValueError(f"prepare(): sequence {seq_id!r} has {counts[i]} new tokens; "
-                             f"give at least one")
+            got = f"{counts[i]} new tokens" if not has_ids[i] else "no new tokens"
+            raise ValueError(f"prepare(): sequence {seq_id!r} has {got}; give at least one")
     token_ids = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int32)
     return Step(seq_ids, rows, counts, has_ids, token_ids)

@@ -253,6 +253,10 @@ class PagedKVCache:
             Unknown or swapped-out sequence, bad token ids or counts; nothing changed.
         """
         step = parse_step(new_tokens, self._tables)
+        if step.is_decode:
+            batch = self._prepare_decode(step)
+            if batch is not None:
+                return batch
         tables, allocator, block_size = self._tables, self._allocator, self.config.block_size
         rows = step.rows
         old_lens = tables.num_tokens[rows]
@@ -281,6 +285,35 @@ class PagedKVCache:
         batch = StepBatch.from_arrays(step.seq_ids, tables.block_ids[rows, :width],
                                       tables.num_blocks[rows], new_lens, step.counts,
                                       block_size, self.config.device)
+        self._after_mutation()
+        return batch
+
+    def _prepare_decode(self, step) -> StepBatch | None:
+        """`prepare` for one known token per sequence, the steady state, in a few array ops.
+
+        Returns None (the general path takes over) when a last block is shared.
+        """
+        tables, allocator, block_size = self._tables, self._allocator, self.config.block_size
+        rows = step.rows
+        old_lens = tables.num_tokens[rows]
+        offsets = old_lens % block_size
+        partial = offsets.nonzero()[0]
+        last = tables.block_ids[rows[partial], tables.num_blocks[rows[partial]] - 1]
+        if (allocator.refcount[last] > 1).any():
+            return None  # copy-on-write needed
+        opens_block = offsets == 0
+        requested = int(np.count_nonzero(opens_block))
+        if requested > allocator.num_obtainable_blocks:
+            raise OutOfBlocksError(requested, allocator.num_obtainable_blocks)
+        new_ids = allocator.allocate(requested) if requested else None
+        tables.append_one_token(rows, old_lens, step.token_ids, opens_block, new_ids)
+        new_lens = old_lens + 1
+        if self.config.enable_prefix_caching and (offsets == block_size - 1).any():
+            self._index_full_blocks(rows, old_lens, new_lens)
+        num_blocks = tables.num_blocks[rows]
+        block_tables = tables.block_ids[rows, : int(num_blocks.max())]
+        batch = StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
+                                      step.counts, block_size, self.config.device)
         self._after_mutation()
         return batch
 

@@ -272,6 +272,21 @@ class PageTables:
         self._block_ids[owner, columns] = block_ids
         self._num_blocks[rows] = new_num_blocks
 
+    def append_one_token(self, rows: np.ndarray, old_lens: np.ndarray, token_ids: np.ndarray,
+                         opens_block: np.ndarray, block_ids: np.ndarray | None) -> None:
+        """A decode step: one token per row, a new block for the rows where `opens_block`."""
+        if block_ids is not None:
+            opening = rows[opens_block]
+            columns = self._num_blocks[opening]
+            if columns.max() >= self._block_ids.shape[1]:
+                self._grow_columns(int(columns.max()) + 1)
+            self._block_ids[opening, columns] = block_ids
+            self._num_blocks[opening] = columns + 1
+        if old_lens.max() >= self._token_ids.shape[1]:
+            self._grow_columns(int(old_lens.max()) // self.block_size + 1)
+        self._token_ids[rows, old_lens] = token_ids
+        self._num_tokens[rows] = old_lens + 1
+
     def replace_blocks(self, rows: np.ndarray, columns: np.ndarray, block_ids: np.ndarray) -> None:
         """Point entry ``columns[i]`` of row ``rows[i]`` at ``block_ids[i]`` (copy-on-write)."""
         self._block_ids[rows, columns] = block_ids
