@@ -54,7 +54,12 @@ def _demo(args: argparse.Namespace) -> int:
                                    num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                                    head_dim=args.head_dim, vocab_size=args.vocab_size,
                                    intermediate_size=2 * args.hidden_size)
-    report = run_demo(num_requests=args.num_requests, block_size=args.block_size,
+    model = None
+    if args.model is not None:
+        from .serving.hf import HFCausalLM
+
+        model = HFCausalLM.from_pretrained(args.model)
+    report = run_demo(model=model, num_requests=args.num_requests, block_size=args.block_size,
                       memory_mib=args.memory_mib, preemption=args.preemption,
                       model_config=model_config, seed=args.seed,
                       max_num_seqs=args.max_num_seqs,
@@ -112,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vocab-size", type=int, default=2048)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
                       help="pool dtype of --synthetic (the model runs in float32)")
+    demo.add_argument("--model", metavar="PATH", default=None,
+                      help="serve a Hugging Face causal LM from this local directory "
+                           "(needs the hf extra) instead of the embedded TinyLlama")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--synthetic", action="store_true",
                       help="drive the cache alone (no model) through a synthetic workload")

@@ -41,10 +41,14 @@ def make_workload(num_requests: int, *, vocab_size: int, seed: int = 0,
 def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float = 16.0,
              preemption: str = "recompute", model_config: TinyLlamaConfig | None = None,
              seed: int = 0, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-             progress: bool = True) -> dict:
-    """Serve `make_workload(num_requests)` and return the report as a dict."""
+             progress: bool = True, model: torch.nn.Module | None = None) -> dict:
+    """Serve `make_workload(num_requests)` and return the report as a dict.
+
+    `model` defaults to the embedded `TinyLlama(model_config)`; any model the `Engine`
+    drives works (e.g. `HFCausalLM.from_pretrained(path)`).
+    """
     torch.manual_seed(seed)
-    model = TinyLlama(model_config, seed=seed)
+    model = model if model is not None else TinyLlama(model_config, seed=seed)
     probe = model.cache_config(num_blocks=2, block_size=block_size)
     budget = int(memory_mib * 2**20)
     num_blocks = budget // probe.bytes_per_block
@@ -52,7 +56,10 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
                                       num_host_blocks=num_blocks if preemption == "swap" else 0)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
-    workload = make_workload(num_requests, vocab_size=model.config.vocab_size, seed=seed)
+    max_prompt_len = min(1024, model.config.max_position // 2)
+    workload = make_workload(num_requests, vocab_size=model.config.vocab_size, seed=seed,
+                             max_prompt_len=max_prompt_len,
+                             max_output_len=min(256, model.config.max_position // 4))
     for prompt, params in workload:
         engine.add_request(prompt, params)
     outputs, peak, concurrency = [], engine.cache.stats(), []
@@ -88,6 +95,7 @@ def _report(workload, outputs, elapsed: float, peak: CacheStats, engine: Engine,
     bytes_per_token = engine.cache.config.bytes_per_token
     max_len = max(len(p) + q.max_tokens for p, q in workload)
     return {
+        "model": getattr(engine.model, "name", type(engine.model).__name__),
         "num_requests": len(outputs),
         "num_samples": sum(len(out.outputs) for out in outputs),
         "prompt_tokens": prompt_tokens,
@@ -151,6 +159,6 @@ def format_report(report: dict) -> str:
                                           f"{report['max_running']})"),
     ]
     width = max(len(name) for name, _ in rows)
-    lines = ["paged_kv demo: continuous batching on the embedded TinyLlama", "-" * (width + 40)]
+    lines = [f"paged_kv demo: continuous batching on {report['model']}", "-" * (width + 40)]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines)
