@@ -107,26 +107,33 @@ class Scheduler:
         return preempted
 
     def _schedule_swapped(self, step: dict[Sequence, int], budget: list[int]) -> None:
-        while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget[0] > 0 and self._num_slots() < self.max_num_seqs:
             seq = self.swapped[0]
-            num_blocks = len(self.cache.tables.blocks(seq.seq_id))
-            if num_blocks + 1 > self._available(self._reserved):
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget[0])
+            # its blocks come back fresh (unshared), then grow by this step's tokens
+            need = self.cache.config.blocks_for(seq.num_computed + num_new)
+            if need > self._available(self._reserved):
                 return
             self.cache.swap_in(seq.seq_id)
             self.swapped.popleft()
             seq.status = "running"
             self.running.append(seq)
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget[0])
             self._reserved += self.cache.num_blocks_needed({seq.seq_id: num_new})
             step[seq] = num_new
             budget[0] -= num_new
+
+    def _num_slots(self) -> int:
+        """Running sequences plus the samples still to be forked off them."""
+        return len(self.running) + sum(
+            seq.request.params.n - len(seq.request.samples) for seq in self.running
+            if seq.index == 0 and seq.request.params.n > len(seq.request.samples))
 
     def _schedule_waiting(self, step: dict[Sequence, int], budget: list[int]) -> None:
         while self.waiting and budget[0] > 0:
             seq = self.waiting[0]
             # a request's samples are forked together once its prompt is computed
             slots = seq.request.params.n if not seq.request.samples[1:] else 1
-            if len(self.running) + slots > self.max_num_seqs:
+            if self._num_slots() + slots > self.max_num_seqs:
                 return
             hit = self.cache.match_prefix(seq.token_ids)
             num_new = min(len(seq.token_ids) - hit, budget[0])
