@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from .accounting import CacheStats
+from .bench.cli import add_bench_parser
 from .config import CacheConfig
 from .workload import run_synthetic
 
@@ -125,12 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drive the cache alone (no model) through a synthetic workload")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(run=_demo)
-    try:
-        from .bench.cli import add_bench_parser
-    except ImportError:  # the benchmark suite is optional
-        pass
-    else:
-        add_bench_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 

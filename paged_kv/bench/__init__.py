@@ -1,0 +1,22 @@
+"""The benchmark suite behind ``paged-kv bench``: every claim a ratio against a baseline
+measured in the same run, written to a report with plots.
+
+    trace.py      a seeded serving trace, saved and loaded as JSON lines
+    replay.py     replay a trace through any block manager's bookkeeping
+    baselines.py  the same-run baselines: a Python-object block manager, the seeds' caches
+    workloads/    allocator, kernels, step_cost, memory, serving (one ``run`` each)
+    timing.py     repeats -> median / min / max, and `Figure` (value, baseline, ratio)
+    report.py     report.md, results.json, PNGs (matplotlib, imported lazily)
+    cli.py        ``paged-kv bench [--quick] [--out DIR]``
+
+Importing this package needs neither matplotlib nor the serving extra.
+"""
+
+from .baselines import ContiguousKVCache, ListKVCache, SimpleBlockManager
+from .replay import ReplayResult, replay
+from .timing import Figure, Stat
+from .trace import TraceRequest, TraceSpec, load_trace, make_trace, save_trace
+
+__all__ = ["ContiguousKVCache", "Figure", "ListKVCache", "ReplayResult", "SimpleBlockManager",
+           "Stat", "TraceRequest", "TraceSpec", "load_trace", "make_trace", "replay",
+           "save_trace"]

@@ -1,0 +1,101 @@
+"""``paged-kv bench``: run the five workloads, print a summary table, write the report.
+
+Importing this module is cheap (the parser only); the workloads load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving")
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``bench`` on the ``paged-kv`` subcommands (its ``run`` returns an exit code)."""
+    bench = commands.add_parser(
+        "bench", help="run the benchmark suite and write a report with plots",
+        description=__doc__.splitlines()[0].strip("`: ").split(": ", 1)[-1])
+    bench.add_argument("--quick", action="store_true",
+                       help="small sizes and fewer repeats (under a minute on 2 cores)")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"),
+                       help="directory for report.md, results.json, the PNGs and trace.jsonl")
+    bench.add_argument("--trace", type=Path, default=None,
+                       help="replay this trace (JSON lines, as written to OUT/trace.jsonl) "
+                            "instead of generating one")
+    bench.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                       help="which workloads to run (default: all)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    bench.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads (default: 1 with --quick, which keeps timings "
+                            "sane on a shared machine; torch's default otherwise)")
+    bench.add_argument("--device", default=None,
+                       help="device of the kernel workload (default: cuda when available)")
+    bench.set_defaults(run=run_bench)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, every option spelled out."""
+    parts = ["paged-kv", "bench"] + (["--quick"] if args.quick else [])
+    parts += ["--out", str(args.out), "--seed", str(args.seed), "--threads", str(args.threads),
+              "--device", str(args.device), "--workloads", *args.workloads]
+    return shlex.join(parts + (["--trace", str(args.trace)] if args.trace else []))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the selected workloads and write the report; returns the exit code."""
+    import torch
+
+    threads = torch.get_num_threads()
+    args.threads = args.threads or (1 if args.quick else threads)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.threads)
+    try:
+        return _run_all(args)
+    finally:
+        torch.set_num_threads(threads)  # in-process callers (tests) keep their setting
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    import torch
+
+    from .report import machine_info, summary_table, to_json, write_report
+    from .scale import FULL, QUICK
+    from .trace import TraceSpec, load_trace, make_trace, save_trace
+
+    scale = QUICK if args.quick else FULL
+    trace = (load_trace(args.trace) if args.trace
+             else make_trace(TraceSpec(num_requests=scale.trace_requests), seed=args.seed))
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_trace(trace, args.out / "trace.jsonl")
+    start = time.perf_counter()
+    results = []
+    for i, key in enumerate(args.workloads, 1):
+        print(f"[{i}/{len(args.workloads)}] {key} ({time.perf_counter() - start:.1f} s)",
+              file=sys.stderr, flush=True)
+        results.append(_run_workload(key, scale, trace, torch.device(args.device)))
+    wall_time = time.perf_counter() - start
+    mode = f"{scale.name} ({scale.repeats} repeats, {scale.serving_repeats} for serving)"
+    data = to_json(command_line(args), machine_info(), mode, wall_time, results)
+    for warning in write_report(args.out, data, results):
+        print(f"warning: {warning}", file=sys.stderr)
+    print(summary_table(data))
+    print(f"\nreport: {args.out / 'report.md'}")
+    return 0
+
+
+def _run_workload(key: str, scale, trace, device):
+    from .workloads import allocator, kernels, memory, serving, step_cost
+
+    if key == "allocator":
+        return allocator.run(scale, trace)
+    if key == "kernels":
+        return kernels.run(scale, device)
+    if key == "step_cost":
+        return step_cost.run(scale)
+    if key == "memory":
+        return memory.run(scale, trace)
+    return serving.run(scale, trace)

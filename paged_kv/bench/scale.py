@@ -1,0 +1,38 @@
+"""Sizes of every workload for the quick and the full run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scale:
+    """How big each workload is; `QUICK` fits in well under a minute on 2 cores."""
+
+    name: str
+    repeats: int                       # timed repeats of every figure
+    trace_requests: int                # workloads 1 and 4
+    decode_steps: int                  # timed decode steps with 256 sequences (workload 1)
+    kernel_seqs: int                   # workload 2: sequences x tokens, 8 KV heads x 128
+    kernel_tokens: int
+    step_lengths: tuple[int, ...]      # workload 3
+    step_layers: int
+    step_kv_heads: int
+    step_head_dim: int
+    memory_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
+    sharing_requests: int = 32         # prompts forked n ways (workload 4)
+    serving_requests: int = 200        # workload 5
+    serving_scale: int = 8             # trace lengths divided by this for serving
+    serving_layers: int = 4
+    serving_hidden: int = 256
+    serving_repeats: int = 3
+
+
+QUICK = Scale(name="quick", repeats=3, trace_requests=300, decode_steps=30, kernel_seqs=8,
+              kernel_tokens=1024, step_lengths=(128, 512, 2048, 4096), step_layers=1,
+              step_kv_heads=4, step_head_dim=128, sharing_requests=16, serving_requests=64,
+              serving_scale=8, serving_layers=1, serving_hidden=128, serving_repeats=2)
+
+FULL = Scale(name="full", repeats=5, trace_requests=2000, decode_steps=100, kernel_seqs=16,
+             kernel_tokens=1024, step_lengths=(128, 256, 512, 1024, 2048, 4096), step_layers=2,
+             step_kv_heads=8, step_head_dim=128)
