@@ -73,6 +73,7 @@ class PagedKVCache:
         self._prefix_hit_tokens = 0
         self._num_preemptions = 0
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
+        self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
 
     # -- read-only views of the owners ----------------------------------------------------
     @property
@@ -489,7 +490,20 @@ class PagedKVCache:
             raise ValueError(f"attention(): query heads ({query.shape[1]}) must be a multiple "
                              f"of num_kv_heads ({self.config.num_kv_heads})")
         return kernels.paged_attention(query, *self._pool.layer(layer), batch.block_tables,
-                                       batch.seq_lens, batch.query_start_loc, scale)
+                                       batch.seq_lens, batch.query_start_loc, scale,
+                                       workspace=None if kernels.use_triton(query)
+                                       else self._workspace_for(batch))
+
+    def _workspace_for(self, batch: StepBatch) -> torch.Tensor:
+        """Scratch for the torch attention path's gathers, grown on demand, reused by every
+        layer and step."""
+        block_size, config = self.config.block_size, self.config
+        length = -(-batch.max_seq_len // block_size) * block_size
+        need = 2 * batch.batch_size * length * config.num_kv_heads * config.head_dim
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need + need // 2, dtype=config.dtype,
+                                          device=config.device)
+        return self._workspace
 
     # -- swapping -------------------------------------------------------------------------
     def swap_out(self, seq_id: SeqId) -> None:

@@ -398,3 +398,19 @@ def test_swap_blocks_matches_loop(block_size: int, num_heads: int, head_dim: int
     assert torch.equal(dst_cache, expected), f"{case} dst pool differs from the loop reference"
     assert torch.equal(src_cache, src_before), f"{case} the src pool changed"
     assert_blocks_copied(dst_cache, dst_before, src_before, src_block_ids, dst_block_ids, case)
+
+
+def test_copy_blocks_reference_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy larger than the reference's bounce buffer goes through it chunk by chunk."""
+    from paged_kv.kernels import copy as copy_module
+
+    block_size, num_heads, head_dim, dtype = 5, 2, 8, torch.float32
+    row_bytes = block_size * num_heads * head_dim * 4
+    monkeypatch.setattr(copy_module, "_CHUNK_BYTES", 3 * row_bytes)  # 3 rows per chunk
+    src_block_ids, dst_block_ids = [9, 2, 5, 7], [1, 8, 4, 3]
+    pool = random_pool(10, block_size, num_heads, head_dim, dtype)
+    before, expected = pool.clone(), pool.clone()
+    loop_copy(before, expected, src_block_ids, dst_block_ids)
+    copy_module.copy_blocks_reference(pool, torch.tensor(src_block_ids),
+                                      torch.tensor(dst_block_ids))
+    assert torch.equal(pool, expected), "chunked copy differs from the loop reference"

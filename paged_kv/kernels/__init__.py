@@ -8,6 +8,7 @@ kernels run on CPU tensors, which is how CI tests them).
 from __future__ import annotations
 
 from .attention import paged_attention, paged_attention_reference
+from .backend import use_triton
 from .copy import copy_blocks, copy_blocks_reference, swap_blocks
 from .gather import gather_kv, gather_kv_packed, gather_kv_packed_reference, gather_kv_reference
 from .write import write_kv, write_kv_reference
@@ -22,6 +23,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_reference",
     "swap_blocks",
+    "use_triton",
     "write_kv",
     "write_kv_reference",
 ]

@@ -19,6 +19,7 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,  # [>= 2 * B * T * Hkv * D], the cache's dtype
 ) -> torch.Tensor:
     """Torch implementation of `paged_attention` (the CPU path): gather, then SDPA in float32.
 
@@ -32,24 +33,32 @@ def paged_attention_reference(
     if decode.numel():
         starts = query_start_loc[decode].long()
         out[starts] = _attend(query[starts, :, None], key_cache, value_cache,
-                              block_tables[decode], seq_lens[decode], scale)[:, :, 0]
+                              block_tables[decode], seq_lens[decode], scale,
+                              workspace)[:, :, 0]
     for row in (query_lens > 1).nonzero().flatten().tolist():
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         attended = _attend(query[None, start:end].transpose(1, 2), key_cache, value_cache,
-                           block_tables[row:row + 1], seq_lens[row:row + 1], scale)
+                           block_tables[row:row + 1], seq_lens[row:row + 1], scale, workspace)
         out[start:end] = attended[0].transpose(0, 1)
     return out
 
 
 def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float | None) -> torch.Tensor:
+            scale: float | None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``query (B, Hq, n, D)``, the last n positions of each sequence -> ``(B, Hq, n, D)``."""
     # T rounded up to whole blocks: the gather then copies blocks, not tokens
     block_size = key_cache.shape[1]
     length = -(-int(seq_lens.max()) // block_size) * block_size
+    shape = (seq_lens.shape[0], length, *key_cache.shape[2:])
+    size = shape[0] * shape[1] * shape[2] * shape[3]
+    out = None
+    if workspace is not None and workspace.numel() >= 2 * size:
+        # reused buffers: a fresh multi-MiB output costs several times the copy in page faults
+        out = (workspace[:size].view(shape), workspace[size:2 * size].view(shape))
+    # padding stays unzeroed: the mask gives it zero weight, and pages hold finite values
     k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens,
-                               pad_to=length)  # (B, T, Hkv, D)
+                               pad_to=length, out=out, zero_padding=False)  # (B, T, Hkv, D)
     num_queries = query.shape[2]
     key_pos = torch.arange(k.shape[1], device=query.device)
     # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j
@@ -209,6 +218,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached K/V, read through the page table.
 
@@ -233,6 +243,11 @@ def paged_attention(
     out : torch.Tensor, optional
         ``[num_tokens, num_q_heads, D]`` output buffer.
 
+    workspace : torch.Tensor, optional
+        1-D scratch of the cache's dtype the torch path gathers K/V into when it holds
+        ``2 * B * T * num_kv_heads * D`` elements (``T`` rounded up to whole blocks);
+        ignored by the Triton kernel, which reads the pages in place.
+
     Returns
     -------
     torch.Tensor
@@ -242,4 +257,4 @@ def paged_attention(
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
                                       query_start_loc, scale, out)
     return paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, out)
+                                     query_start_loc, scale, out, workspace)

@@ -7,6 +7,8 @@ import torch
 from ._triton import tl, triton
 from .backend import use_triton
 
+_CHUNK_BYTES = 2 << 20
+
 
 def copy_blocks_reference(
     kv_cache: torch.Tensor,       # [num_layers, 2, num_blocks, block_size, H, D]
@@ -14,7 +16,20 @@ def copy_blocks_reference(
     dst_block_ids: torch.Tensor,  # [num_copies] int64, disjoint from src
 ) -> None:
     """Torch implementation of `copy_blocks` (the CPU path)."""
-    kv_cache.index_copy_(2, dst_block_ids, kv_cache.index_select(2, src_block_ids))
+    # one row per (layer, K/V, block): whole blocks move as contiguous rows
+    num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+    rows = kv_cache.view(num_planes * num_blocks, -1)
+    planes = torch.arange(num_planes, device=kv_cache.device)[:, None] * num_blocks
+    src_rows = (planes + src_block_ids[None, :]).flatten()
+    dst_rows = (planes + dst_block_ids[None, :]).flatten()
+    # through a small reused buffer: a pool-sized temporary costs more in page faults than
+    # the copy itself
+    chunk = max(1, _CHUNK_BYTES // (rows.shape[1] * rows.element_size()))
+    buffer = rows.new_empty(min(chunk, src_rows.numel()), rows.shape[1])
+    for start in range(0, src_rows.numel(), chunk):
+        part = buffer[: min(chunk, src_rows.numel() - start)]
+        torch.index_select(rows, 0, src_rows[start:start + chunk], out=part)
+        rows.index_copy_(0, dst_rows[start:start + chunk], part)
 
 
 if triton is not None:

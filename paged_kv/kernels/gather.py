@@ -24,13 +24,16 @@ def gather_kv_reference(
     seq_lens: torch.Tensor,      # [B] int32
     pad_to: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    zero_padding: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation of `gather_kv` (the CPU path).
 
     When ``T`` is a multiple of the block size whole blocks are copied as rows of
     ``block_size * H * D`` elements, which runs at memcpy speed; otherwise it copies
     token rows of ``H * D`` (about 0.6x as fast here). Pass `pad_to` rounded up to the block
-    size for the fast path.
+    size for the fast path. ``zero_padding=False`` leaves positions past each length as
+    whatever the pages hold there (attention masks them anyway).
     """
     batch_size = seq_lens.shape[0]
     block_size = key_cache.shape[1]
@@ -51,10 +54,12 @@ def gather_kv_reference(
     else:
         rows = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
         row_shape = (-1, *key_cache.shape[2:])
-    padding = (positions[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
+    if zero_padding:
+        padding = (positions[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
     for cache, dst in zip((key_cache, value_cache), out, strict=True):
         torch.index_select(cache.view(row_shape), 0, rows, out=dst.view(row_shape))
-        dst.view(batch_size * length, *cache.shape[2:]).index_fill_(0, padding, 0)
+        if zero_padding:
+            dst.view(batch_size * length, *cache.shape[2:]).index_fill_(0, padding, 0)
     return out
 
 
