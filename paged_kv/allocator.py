@@ -194,6 +194,27 @@ class BlockAllocator:
         self._block_tokens[block_id] = token_ids
         return True
 
+    def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
+                        token_ids: bytes) -> list[bytes]:
+        """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds
+        slice i of `token_ids` (equal slices, little-endian int32) and chains from
+        ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
+
+        One call per step keeps the per-block work to a hash and two dict stores.
+        """
+        width = len(token_ids) // max(len(block_ids), 1)
+        index, block_hash, block_tokens = self._index, self._block_hash, self._block_tokens
+        keys = []
+        for i, (block_id, parent) in enumerate(zip(block_ids, parent_keys, strict=True)):
+            tokens = token_ids[i * width:(i + 1) * width]
+            key = hashlib.sha256(parent + tokens).digest()
+            keys.append(key)
+            if self.enable_prefix_caching and key not in index:
+                index[key] = block_id
+                block_hash[block_id] = key
+                block_tokens[block_id] = tokens
+        return keys
+
     def unregister(self, block_id: int) -> None:
         """Take a live block out of the prefix index (it is about to be overwritten)."""
         key = self._block_hash.pop(block_id, None)

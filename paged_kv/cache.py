@@ -309,14 +309,32 @@ class PagedKVCache:
         new_ids = allocator.allocate(requested) if requested else None
         tables.append_one_token(rows, old_lens, step.token_ids, opens_block, new_ids)
         new_lens = old_lens + 1
-        if self.config.enable_prefix_caching and (offsets == block_size - 1).any():
-            self._index_full_blocks(rows, old_lens, new_lens)
+        if self.config.enable_prefix_caching:
+            self._index_filled_blocks(rows[offsets == block_size - 1])
         num_blocks = tables.num_blocks[rows]
         block_tables = tables.block_ids[rows, : int(num_blocks.max())]
         batch = StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
                                       step.counts, block_size, self.config.device)
         self._after_mutation()
         return batch
+
+    def _index_filled_blocks(self, rows: np.ndarray) -> None:
+        """Index the block each of `rows` just filled with its last token (a decode step)."""
+        if rows.size == 0:
+            return
+        tables, block_size = self._tables, self.config.block_size
+        row_list = rows.tolist()
+        parents = tables.chains(row_list)
+        if None in parents:  # rows whose ids are unknown somewhere are never indexed
+            keep = [i for i, parent in enumerate(parents) if parent is not None]
+            rows, row_list = rows[keep], [row_list[i] for i in keep]
+            parents = [parents[i] for i in keep]
+        columns = tables.num_blocks[rows] - 1
+        slots = columns[:, None] * block_size + np.arange(block_size)
+        token_ids = tables.token_ids[rows[:, None], slots].astype("<i4").tobytes()
+        keys = self._allocator.register_blocks(tables.block_ids[rows, columns].tolist(),
+                                               parents, token_ids)
+        tables.set_chains(row_list, keys)
 
     def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> int:
         """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),

@@ -203,6 +203,14 @@ class PageTables:
     def __len__(self) -> int:
         return len(self._row_of)
 
+    def chains(self, rows: list[int]) -> list[bytes | None]:
+        """`chain` of each of `rows`."""
+        return [self._chain[row] for row in rows]
+
+    def set_chains(self, rows: list[int], chains: list[bytes | None]) -> None:
+        for row, chain in zip(rows, chains, strict=True):
+            self._chain[row] = chain
+
     def chain(self, row: int) -> bytes | None:
         """Prefix key of the row's last full block (None: its tokens cannot be indexed)."""
         return self._chain[row]
