@@ -237,12 +237,16 @@ def gather_inputs(seq_lens: list[int], block_size: int, num_heads: int, head_dim
 @pytest.mark.parametrize("impl", GATHER_IMPLS)
 @pytest.mark.parametrize(("block_size", "num_heads", "head_dim", "dtype"), LAYOUTS)
 @pytest.mark.parametrize("seq_lens", BATCHES)
-@pytest.mark.parametrize("extra_pad", [None, 7], ids=["pad-longest", "pad-longest+7"])
+@pytest.mark.parametrize("extra_pad", [None, 7, "blocks"],
+                         ids=["pad-longest", "pad-longest+7", "pad-whole-blocks"])
 def test_gather_kv_matches_loop(impl: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                                 block_size: int, num_heads: int, head_dim: int,
                                 dtype: torch.dtype, seq_lens: list[int],
-                                extra_pad: int | None) -> None:
-    pad_to = None if extra_pad is None else max(seq_lens) + extra_pad
+                                extra_pad: int | str | None) -> None:
+    if extra_pad == "blocks":  # a multiple of the block size, with whole blocks of padding
+        pad_to = -(-max(seq_lens) // block_size) * block_size + block_size
+    else:
+        pad_to = None if extra_pad is None else max(seq_lens) + extra_pad
     case = describe(block_size, num_heads, head_dim, dtype, seq_lens=seq_lens, pad_to=pad_to)
     key_cache, value_cache, block_tables = gather_inputs(seq_lens, block_size, num_heads,
                                                          head_dim, dtype)

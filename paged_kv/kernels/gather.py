@@ -54,12 +54,13 @@ def gather_kv_reference(
     else:
         rows = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
         row_shape = (-1, *key_cache.shape[2:])
-    if zero_padding:
-        padding = (positions[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
     for cache, dst in zip((key_cache, value_cache), out, strict=True):
         torch.index_select(cache.view(row_shape), 0, rows, out=dst.view(row_shape))
         if zero_padding:
-            dst.view(batch_size * length, *cache.shape[2:]).index_fill_(0, padding, 0)
+            # each row's padding is one contiguous tail: a memset per sequence, not per token
+            for row, start in enumerate(seq_lens.tolist()):
+                if start < length:
+                    dst[row, start:].zero_()
     return out
 
 

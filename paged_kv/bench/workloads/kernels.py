@@ -120,9 +120,12 @@ def attention_figures(setup: PagedSetup, repeats: int, device: torch.device) -> 
                          out)
         return sdpa(k.transpose(1, 2), v.transpose(1, 2))
 
+    # the reused scratch PagedKVCache passes to the torch path (the Triton path ignores it)
+    workspace = s.key_cache.new_empty(2 * out[0].numel() + 2 * BLOCK_SIZE * batch_size
+                                      * NUM_KV_HEADS * HEAD_DIM)
     paged, via_gather, direct = time_interleaved(
         [lambda: paged_attention(query, s.key_cache, s.value_cache, s.block_tables,
-                                 s.seq_lens, query_start_loc),
+                                 s.seq_lens, query_start_loc, workspace=workspace),
          gathered, lambda: sdpa(*contiguous)], repeats=repeats, device=device)
     name = f"paged_attention, decode, {batch_size} seqs"
     return [Figure(name, paged.scaled(1e3, "ms"), "gather_kv + SDPA",
