@@ -16,20 +16,18 @@ from collections.abc import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import kernels
-from ._checks import check_tensor
+from ._tensor_ops import TensorOps
 from ._tokens import parse_step, tokens_to_array
 from .accounting import CacheStats, compute_stats
-from .allocator import BlockAllocator, hash_block, root_hash
+from .allocator import BlockAllocator, root_hash
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
 from .page_table import PageTables, SeqId, StepBatch
 from .pool import KVPool
+from .prefix import index_filled_blocks, index_full_blocks, lookup_prefix
 
-BatchOrSeqIds = StepBatch | Sequence[SeqId]
 
-
-class PagedKVCache:
+class PagedKVCache(TensorOps):
     """A paged KV cache for many sequences at once.
 
     Parameters
@@ -135,7 +133,8 @@ class PagedKVCache:
         chain = root_hash(salt) if self.config.enable_prefix_caching else None
         hits: list[int] = []
         if chain is not None and tokens is not None and len(tokens):
-            chain, hits = self._lookup_prefix(chain, tokens)
+            chain, hits = lookup_prefix(self._allocator, chain, tokens,
+                                        self.config.block_size)
         row = self._tables.add(seq_id, chain)
         if self.config.enable_prefix_caching:
             self._roots[seq_id] = root_hash(salt)
@@ -158,20 +157,8 @@ class PagedKVCache:
         tokens = tokens_to_array("prompt_token_ids", prompt_token_ids)
         if not self.config.enable_prefix_caching or not len(tokens):
             return 0
-        return len(self._lookup_prefix(root_hash(salt), tokens)[1]) * self.config.block_size
-
-    def _lookup_prefix(self, chain: bytes, tokens: np.ndarray) -> tuple[bytes, list[int]]:
-        block_size = self.config.block_size
-        hits: list[int] = []
-        for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
-            block_tokens = tokens[start:start + block_size].astype("<i4").tobytes()
-            key = hash_block(chain, block_tokens)
-            block_id = self._allocator.lookup(key, block_tokens)
-            if block_id is None:
-                break
-            hits.append(block_id)
-            chain = key
-        return chain, hits
+        hits = lookup_prefix(self._allocator, root_hash(salt), tokens, self.config.block_size)[1]
+        return len(hits) * self.config.block_size
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share all of `parent`'s blocks; the first write into a shared,
@@ -281,7 +268,7 @@ class PagedKVCache:
         for row in step.rows_without_ids:
             tables.set_chain(int(row), None)
         if self.config.enable_prefix_caching:
-            self._index_full_blocks(rows, old_lens, new_lens)
+            index_full_blocks(allocator, tables, rows, old_lens, new_lens, block_size)
         width = int(tables.num_blocks[rows].max()) if len(rows) else 0
         batch = StepBatch.from_arrays(step.seq_ids, tables.block_ids[rows, :width],
                                       tables.num_blocks[rows], new_lens, step.counts,
@@ -310,31 +297,13 @@ class PagedKVCache:
         tables.append_one_token(rows, old_lens, step.token_ids, opens_block, new_ids)
         new_lens = old_lens + 1
         if self.config.enable_prefix_caching:
-            self._index_filled_blocks(rows[offsets == block_size - 1])
+            index_filled_blocks(allocator, tables, rows[offsets == block_size - 1], block_size)
         num_blocks = tables.num_blocks[rows]
         block_tables = tables.block_ids[rows, : int(num_blocks.max())]
         batch = StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
                                       step.counts, block_size, self.config.device)
         self._after_mutation()
         return batch
-
-    def _index_filled_blocks(self, rows: np.ndarray) -> None:
-        """Index the block each of `rows` just filled with its last token (a decode step)."""
-        if rows.size == 0:
-            return
-        tables, block_size = self._tables, self.config.block_size
-        row_list = rows.tolist()
-        parents = tables.chains(row_list)
-        if None in parents:  # rows whose ids are unknown somewhere are never indexed
-            keep = [i for i, parent in enumerate(parents) if parent is not None]
-            rows, row_list = rows[keep], [row_list[i] for i in keep]
-            parents = [parents[i] for i in keep]
-        columns = tables.num_blocks[rows] - 1
-        slots = columns[:, None] * block_size + np.arange(block_size)
-        token_ids = tables.token_ids[rows[:, None], slots].astype("<i4").tobytes()
-        keys = self._allocator.register_blocks(tables.block_ids[rows, columns].tolist(),
-                                               parents, token_ids)
-        tables.set_chains(row_list, keys)
 
     def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> int:
         """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),
@@ -380,148 +349,6 @@ class PagedKVCache:
         keep = first[writers == refcount[first]]
         copy = np.setdiff1d(np.arange(partial.size), keep, assume_unique=True)
         return rows[partial[copy]], columns[copy], last[copy]
-
-    def _index_full_blocks(self, rows: np.ndarray, old_lens: np.ndarray,
-                           new_lens: np.ndarray) -> None:
-        """Enter every block this step filled with known ids into the prefix index."""
-        block_size, tables = self.config.block_size, self._tables
-        first_full, end_full = old_lens // block_size, new_lens // block_size
-        num_filled = end_full - first_full
-        if not num_filled.any():
-            return
-        # every (row, block column) filled this step, gathered at once; hashing stays serial
-        # because each key chains the previous block's key
-        owner = np.repeat(rows, num_filled)
-        rank = np.arange(owner.size) - np.repeat(np.cumsum(num_filled) - num_filled, num_filled)
-        columns = np.repeat(first_full, num_filled) + rank
-        block_ids = tables.block_ids[owner, columns].tolist()
-        slots = columns[:, None] * block_size + np.arange(block_size)
-        data = tables.token_ids[owner[:, None], slots].astype("<i4").tobytes()
-        width, register = 4 * block_size, self._allocator.register
-        row, chain = -1, None
-        for i, (block_row, block_id) in enumerate(zip(owner.tolist(), block_ids, strict=True)):
-            if block_row != row:
-                if row >= 0 and chain is not None:
-                    tables.set_chain(row, chain)
-                row, chain = block_row, tables.chain(block_row)
-            if chain is not None:
-                block_tokens = data[i * width:(i + 1) * width]
-                chain = hash_block(chain, block_tokens)
-                register(block_id, chain, block_tokens)
-        if chain is not None:
-            tables.set_chain(row, chain)
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              batch: StepBatch) -> None:
-        """Scatter the step's new K/V of one layer into their slots.
-
-        Parameters
-        ----------
-        layer : int
-        key, value : torch.Tensor
-            ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device.
-        batch : StepBatch
-            From this step's `prepare`.
-
-        Mutates
-        -------
-        The pool's slots named by ``batch.slot_mapping``.
-        """
-        self._require_layer("write()", layer)
-        self._require_batch("write()", batch)
-        shape = (batch.num_tokens, self.config.num_kv_heads, self.config.head_dim)
-        for name, tensor in (("key", key), ("value", value)):
-            check_tensor(f"write(): {name}", tensor, shape, dtype=self.config.dtype,
-                         device=self.config.device)
-        kernels.write_kv(key, value, *self._pool.layer(layer), batch.slot_mapping)
-
-    def gather(self, layer: int, batch_or_seq_ids: BatchOrSeqIds, pad_to: int | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K/V of some sequences as they are now, zero-padded.
-
-        Returns
-        -------
-        (torch.Tensor, torch.Tensor)
-            K and V ``[B, T, num_kv_heads, head_dim]``, ``T = pad_to or`` the longest length,
-            zeros past each sequence's length.
-        """
-        self._require_layer("gather()", layer)
-        block_tables, seq_lens, longest = self._tables_of("gather()", batch_or_seq_ids)
-        if pad_to is not None and (not isinstance(pad_to, int) or pad_to < longest):
-            raise ValueError(f"gather(): pad_to must be an int >= the longest sequence "
-                             f"({longest}), got {pad_to!r}")
-        length = longest if pad_to is None else pad_to
-        if out is not None:
-            shape = (seq_lens.shape[0], length, self.config.num_kv_heads, self.config.head_dim)
-            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
-                check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
-                             device=self.config.device)
-        return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out)
-
-    def gather_packed(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K/V of some sequences packed end to end (varlen form).
-
-        Returns
-        -------
-        (torch.Tensor, torch.Tensor, torch.Tensor)
-            K and V ``[total_tokens, num_kv_heads, head_dim]`` and ``cu_seqlens [B + 1]``
-            int32.
-        """
-        self._require_layer("gather_packed()", layer)
-        block_tables, seq_lens, _ = self._tables_of("gather_packed()", batch_or_seq_ids)
-        cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-        torch.cumsum(seq_lens, 0, out=cu_seqlens[1:])
-        if out is not None:
-            shape = (int(cu_seqlens[-1]), self.config.num_kv_heads, self.config.head_dim)
-            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
-                check_tensor(f"gather_packed(): {name}", tensor, shape,
-                             dtype=self.config.dtype, device=self.config.device)
-        k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
-                                        cu_seqlens, out)
-        return k, v, cu_seqlens
-
-    def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
-                  scale: float | None = None) -> torch.Tensor:
-        """Causal attention of the step's queries over each sequence's cached K/V.
-
-        Parameters
-        ----------
-        query : torch.Tensor
-            ``[batch.num_tokens, num_q_heads, head_dim]``; ``num_q_heads`` a multiple of
-            ``num_kv_heads``.
-        scale : float, optional
-            Default ``head_dim ** -0.5``.
-
-        Returns
-        -------
-        torch.Tensor
-            ``[batch.num_tokens, num_q_heads, head_dim]``.
-        """
-        self._require_layer("attention()", layer)
-        self._require_batch("attention()", batch)
-        check_tensor("attention(): query", query, (batch.num_tokens, None, self.config.head_dim),
-                     dtype=self.config.dtype, device=self.config.device)
-        if query.shape[1] % self.config.num_kv_heads:
-            raise ValueError(f"attention(): query heads ({query.shape[1]}) must be a multiple "
-                             f"of num_kv_heads ({self.config.num_kv_heads})")
-        return kernels.paged_attention(query, *self._pool.layer(layer), batch.block_tables,
-                                       batch.seq_lens, batch.query_start_loc, scale,
-                                       workspace=None if kernels.use_triton(query)
-                                       else self._workspace_for(batch))
-
-    def _workspace_for(self, batch: StepBatch) -> torch.Tensor:
-        """Scratch for the torch attention path's gathers, grown on demand, reused by every
-        layer and step."""
-        block_size, config = self.config.block_size, self.config
-        length = -(-batch.max_seq_len // block_size) * block_size
-        need = 2 * batch.batch_size * length * config.num_kv_heads * config.head_dim
-        if self._workspace.numel() < need:
-            self._workspace = torch.empty(need + need // 2, dtype=config.dtype,
-                                          device=config.device)
-        return self._workspace
 
     # -- swapping -------------------------------------------------------------------------
     def swap_out(self, seq_id: SeqId) -> None:
@@ -624,41 +451,6 @@ class PagedKVCache:
             raise TypeError(f"{what}: seq_id must be hashable, got {type(seq_id).__name__}")
         if seq_id in self._tables:
             raise ValueError(f"{what}: sequence {seq_id!r} already exists")
-
-    def _require_layer(self, what: str, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
-            raise TypeError(f"{what}: layer must be an int, got {type(layer).__name__}")
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"{what}: layer {layer} out of range [0, {self.config.num_layers})")
-
-    def _require_batch(self, what: str, batch: object) -> None:
-        if not isinstance(batch, StepBatch):
-            raise TypeError(f"{what}: batch must be the StepBatch prepare() returned, "
-                            f"got {type(batch).__name__}")
-
-    def _tables_of(self, what: str, batch_or_seq_ids: BatchOrSeqIds,
-                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Block tables ``[B, W]``, lengths ``[B]`` and the longest length, now."""
-        if isinstance(batch_or_seq_ids, StepBatch):
-            # the batch's tensors describe its sequences as prepare() left them
-            batch = batch_or_seq_ids
-            return batch.block_tables, batch.seq_lens, batch.max_seq_len
-        if isinstance(batch_or_seq_ids, str | bytes) or not isinstance(batch_or_seq_ids,
-                                                                         Sequence):
-            raise TypeError(f"{what}: expected a StepBatch or a list of sequence ids, "
-                            f"got {type(batch_or_seq_ids).__name__}")
-        seq_ids = batch_or_seq_ids
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"{what}: duplicate sequence ids in {list(seq_ids)!r}")
-        for seq_id in seq_ids:
-            self._require_resident(what, seq_id)
-        rows = np.array([self._tables.row_of[s] for s in seq_ids], dtype=np.int64)
-        lengths = self._tables.num_tokens[rows]
-        width = max(int(self._tables.num_blocks[rows].max()) if rows.size else 0, 1)
-        device = self.config.device
-        block_tables = torch.from_numpy(self._tables.block_ids[rows, :width].copy()).to(device)
-        seq_lens = torch.from_numpy(lengths.astype(np.int32)).to(device)
-        return block_tables, seq_lens, int(lengths.max()) if rows.size else 0
 
 
 __all__ = ["InvariantError", "OutOfBlocksError", "PagedKVCache", "PagedKVError"]
