@@ -42,7 +42,7 @@ def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
     parent_hash : bytes
         Key of the previous block of the sequence (the salt's root key for the first one).
     token_ids : bytes
-        The block's token ids as little-endian int64 bytes.
+        The block's token ids as little-endian int32 bytes.
     """
     return hashlib.sha256(parent_hash + token_ids).digest()
 
@@ -81,6 +81,7 @@ class BlockAllocator:
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._block_hash: dict[int, bytes] = {}
+        self._indexed = np.zeros(num_blocks, dtype=bool)  # block_hash's keys, as an array
         self._block_tokens: dict[int, bytes] = {}
         self._index: dict[bytes, int] = {}
         # bounded, so a user who never drains events does not leak memory
@@ -91,6 +92,13 @@ class BlockAllocator:
     def refcount(self) -> np.ndarray:
         """Read-only view of the per-block owner counts ``[num_blocks]``."""
         view = self._refcount.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def indexed(self) -> np.ndarray:
+        """Read-only ``[num_blocks]`` bool: the block is in the prefix index."""
+        view = self._indexed.view()
         view.flags.writeable = False
         return view
 
@@ -148,6 +156,7 @@ class BlockAllocator:
             for block_id in evicted:
                 del self._index[self._block_hash.pop(block_id)]
                 del self._block_tokens[block_id]
+            self._indexed[evicted] = False
             self._events.append(BlockEvent("evicted", tuple(evicted)))
             taken += evicted
         ids = np.array(taken, dtype=np.int64)
@@ -192,6 +201,7 @@ class BlockAllocator:
         self._index[key] = block_id
         self._block_hash[block_id] = key
         self._block_tokens[block_id] = token_ids
+        self._indexed[block_id] = True
         return True
 
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
@@ -213,14 +223,8 @@ class BlockAllocator:
                 index[key] = block_id
                 block_hash[block_id] = key
                 block_tokens[block_id] = tokens
+                self._indexed[block_id] = True
         return keys
-
-    def unregister(self, block_id: int) -> None:
-        """Take a live block out of the prefix index (it is about to be overwritten)."""
-        key = self._block_hash.pop(block_id, None)
-        if key is not None:
-            del self._index[key]
-            del self._block_tokens[block_id]
 
     def reset_prefix_cache(self) -> int:
         """Free every cached block and empty the index; returns how many blocks were dropped."""
@@ -230,6 +234,7 @@ class BlockAllocator:
         self._index.clear()
         self._block_hash.clear()
         self._block_tokens.clear()
+        self._indexed[:] = False
         if dropped:
             self._events.append(BlockEvent("freed", tuple(dropped)))
         return len(dropped)
@@ -271,6 +276,8 @@ class BlockAllocator:
             ensure(self._block_hash.get(block_id) == key, f"index entry of {block_id} is stale")
         ensure(len(self._block_hash) == len(self._index) == len(self._block_tokens),
                "index, block keys and block tokens disagree in size")
+        ensure(sorted(self._block_hash) == np.flatnonzero(self._indexed).tolist(),
+               "the indexed flags disagree with the index")
         if owners is not None:
             bad = np.flatnonzero(owners != self._refcount)
             ensure(bad.size == 0,

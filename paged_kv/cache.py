@@ -176,7 +176,8 @@ class PagedKVCache(TensorOps):
         decoding rollback, ``crop``); blocks past them are released, tail first.
 
         The sequence keeps extending its prefix-index chain only while its last kept full
-        block is still indexed.
+        block is still indexed. A kept block that becomes partial but stays indexed is
+        copied before it is written again (see `prepare`), so its cached prefix survives.
         """
         self._require_resident("truncate()", seq_id)
         current = self._tables.num_tokens_of(seq_id)
@@ -192,12 +193,6 @@ class PagedKVCache(TensorOps):
             chain = self._roots.get(seq_id)
         else:
             chain = self._allocator.block_hash(int(self._tables.blocks(seq_id)[num_full - 1]))
-        if num_tokens % self.config.block_size:
-            # the kept last block becomes partial and will be written again: if this sequence
-            # alone owns it, it must leave the index so no one reuses the overwritten slots
-            last = int(self._tables.blocks(seq_id)[num_full])
-            if self._allocator.refcount[last] == 1:
-                self._allocator.unregister(last)
         self._allocator.free(self._tables.truncate(seq_id, int(num_tokens), chain))
         self._after_mutation()
 
@@ -287,7 +282,7 @@ class PagedKVCache(TensorOps):
         offsets = old_lens % block_size
         partial = offsets.nonzero()[0]
         last = tables.block_ids[rows[partial], tables.num_blocks[rows[partial]] - 1]
-        if (allocator.refcount[last] > 1).any():
+        if self._must_copy(last).any():
             return None  # copy-on-write needed
         opens_block = offsets == 0
         requested = int(np.count_nonzero(opens_block))
@@ -332,23 +327,30 @@ class PagedKVCache(TensorOps):
 
     def _plan_copy_on_write(self, rows: np.ndarray, old_lens: np.ndarray,
                             old_num_blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Rows whose partly filled last block has other owners, and which block they copy.
+        """Rows whose partly filled last block must not be written in place, and which block
+        they copy.
 
-        When every owner of such a block writes in this step, the first keeps the original.
+        When every owner of a shared block writes in this step, the first keeps the
+        original; an indexed block is always copied, so its cached prefix stays intact.
         """
         nothing = np.empty(0, np.int64)
         partial = (old_lens % self.config.block_size != 0).nonzero()[0]
         columns = old_num_blocks[partial] - 1
         last = self._tables.block_ids[rows[partial], columns].astype(np.int64)
-        refcount = self._allocator.refcount[last]
-        shared = refcount > 1
-        if not shared.any():
+        must_copy = self._must_copy(last)
+        if not must_copy.any():
             return nothing, nothing, nothing
-        partial, columns, last, refcount = (a[shared] for a in (partial, columns, last, refcount))
+        partial, columns, last = (a[must_copy] for a in (partial, columns, last))
+        refcount = self._allocator.refcount[last]
         _, first, writers = np.unique(last, return_index=True, return_counts=True)
-        keep = first[writers == refcount[first]]
+        keep = first[(writers == refcount[first]) & ~self._allocator.indexed[last[first]]]
         copy = np.setdiff1d(np.arange(partial.size), keep, assume_unique=True)
         return rows[partial[copy]], columns[copy], last[copy]
+
+    def _must_copy(self, last_blocks: np.ndarray) -> np.ndarray:
+        """Which partly filled last blocks a write must copy first: shared ones, and indexed
+        ones (a truncated sequence's kept block still serves the prefix cache)."""
+        return (self._allocator.refcount[last_blocks] > 1) | self._allocator.indexed[last_blocks]
 
     # -- swapping -------------------------------------------------------------------------
     def swap_out(self, seq_id: SeqId) -> None:

@@ -125,13 +125,40 @@ def test_reset_prefix_cache_drops_only_cached_blocks():
     cache.check()
 
 
-def test_truncate_into_an_indexed_block_unindexes_it_before_it_is_overwritten():
+def _write_all(cache: PagedKVCache, batch, base: float) -> None:
+    """Write K = V = base + token index (per layer and step) so reads can be checked."""
+    values = base + torch.arange(batch.num_tokens, dtype=torch.float32)
+    kv = values[:, None, None].expand(batch.num_tokens, 2, 4).contiguous()
+    for layer in range(2):
+        cache.write(layer, kv, kv, batch)
+
+
+def test_truncate_into_an_indexed_block_copies_it_before_writing():
     cache = PagedKVCache(tiny_config())
     prompt = list(range(9))
     cache.add_sequence("a", prompt)
-    cache.prepare({"a": prompt})
+    _write_all(cache, cache.prepare({"a": prompt}), 0.0)
     cache.truncate("a", 6)  # block 1 (tokens 4-7) was full and indexed, now partial
-    cache.prepare({"a": [50, 51]})
-    assert cache.add_sequence("b", prompt) == 4, "only the untouched first block is reused"
-    assert cache.seq_len("a") == 8 and cache.stats().num_live_blocks == 2
+    _write_all(cache, cache.prepare({"a": [50, 51]}), 100.0)
+    assert cache.add_sequence("b", prompt) == 8, "the cached prefix survives the rewrite"
+    keys, _ = cache.gather(0, ["a", "b"])
+    assert keys[1, :8, 0, 0].tolist() == [float(i) for i in range(8)], "cached K/V intact"
+    assert keys[0, :8, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 100, 101], "a sees its rewrite"
+    assert cache.seq_len("a") == 8 and cache.stats().num_live_blocks == 3
+    cache.check()
+
+
+def test_fork_truncate_free_then_write_does_not_corrupt_the_prefix_cache():
+    """The shared kept block loses its other owner before the write: still copied."""
+    cache = PagedKVCache(tiny_config())
+    prompt = list(range(1, 9))
+    cache.add_sequence("a", prompt)
+    _write_all(cache, cache.prepare({"a": prompt}), 0.0)
+    cache.fork("a", "b")
+    cache.truncate("a", 6)
+    cache.free("b")
+    _write_all(cache, cache.prepare({"a": [99]}), -1.0)
+    assert cache.add_sequence("c", [*prompt, 5]) == 8
+    keys, _ = cache.gather(0, ["c"])
+    assert keys[0, :8, 0, 0].tolist() == [float(i) for i in range(8)], "prefix overwritten"
     cache.check()

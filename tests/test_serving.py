@@ -483,3 +483,31 @@ def test_request_output_shape(model, dense):
     assert completion.finish_reason == "stop" and completion.token_ids[-1] == stop
     assert completion.token_ids == dense(prompt_b, 10)[: completion.token_ids.index(stop) + 1]
     assert_drained(engine)
+
+
+def test_a_failing_model_step_leaves_the_engine_able_to_continue(model, dense):
+    """A model error mid-step returns the step's slots; the next step redoes it correctly."""
+    engine = Engine(model, model.cache_config(num_blocks=64), max_num_batched_tokens=64)
+    prompt = list(range(1, 30))
+    engine.add_request(prompt, SamplingParams(max_tokens=5))
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real_forward(*args, **kwargs)
+
+    model.forward = failing_once
+    try:
+        engine.step()
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+        engine.cache.check()
+        outputs = []
+        while engine.has_unfinished_requests:
+            outputs += engine.step()
+    finally:
+        del model.forward
+    assert outputs[0].outputs[0].token_ids == dense(prompt, 5)

@@ -129,5 +129,7 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     if src_block_ids.numel() == 0:
         return
     moved = src_cache.index_select(2, src_block_ids.to(src_cache.device))
+    # device -> host must block: the CPU index_copy_ below would read a copy still in flight
+    to_host = dst_cache.device.type == "cpu"
     dst_cache.index_copy_(2, dst_block_ids.to(dst_cache.device),
-                          moved.to(dst_cache.device, non_blocking=True))
+                          moved.to(dst_cache.device, non_blocking=not to_host))

@@ -172,12 +172,18 @@ class Engine:
         for seq, n in plan.items():
             tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
             positions += range(seq.num_computed, seq.num_computed + n)
-            seq.num_computed += n
-            if seq.num_computed == len(seq.token_ids):  # caught up: its next token is due
+            if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
                 logits_rows.append(len(tokens) - 1)
                 sampled.append(seq)
-        logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache, batch,
-                            torch.tensor(logits_rows, dtype=torch.long))
+        try:
+            logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache,
+                                batch, torch.tensor(logits_rows, dtype=torch.long))
+        except BaseException:
+            for seq in plan:  # give back the slots of K/V that was never written
+                self.cache.truncate(seq.seq_id, seq.num_computed)
+            raise
+        for seq, n in plan.items():  # only once the model has written their K/V
+            seq.num_computed += n
         finished, num_generated = [], 0
         for row, seq in enumerate(sampled):
             for target in self._fork_samples(seq):
