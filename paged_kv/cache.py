@@ -300,9 +300,13 @@ class PagedKVCache(TensorOps):
         self._after_mutation()
         return batch
 
-    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> int:
+    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int], *,
+                          per_sequence: bool = False) -> int | np.ndarray:
         """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),
         without changing anything: a scheduler's admission check.
+
+        With ``per_sequence=True`` returns ``[B]`` int64, each sequence's share in the
+        mapping's order (copies counted for the sequence that makes them).
 
         Examples
         --------
@@ -313,8 +317,10 @@ class PagedKVCache(TensorOps):
         >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
         3
         """
-        num_new_blocks, (cow_rows, _, _) = self._count_blocks(parse_step(new_tokens,
-                                                                         self._tables))
+        step = parse_step(new_tokens, self._tables)
+        num_new_blocks, (cow_rows, _, _) = self._count_blocks(step)
+        if per_sequence:
+            return num_new_blocks + np.isin(step.rows, cow_rows)
         return int(num_new_blocks.sum()) + len(cow_rows)
 
     def _count_blocks(self, step) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:

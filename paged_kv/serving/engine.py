@@ -192,7 +192,7 @@ class Engine:
                 num_generated += 1
             if seq.request.is_finished and seq.request.finish_time is None:
                 finished.append(self._finish_request(seq.request))
-        self.metrics.observe(self.cache.stats(), self.scheduler, num_generated)
+        self.metrics.observe(self.cache, self.scheduler, num_generated)
         return finished
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
@@ -240,7 +240,7 @@ class Engine:
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format."""
-        return self.metrics.text()
+        return self.metrics.text(self.cache)
 
 
 def _generator(params: SamplingParams, seed: int, index: int) -> torch.Generator | None:

@@ -6,9 +6,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from ..accounting import CacheStats
-
 if TYPE_CHECKING:
+    from ..cache import PagedKVCache
     from .scheduler import Scheduler
 
 
@@ -34,14 +33,15 @@ class EngineMetrics:
         self.generated = Counter("paged_kv_generated_tokens", "Tokens generated", registry=r)
         self._seen = (0, 0, 0)
 
-    def observe(self, stats: CacheStats, scheduler: Scheduler, num_generated: int) -> None:
-        """Update from one step: gauges are set, counters advance by what is new."""
-        for state, value in (("live", stats.num_live_blocks), ("cached", stats.num_cached_blocks),
-                             ("free", stats.num_free_blocks)):
+    def observe(self, cache: PagedKVCache, scheduler: Scheduler, num_generated: int) -> None:
+        """Update from one step from the owners' counters (no per-sequence work): gauges
+        are set, counters advance by what is new."""
+        allocator = cache.allocator
+        for state, value in (("live", allocator.num_live_blocks),
+                             ("cached", allocator.num_cached_blocks),
+                             ("free", allocator.num_free_blocks)):
             self.blocks.labels(state=state).set(value)
-        self.live_tokens.set(stats.num_live_tokens)
-        self.empty_slots.set(stats.num_empty_slots)
-        totals = (stats.prefix_query_tokens, stats.prefix_hit_tokens, scheduler.num_preemptions)
+        totals = (*cache.prefix_counters, scheduler.num_preemptions)
         for counter, total, seen in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
                                         totals, self._seen, strict=True):
             counter.inc(total - seen)
@@ -50,5 +50,9 @@ class EngineMetrics:
         self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
         self.generated.inc(num_generated)
 
-    def text(self) -> str:
+    def text(self, cache: PagedKVCache) -> str:
+        """Exposition text; token gauges are read now (they need a pass over the tables)."""
+        stats = cache.stats()
+        self.live_tokens.set(stats.num_live_tokens)
+        self.empty_slots.set(stats.num_empty_slots)
         return generate_latest(self.registry).decode()

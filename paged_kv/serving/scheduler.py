@@ -92,18 +92,24 @@ class Scheduler:
         return self.cache.allocator.num_obtainable_blocks - step_blocks
 
     def _schedule_running(self, step: dict[Sequence, int], budget: list[int]) -> bool:
-        preempted, reserved, i = False, 0, 0
-        while i < len(self.running) and budget[0] > 0:
-            seq = self.running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget[0])
-            need = self.cache.num_blocks_needed({seq.seq_id: num_new})
-            while need > self._available(reserved) and seq in self.running:
-                self._preempt(self.running[-1])
-                preempted = True
-            if seq not in self.running:
-                break  # it preempted itself: nothing lower-priority was left
-            step[seq], reserved, budget[0], i = num_new, reserved + need, budget[0] - num_new, i + 1
-        self._reserved = reserved
+        """Running sequences in order, as far as the budget goes; preempt from the back
+        until their blocks fit. One block count for the whole set per try."""
+        preempted = False
+        while True:
+            plan, left = [], budget[0]
+            for seq in self.running:
+                if left <= 0:
+                    break
+                plan.append((seq, min(len(seq.token_ids) - seq.num_computed, left)))
+                left -= plan[-1][1]
+            needs = (self.cache.num_blocks_needed({s.seq_id: n for s, n in plan},
+                                                  per_sequence=True) if plan else [])
+            if sum(needs) <= self._available(0):
+                break
+            self._preempt(self.running[-1])
+            preempted = True
+        step.update(plan)
+        self._reserved, budget[0] = int(sum(needs)), left
         return preempted
 
     def _schedule_swapped(self, step: dict[Sequence, int], budget: list[int]) -> None:
