@@ -98,7 +98,10 @@ def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | N
         return None
     if not lengths or min(lengths) < 1:
         return None
-    token_ids = np.array(list(chain.from_iterable(values)))
+    try:
+        token_ids = np.array(list(chain.from_iterable(values)))
+    except ValueError:  # ragged nesting: let the slow path name the sequence
+        return None
     if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu" or token_ids.size == 0:
         return None
     if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:

@@ -49,6 +49,8 @@ def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
 
 def root_hash(salt: str | None = None) -> bytes:
     """Key that the first block of a sequence chains from; a salt isolates tenants."""
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
     return hashlib.sha256(b"paged_kv:" + (salt or "").encode()).digest()
 
 

@@ -84,7 +84,7 @@ class CacheConfig:
     @property
     def element_size(self) -> int:
         """Bytes per element of `dtype`."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:

@@ -48,6 +48,8 @@ BAD_CALLS = [
     ("prepare no tokens", lambda c: c.prepare({"a": []}), ValueError, "'a' has no new tokens"),
     ("prepare float tokens", lambda c: c.prepare({"a": [1.0]}), TypeError, "ints"),
     ("prepare mixed float", lambda c: c.prepare({"a": 1, "b": [0.5]}), TypeError, "'b'"),
+    ("prepare ragged ids", lambda c: c.prepare({"a": [[1, 2]], "b": [3]}), TypeError, "'a'"),
+    ("add salt not str", lambda c: c.add_sequence("n", [1], salt=5), TypeError, "salt"),
     ("prepare swapped", lambda c: c.prepare({"z": [1]}), ValueError, "swapped out"),
     ("prepare not a mapping", lambda c: c.prepare([("a", [1])]), TypeError, "mapping"),
     ("free unknown", lambda c: c.free("nope"), KeyError, "double free"),

@@ -89,7 +89,6 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    preemption=preemption)
         self.metrics = EngineMetrics()
-        self._requests: dict[int, Request] = {}
         self._next_id = 0
         self._seed_source = torch.Generator().manual_seed(0)
 
@@ -104,7 +103,6 @@ class Engine:
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         first = Sequence(request, 0, list(prompt), _generator(params, seed, 0))
         request.samples.append(first)
-        self._requests[request.request_id] = request
         self.scheduler.waiting.append(first)
         self._next_id += 1
         return request.request_id
@@ -223,7 +221,6 @@ class Engine:
 
     def _finish_request(self, request: Request) -> RequestOutput:
         request.finish_time = time.perf_counter()
-        del self._requests[request.request_id]
         latencies = [b - a for s in request.samples
                      for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
         return RequestOutput(

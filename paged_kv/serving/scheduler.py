@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from ..cache import PagedKVCache
+from ..errors import OutOfBlocksError
 from .sampling import SamplingParams
 
 
@@ -162,19 +163,18 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        host = self.cache.config.num_host_blocks
-        if self.preemption == "swap" and host and self._host_room(seq):
-            self.cache.swap_out(seq.seq_id)
-            seq.status = "swapped"
-            self.swapped.append(seq)
-            return
+        if self.preemption == "swap":
+            try:
+                self.cache.swap_out(seq.seq_id)
+            except OutOfBlocksError:
+                pass  # the host pool is full: recompute this one instead
+            else:
+                seq.status = "swapped"
+                self.swapped.append(seq)
+                return
         self.cache.free(seq.seq_id)
         seq.num_computed, seq.status = 0, "waiting"
         self.waiting.appendleft(seq)
-
-    def _host_room(self, seq: Sequence) -> bool:
-        host_free = self.cache.config.num_host_blocks - self.cache.stats().num_swapped_blocks
-        return len(self.cache.tables.blocks(seq.seq_id)) <= host_free
 
     def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
         """Fork a request's other samples off its first, right behind it."""
