@@ -106,10 +106,12 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
+        """Free blocks (empty, handed out first)."""
         return len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
+        """Cached blocks: unowned but indexed, evictable least recently freed first."""
         return len(self._cached)
 
     @property
@@ -119,12 +121,15 @@ class BlockAllocator:
 
     @property
     def num_live_blocks(self) -> int:
+        """Blocks with at least one owner."""
         return self.num_blocks - 1 - len(self._free) - len(self._cached)
 
     def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `allocate(num_blocks)` would succeed now."""
         return num_blocks <= self.num_obtainable_blocks
 
     def block_hash(self, block_id: int) -> bytes | None:
+        """The prefix key `block_id` is indexed under, or None."""
         return self._block_hash.get(block_id)
 
     def lookup(self, key: bytes, token_ids: bytes) -> int | None:

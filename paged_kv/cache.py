@@ -76,14 +76,17 @@ class PagedKVCache(TensorOps):
     # -- read-only views of the owners ----------------------------------------------------
     @property
     def allocator(self) -> BlockAllocator:
+        """The block-id owner (read it; mutate only through the cache)."""
         return self._allocator
 
     @property
     def tables(self) -> PageTables:
+        """The per-sequence rows (read it; mutate only through the cache)."""
         return self._tables
 
     @property
     def pool(self) -> KVPool:
+        """The K/V tensors."""
         return self._pool
 
     @property
@@ -104,6 +107,7 @@ class PagedKVCache(TensorOps):
         return self._allocator.can_allocate(num_blocks)
 
     def is_swapped(self, seq_id: SeqId) -> bool:
+        """Whether `seq_id`'s blocks are in the host pool."""
         self._require_known("is_swapped()", seq_id)
         return bool(self._tables.swapped[self._tables.row_of[seq_id]])
 
@@ -408,6 +412,7 @@ class PagedKVCache(TensorOps):
 
     @property
     def num_preemptions(self) -> int:
+        """Sequences swapped out so far."""
         return self._num_preemptions
 
     @property

@@ -99,6 +99,7 @@ def _stats_dict(stats: CacheStats) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``paged-kv`` argument parser (``demo``, ``bench``)."""
     parser = argparse.ArgumentParser(prog="paged-kv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``paged-kv`` command line; returns the exit code."""
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -60,18 +60,22 @@ class StepBatch:
 
     @property
     def batch_size(self) -> int:
+        """Sequences in the step."""
         return len(self.seq_ids)
 
     @property
     def kv_indptr(self) -> torch.Tensor:
+        """``[B + 1]`` int32 offsets of each sequence's blocks in `kv_indices`."""
         return self._flashinfer_form()["kv_indptr"]
 
     @property
     def kv_indices(self) -> torch.Tensor:
+        """``[sum of blocks]`` int32 block ids of all sequences, concatenated."""
         return self._flashinfer_form()["kv_indices"]
 
     @property
     def kv_last_page_len(self) -> torch.Tensor:
+        """``[B]`` int32 tokens in each sequence's last block."""
         return self._flashinfer_form()["kv_last_page_len"]
 
     def _flashinfer_form(self) -> dict[str, torch.Tensor]:
@@ -175,6 +179,7 @@ class PageTables:
     # -- queries --------------------------------------------------------------------------
     @property
     def seq_ids(self) -> tuple[SeqId, ...]:
+        """Sequences with a row, in insertion order."""
         return tuple(self._row_of)
 
     @property
@@ -208,6 +213,7 @@ class PageTables:
         return [self._chain[row] for row in rows]
 
     def set_chains(self, rows: list[int], chains: list[bytes | None]) -> None:
+        """Set `chain` of each of `rows`."""
         for row, chain in zip(rows, chains, strict=True):
             self._chain[row] = chain
 
@@ -232,10 +238,12 @@ class PageTables:
         _ensure(not self._num_blocks[free].any(), "a free row holds blocks")
 
     def blocks(self, seq_id: SeqId) -> np.ndarray:
+        """``[num_blocks]`` int64 block ids of `seq_id`, in token order."""
         row = self._row_of[seq_id]
         return self._block_ids[row, : self._num_blocks[row]].astype(np.int64)
 
     def num_tokens_of(self, seq_id: SeqId) -> int:
+        """Tokens of `seq_id`."""
         return int(self._num_tokens[self._row_of[seq_id]])
 
     def owners(self, num_pool_blocks: int, swapped: bool = False) -> np.ndarray:
@@ -300,6 +308,7 @@ class PageTables:
         self._block_ids[rows, columns] = block_ids
 
     def set_num_tokens(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Set the token count of each of `rows` (columns grow to fit)."""
         if num_tokens.size and num_tokens.max() > self._token_ids.shape[1]:
             self._grow_columns(-(-int(num_tokens.max()) // self.block_size))
         self._num_tokens[rows] = num_tokens
@@ -310,6 +319,7 @@ class PageTables:
         self._token_ids[token_rows, positions] = token_ids
 
     def set_chain(self, row: int, chain: bytes | None) -> None:
+        """Set the prefix key of `row`'s last full block (None: never index it again)."""
         self._chain[row] = chain
 
     def truncate(self, seq_id: SeqId, num_tokens: int, chain: bytes | None) -> np.ndarray:

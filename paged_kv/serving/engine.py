@@ -155,6 +155,7 @@ class Engine:
 
     @property
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting, running or swapped out."""
         return self.scheduler.has_work
 
     # -- one step ------------------------------------------------------------------------

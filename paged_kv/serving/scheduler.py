@@ -77,6 +77,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Whether any sequence is waiting, running or swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> dict[Sequence, int]:
@@ -185,6 +186,7 @@ class Scheduler:
         self.running[position:position] = children
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` with `reason` and free its blocks."""
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.status, seq.finish_reason = "finished", reason
