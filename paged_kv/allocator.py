@@ -224,7 +224,7 @@ class BlockAllocator:
         keys = []
         for i, (block_id, parent) in enumerate(zip(block_ids, parent_keys, strict=True)):
             tokens = token_ids[i * width:(i + 1) * width]
-            key = hashlib.sha256(parent + tokens).digest()
+            key = hash_block(parent, tokens)
             keys.append(key)
             if self.enable_prefix_caching and key not in index:
                 index[key] = block_id

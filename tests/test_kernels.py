@@ -418,3 +418,13 @@ def test_copy_blocks_reference_in_several_chunks(monkeypatch: pytest.MonkeyPatch
     copy_module.copy_blocks_reference(pool, torch.tensor(src_block_ids),
                                       torch.tensor(dst_block_ids))
     assert torch.equal(pool, expected), "chunked copy differs from the loop reference"
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from paged_kv.kernels import backend
+
+    monkeypatch.setenv("PAGED_KV_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        backend.use_triton(torch.zeros(1))

@@ -27,6 +27,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
     forced = os.environ.get("PAGED_KV_BACKEND", "").lower()
     if forced == "torch":
         return False
+    if forced == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("PAGED_KV_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                           "(Triton compiles for GPUs only); unset it to use the torch kernels")
     if forced == "triton" or tensor.is_cuda:
         return triton_available()
     return False
