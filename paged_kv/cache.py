@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ._tensor_ops import TensorOps
-from ._tokens import parse_step, tokens_to_array
+from ._tokens import Step, parse_step, tokens_to_array
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator, root_hash
 from .config import CacheConfig
@@ -268,14 +268,9 @@ class PagedKVCache(TensorOps):
             tables.set_chain(int(row), None)
         if self.config.enable_prefix_caching:
             index_full_blocks(allocator, tables, rows, old_lens, new_lens, block_size)
-        width = int(tables.num_blocks[rows].max()) if len(rows) else 0
-        batch = StepBatch.from_arrays(step.seq_ids, tables.block_ids[rows, :width],
-                                      tables.num_blocks[rows], new_lens, step.counts,
-                                      block_size, self.config.device)
-        self._after_mutation()
-        return batch
+        return self._finish_step(step, new_lens)
 
-    def _prepare_decode(self, step) -> StepBatch | None:
+    def _prepare_decode(self, step: Step) -> StepBatch | None:
         """`prepare` for one known token per sequence, the steady state, in a few array ops.
 
         Returns None (the general path takes over) when a last block is shared.
@@ -297,10 +292,14 @@ class PagedKVCache(TensorOps):
         new_lens = old_lens + 1
         if self.config.enable_prefix_caching:
             index_filled_blocks(allocator, tables, rows[offsets == block_size - 1], block_size)
-        num_blocks = tables.num_blocks[rows]
-        block_tables = tables.block_ids[rows, : int(num_blocks.max())]
+        return self._finish_step(step, new_lens)
+
+    def _finish_step(self, step: Step, new_lens: np.ndarray) -> StepBatch:
+        """The step's `StepBatch` from the committed rows (both prepare paths end here)."""
+        num_blocks = self._tables.num_blocks[step.rows]
+        block_tables = self._tables.block_ids[step.rows, : int(num_blocks.max())]
         batch = StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
-                                      step.counts, block_size, self.config.device)
+                                      step.counts, self.config.block_size, self.config.device)
         self._after_mutation()
         return batch
 
@@ -327,7 +326,7 @@ class PagedKVCache(TensorOps):
             return num_new_blocks + np.isin(step.rows, cow_rows)
         return int(num_new_blocks.sum()) + len(cow_rows)
 
-    def _count_blocks(self, step) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    def _count_blocks(self, step: Step) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """New blocks per row of `step`, and the copy-on-write plan."""
         rows, block_size = step.rows, self.config.block_size
         old_lens = self._tables.num_tokens[rows]
