@@ -20,7 +20,8 @@ SUITES = ["tests/test_bad_input.py", "tests/test_accounting.py", "tests/test_pag
 
 def test_cache_suites_pass_on_the_triton_backend():
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PAGED_KV_BACKEND="triton", TRITON_INTERPRET="1")
+    env = dict(os.environ, PAGED_KV_BACKEND="triton", TRITON_INTERPRET="1",
+               PAGED_KV_HYPOTHESIS_PROFILE="paged_kv_interpreter")
     command = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-x",
                *SUITES]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
