@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -30,3 +31,10 @@ def check_tensor(name: str, tensor: object, shape: Sequence[int | None], *,
         same_type = tensor.device.type == device.type
         if not (same_type and device.index is None):
             raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A view of `array` that raises on writes: owners hand these out instead of their state."""
+    view = array.view()
+    view.flags.writeable = False
+    return view

@@ -21,7 +21,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .errors import InvariantError, OutOfBlocksError
+from ._checks import read_only
+from .errors import OutOfBlocksError, ensure
 
 NULL_BLOCK = 0
 
@@ -93,16 +94,12 @@ class BlockAllocator:
     @property
     def refcount(self) -> np.ndarray:
         """Read-only view of the per-block owner counts ``[num_blocks]``."""
-        view = self._refcount.view()
-        view.flags.writeable = False
-        return view
+        return read_only(self._refcount)
 
     @property
     def indexed(self) -> np.ndarray:
         """Read-only ``[num_blocks]`` bool: the block is in the prefix index."""
-        view = self._indexed.view()
-        view.flags.writeable = False
-        return view
+        return read_only(self._indexed)
 
     @property
     def num_free_blocks(self) -> int:
@@ -268,7 +265,6 @@ class BlockAllocator:
             refcounts when given.
         """
         free, cached = self._free, list(self._cached)
-        ensure = _ensure
         live = np.flatnonzero(self._refcount > 0).tolist()
         everything = free + cached + live
         ensure(len(set(everything)) == len(everything), "a block is in two states")
@@ -291,8 +287,3 @@ class BlockAllocator:
                    f"refcount differs from owners for blocks {bad[:8].tolist()}: "
                    f"{self._refcount[bad[:8]].tolist()} vs {owners[bad[:8]].tolist()}")
 
-
-def _ensure(condition: bool, message: str) -> None:
-    # explicit raise, not assert: check() must keep working under python -O
-    if not condition:
-        raise InvariantError(message)

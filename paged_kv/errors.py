@@ -30,3 +30,10 @@ class OutOfBlocksError(PagedKVError):
 
 class InvariantError(PagedKVError):
     """An internal invariant of the cache is broken: a bug in paged_kv, never a caller mistake."""
+
+
+def ensure(condition: bool, message: str) -> None:
+    """Raise `InvariantError(message)` unless `condition`; an explicit raise, not an assert,
+    so invariant checks keep working under ``python -O``."""
+    if not condition:
+        raise InvariantError(message)

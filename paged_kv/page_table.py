@@ -18,7 +18,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from .errors import InvariantError
+from ._checks import read_only
+from .errors import ensure
 
 SeqId = Hashable
 
@@ -170,11 +171,11 @@ class PageTables:
 
     def _refresh_views(self) -> None:
         # read-only views made once (not per access): the step's hot path reads them often
-        self.block_ids = _read_only(self._block_ids)     # [rows, width] int32
-        self.num_blocks = _read_only(self._num_blocks)   # [rows] int64
-        self.num_tokens = _read_only(self._num_tokens)   # [rows] int64
-        self.token_ids = _read_only(self._token_ids)     # [rows, width * block_size] int32
-        self.swapped = _read_only(self._swapped)         # [rows] bool
+        self.block_ids = read_only(self._block_ids)     # [rows, width] int32
+        self.num_blocks = read_only(self._num_blocks)   # [rows] int64
+        self.num_tokens = read_only(self._num_tokens)   # [rows] int64
+        self.token_ids = read_only(self._token_ids)     # [rows, width * block_size] int32
+        self.swapped = read_only(self._swapped)         # [rows] bool
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -230,12 +231,12 @@ class PageTables:
         rows = self.rows()
         expected = -(-self._num_tokens[rows] // self.block_size)
         bad = np.flatnonzero(self._num_blocks[rows] != expected)
-        _ensure(bad.size == 0, f"rows {rows[bad].tolist()} hold a wrong number of blocks")
+        ensure(bad.size == 0, f"rows {rows[bad].tolist()} hold a wrong number of blocks")
         in_use = np.arange(self._block_ids.shape[1]) < self._num_blocks[:, None]
-        _ensure(not (self._block_ids[in_use] == 0).any(), "a row points at the null block")
-        _ensure(not self._block_ids[~in_use].any(), "a row has entries past its blocks")
+        ensure(not (self._block_ids[in_use] == 0).any(), "a row points at the null block")
+        ensure(not self._block_ids[~in_use].any(), "a row has entries past its blocks")
         free = np.array(self._free_rows, dtype=np.int64)
-        _ensure(not self._num_blocks[free].any(), "a free row holds blocks")
+        ensure(not self._num_blocks[free].any(), "a free row holds blocks")
 
     def blocks(self, seq_id: SeqId) -> np.ndarray:
         """``[num_blocks]`` int64 block ids of `seq_id`, in token order."""
@@ -379,13 +380,3 @@ class PageTables:
 def _pad_rows(array: np.ndarray, extra: int) -> np.ndarray:
     return np.concatenate([array, np.zeros((extra, *array.shape[1:]), dtype=array.dtype)])
 
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
-def _ensure(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvariantError(message)
