@@ -218,24 +218,15 @@ def test_preemption_completes_every_request_unchanged(model, dense, unconstraine
     assert_drained(engine)
 
 
-def test_swap_in_of_a_sequence_preempted_mid_prefill(model, dense):
-    # request 2 (51 tokens) is swapped out after 28 of its prompt tokens, swapped back in with
-    # 4 obtainable blocks (its 2 + 1 checked) and scheduled 22 tokens needing 2 more blocks
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_a_sequence_preempted_mid_prefill_completes(model, dense, preemption):
+    # request 2 (51 tokens) is preempted after 28 of its prompt tokens; with swap it comes
+    # back with 4 obtainable blocks (its 2 + 1 checked) and is scheduled 22 tokens needing
+    # 2 more blocks
     requests = [(make_prompt(length, seed=9), SamplingParams(max_tokens=m))
                 for length, m in ((10, 15), (31, 7), (51, 24))]
-    engine = make_engine(model, num_blocks=8, num_host_blocks=64, max_num_batched_tokens=24,
-                         preemption="swap")
-    ids, outputs, _ = drive(engine, {0: requests})
-    assert engine.scheduler.num_preemptions > 0
-    for request_id, (prompt, params) in zip(ids, requests, strict=True):
-        assert tokens_of(outputs[request_id]) == [dense(prompt, params.max_tokens)]
-    assert_drained(engine)
-
-
-def test_recompute_handles_the_mid_prefill_case(model, dense):
-    requests = [(make_prompt(length, seed=9), SamplingParams(max_tokens=m))
-                for length, m in ((10, 15), (31, 7), (51, 24))]
-    engine = make_engine(model, num_blocks=8, max_num_batched_tokens=24)
+    engine = make_engine(model, num_blocks=8, max_num_batched_tokens=24, preemption=preemption,
+                         num_host_blocks=64 if preemption == "swap" else 0)
     ids, outputs, _ = drive(engine, {0: requests})
     assert engine.scheduler.num_preemptions > 0
     for request_id, (prompt, params) in zip(ids, requests, strict=True):
