@@ -35,6 +35,14 @@ class BlockEvent:
     block_ids: tuple[int, ...]
 
 
+TOKEN_BYTES = 4  # one token id in a key: little-endian int32
+
+
+def encode_tokens(token_ids: np.ndarray) -> bytes:
+    """The canonical bytes of token ids that keys hash: little-endian int32."""
+    return token_ids.astype("<i4").tobytes()
+
+
 def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
     """Chained, process-independent key of a full block.
 
@@ -43,7 +51,7 @@ def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
     parent_hash : bytes
         Key of the previous block of the sequence (the salt's root key for the first one).
     token_ids : bytes
-        The block's token ids as little-endian int32 bytes.
+        The block's token ids, `encode_tokens` of them.
     """
     return hashlib.sha256(parent_hash + token_ids).digest()
 

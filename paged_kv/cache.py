@@ -19,7 +19,7 @@ import torch
 from ._tensor_ops import TensorOps
 from ._tokens import Step, parse_step, tokens_to_array
 from .accounting import CacheStats, compute_stats
-from .allocator import BlockAllocator, root_hash
+from .allocator import BlockAllocator, encode_tokens, root_hash
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
 from .page_table import PageTables, SeqId, StepBatch
@@ -396,8 +396,8 @@ class PagedKVCache(TensorOps):
         block_size = self.config.block_size
         for j, key in enumerate(self._swapped_keys.pop(seq_id)):
             if key is not None:
-                block_tokens = token_ids[j * block_size:(j + 1) * block_size].astype("<i4")
-                self._allocator.register(int(block_ids[j]), key, block_tokens.tobytes())
+                block_tokens = encode_tokens(token_ids[j * block_size:(j + 1) * block_size])
+                self._allocator.register(int(block_ids[j]), key, block_tokens)
         self._after_mutation()
 
     # -- accounting and checking ----------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .allocator import BlockAllocator, hash_block
+from .allocator import TOKEN_BYTES, BlockAllocator, encode_tokens, hash_block
 from .page_table import PageTables
 
 
@@ -20,7 +20,7 @@ def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
     """
     hits: list[int] = []
     for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
-        block_tokens = tokens[start:start + block_size].astype("<i4").tobytes()
+        block_tokens = encode_tokens(tokens[start:start + block_size])
         key = hash_block(chain, block_tokens)
         block_id = allocator.lookup(key, block_tokens)
         if block_id is None:
@@ -43,7 +43,7 @@ def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.
         parents = [parents[i] for i in keep]
     columns = tables.num_blocks[rows] - 1
     slots = columns[:, None] * block_size + np.arange(block_size)
-    token_ids = tables.token_ids[rows[:, None], slots].astype("<i4").tobytes()
+    token_ids = encode_tokens(tables.token_ids[rows[:, None], slots])
     keys = allocator.register_blocks(tables.block_ids[rows, columns].tolist(), parents,
                                      token_ids)
     tables.set_chains(row_list, keys)
@@ -63,8 +63,8 @@ def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.nd
     columns = np.repeat(first_full, num_filled) + rank
     block_ids = tables.block_ids[owner, columns].tolist()
     slots = columns[:, None] * block_size + np.arange(block_size)
-    data = tables.token_ids[owner[:, None], slots].astype("<i4").tobytes()
-    width, register = 4 * block_size, allocator.register
+    data = encode_tokens(tables.token_ids[owner[:, None], slots])
+    width, register = TOKEN_BYTES * block_size, allocator.register
     row, chain = -1, None
     for i, (block_row, block_id) in enumerate(zip(owner.tolist(), block_ids, strict=True)):
         if block_row != row:
