@@ -40,7 +40,7 @@ TOKEN_BYTES = 4  # one token id in a key: little-endian int32
 
 def encode_tokens(token_ids: np.ndarray) -> bytes:
     """The canonical bytes of token ids that keys hash: little-endian int32."""
-    return token_ids.astype("<i4").tobytes()
+    return token_ids.astype("<i4", copy=False).tobytes()
 
 
 def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
@@ -93,6 +93,11 @@ class BlockAllocator:
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._block_hash: dict[int, bytes] = {}
         self._indexed = np.zeros(num_blocks, dtype=bool)  # block_hash's keys, as an array
+        # shared or indexed: a write must copy it first (kept up to date by every mutator,
+        # so a decode step tests its last blocks with one lookup)
+        self._protected = np.zeros(num_blocks, dtype=bool)
+        self._views = tuple(read_only(a) for a in (self._refcount, self._indexed,
+                                                   self._protected))
         self._block_tokens: dict[int, bytes] = {}
         self._index: dict[bytes, int] = {}
         # bounded, so a user who never drains events does not leak memory
@@ -102,12 +107,18 @@ class BlockAllocator:
     @property
     def refcount(self) -> np.ndarray:
         """Read-only view of the per-block owner counts ``[num_blocks]``."""
-        return read_only(self._refcount)
+        return self._views[0]
 
     @property
     def indexed(self) -> np.ndarray:
         """Read-only ``[num_blocks]`` bool: the block is in the prefix index."""
-        return read_only(self._indexed)
+        return self._views[1]
+
+    @property
+    def protected(self) -> np.ndarray:
+        """Read-only ``[num_blocks]`` bool: shared (refcount > 1) or indexed, so writing into
+        the block must copy it first."""
+        return self._views[2]
 
     @property
     def num_free_blocks(self) -> int:
@@ -173,6 +184,7 @@ class BlockAllocator:
             taken += evicted
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1
+        self._protected[ids] = False
         self._events.append(BlockEvent("allocated", tuple(taken)))
         return ids
 
@@ -185,6 +197,7 @@ class BlockAllocator:
         if revived:
             self._events.append(BlockEvent("hit", tuple(revived)))
         self._refcount[ids] += 1
+        self._protected[ids] = True  # now shared, or a revived cached block (indexed)
 
     def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry).
@@ -196,6 +209,7 @@ class BlockAllocator:
         if ids.size == 0:
             return
         np.subtract.at(self._refcount, ids, 1)
+        self._protected[ids] = (self._refcount[ids] > 1) | self._indexed[ids]
         released = list(dict.fromkeys(ids[self._refcount[ids] == 0][::-1].tolist()))
         cached = [b for b in released if b in self._block_hash]
         freed = [b for b in released if b not in self._block_hash]
@@ -214,6 +228,7 @@ class BlockAllocator:
         self._block_hash[block_id] = key
         self._block_tokens[block_id] = token_ids
         self._indexed[block_id] = True
+        self._protected[block_id] = True
         return True
 
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
@@ -222,20 +237,35 @@ class BlockAllocator:
         slice i of `token_ids` (equal slices, little-endian int32) and chains from
         ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
 
-        One call per step keeps the per-block work to a hash and two dict stores.
+        One call per step: the hashes in one comprehension and the index updated in bulk,
+        so the per-block work is a hash and a few C-level dict stores.
         """
-        width = len(token_ids) // max(len(block_ids), 1)
-        index, block_hash, block_tokens = self._index, self._block_hash, self._block_tokens
-        keys = []
-        for i, (block_id, parent) in enumerate(zip(block_ids, parent_keys, strict=True)):
-            tokens = token_ids[i * width:(i + 1) * width]
-            key = hash_block(parent, tokens)
-            keys.append(key)
-            if self.enable_prefix_caching and key not in index:
-                index[key] = block_id
-                block_hash[block_id] = key
-                block_tokens[block_id] = tokens
-                self._indexed[block_id] = True
+        if not block_ids:
+            return []
+        width = len(token_ids) // len(block_ids)
+        pieces = [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
+        sha256 = hashlib.sha256
+        keys = [sha256(parent + piece).digest()
+                for parent, piece in zip(parent_keys, pieces, strict=True)]
+        if not self.enable_prefix_caching:
+            return keys
+        index = self._index
+        new_keys, new_ids = keys, block_ids
+        if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
+            # a key indexed before (or twice in this step) keeps its first block
+            first = {}
+            for i, key in enumerate(keys):
+                if key not in index:
+                    first.setdefault(key, i)
+            chosen = list(first.values())
+            new_keys = [keys[i] for i in chosen]
+            new_ids = [block_ids[i] for i in chosen]
+            pieces = [pieces[i] for i in chosen]
+        index.update(zip(new_keys, new_ids, strict=True))
+        self._block_hash.update(zip(new_ids, new_keys, strict=True))
+        self._block_tokens.update(zip(new_ids, pieces, strict=True))
+        self._indexed[new_ids] = True
+        self._protected[new_ids] = True
         return keys
 
     def reset_prefix_cache(self) -> int:
@@ -247,6 +277,7 @@ class BlockAllocator:
         self._block_hash.clear()
         self._block_tokens.clear()
         self._indexed[:] = False
+        np.greater(self._refcount, 1, out=self._protected)
         if dropped:
             self._events.append(BlockEvent("freed", tuple(dropped)))
         return len(dropped)
@@ -287,6 +318,8 @@ class BlockAllocator:
             ensure(self._block_hash.get(block_id) == key, f"index entry of {block_id} is stale")
         ensure(len(self._block_hash) == len(self._index) == len(self._block_tokens),
                "index, block keys and block tokens disagree in size")
+        ensure(np.array_equal(self._protected, (self._refcount > 1) | self._indexed),
+               "the write-protected flags disagree with refcounts and the index")
         ensure(sorted(self._block_hash) == np.flatnonzero(self._indexed).tolist(),
                "the indexed flags disagree with the index")
         if owners is not None:

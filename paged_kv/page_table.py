@@ -119,6 +119,16 @@ class StepBatch:
                          + (seq_lens - query_lens)[token_row])
         slot_mapping = block_tables[token_row, positions // block_size] * block_size
         slot_mapping += positions % block_size
+        return cls.from_host(seq_ids, block_tables, num_blocks, seq_lens, query_start_loc,
+                             slot_mapping, num_tokens, int(query_lens.max()), block_size,
+                             device)
+
+    @classmethod
+    def from_host(cls, seq_ids: tuple[SeqId, ...], block_tables: np.ndarray,
+                  num_blocks: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
+                  slot_mapping: np.ndarray, num_tokens: int, max_query_len: int,
+                  block_size: int, device: torch.device) -> StepBatch:
+        """Wrap finished host arrays (no copy on the CPU) and ship them to `device` once."""
         on_cpu = device.type == "cpu"
 
         def ship(array: np.ndarray, dtype: type) -> torch.Tensor:
@@ -133,7 +143,7 @@ class StepBatch:
             query_start_loc=ship(query_start_loc, np.int32),
             num_tokens=num_tokens,
             max_seq_len=int(seq_lens.max()),
-            max_query_len=int(query_lens.max()),
+            max_query_len=max_query_len,
             block_size=block_size,
             _host=(block_tables, num_blocks, seq_lens),
         )
@@ -165,8 +175,11 @@ class PageTables:
         self._token_ids = np.zeros((max_num_seqs, max_blocks * block_size), dtype=np.int32)
         self._chain: list[bytes | None] = [None] * max_num_seqs
         self._swapped = np.zeros(max_num_seqs, dtype=bool)
-        self._version = 0  # bumped whenever the seq_id -> row mapping changes
+        self._resident = np.zeros(max_num_seqs, dtype=bool)  # has a row, blocks on the device
+        self._seq_of_row: list[SeqId | None] = [None] * max_num_seqs
+        self._version = 0  # bumped whenever the seq_id -> row mapping or residency changes
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
+        self._last_resolved: tuple = (-1, None, None, ())  # version, handle, rows, seq_ids
         self._refresh_views()
 
     def _refresh_views(self) -> None:
@@ -202,6 +215,35 @@ class PageTables:
         rows.flags.writeable = False
         self._last_lookup = (self._version, seq_ids, rows)
         return rows
+
+    def resolve_rows(self, what: str, rows: object) -> tuple[np.ndarray, tuple[SeqId, ...]]:
+        """Validate row handles of resident sequences, each once; returns them as ``[B]``
+        int64 and the sequences they belong to.
+
+        A read-only array that was validated last time, with no row added, removed or
+        swapped since, is accepted without another pass (the steady decode state).
+        """
+        version, handle, last_rows, last_ids = self._last_resolved
+        if rows is handle and version == self._version:
+            return last_rows, last_ids
+        array = np.asarray(rows)
+        if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
+            raise TypeError(f"{what}: rows must be a non-empty 1-d int array (from rows_of()), "
+                            f"got dtype {array.dtype} and shape {array.shape}")
+        array = array.astype(np.int64, copy=False)
+        num_rows = self._resident.shape[0]
+        if array.min() < 0 or array.max() >= num_rows or not self._resident[array].all():
+            bad = [int(r) for r in array if not 0 <= r < num_rows or not self._resident[r]]
+            raise ValueError(f"{what}: rows {bad[:5]} are not resident sequences (freed, "
+                             f"swapped out, or never handed out by rows_of())")
+        mark = np.full(num_rows, -1, dtype=np.int64)
+        mark[array] = np.arange(array.size)
+        if not (mark[array] == np.arange(array.size)).all():
+            raise ValueError(f"{what}: a row appears twice in rows")
+        seq_ids = tuple(map(self._seq_of_row.__getitem__, array.tolist()))
+        if isinstance(rows, np.ndarray) and not rows.flags.writeable:
+            self._last_resolved = (self._version, rows, array, seq_ids)
+        return array, seq_ids
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._row_of
@@ -262,6 +304,8 @@ class PageTables:
             self._grow_rows()
         row = self._free_rows.pop()
         self._row_of[seq_id] = row
+        self._seq_of_row[row] = seq_id
+        self._resident[row] = True
         self._version += 1
         self._chain[row] = chain
         return row
@@ -274,6 +318,8 @@ class PageTables:
         self._block_ids[row, : blocks.size] = 0
         self._num_blocks[row] = self._num_tokens[row] = 0
         self._swapped[row] = False
+        self._resident[row] = False
+        self._seq_of_row[row] = None
         self._chain[row] = None
         self._free_rows.append(row)
         return blocks
@@ -338,6 +384,8 @@ class PageTables:
         row = self._row_of[seq_id]
         self._block_ids[row, : block_ids.size] = block_ids
         self._swapped[row] = swapped
+        self._resident[row] = not swapped
+        self._version += 1
 
     def fork(self, parent: SeqId, child: SeqId) -> int:
         """Give `child` a copy of `parent`'s row; returns the child's row."""
@@ -363,6 +411,9 @@ class PageTables:
         self._num_tokens = _pad_rows(self._num_tokens, old)
         self._token_ids = _pad_rows(self._token_ids, old)
         self._swapped = _pad_rows(self._swapped, old)
+        self._resident = _pad_rows(self._resident, old)
+        self._seq_of_row += [None] * old
+        self._version += 1
         self._chain += [None] * old
         self._free_rows = list(range(2 * old - 1, old - 1, -1)) + self._free_rows
         self._refresh_views()

@@ -42,8 +42,9 @@ def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.
         rows, row_list = rows[keep], [row_list[i] for i in keep]
         parents = [parents[i] for i in keep]
     columns = tables.num_blocks[rows] - 1
-    slots = columns[:, None] * block_size + np.arange(block_size)
-    token_ids = encode_tokens(tables.token_ids[rows[:, None], slots])
+    # [rows, blocks, block_size] view: one gather yields each filled block's token ids
+    block_tokens = tables.token_ids.reshape(tables.token_ids.shape[0], -1, block_size)
+    token_ids = encode_tokens(block_tokens[rows, columns])
     keys = allocator.register_blocks(tables.block_ids[rows, columns].tolist(), parents,
                                      token_ids)
     tables.set_chains(row_list, keys)

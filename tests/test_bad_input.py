@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,22 @@ BAD_CALLS = [
     ("add salt not str", lambda c: c.add_sequence("n", [1], salt=5), TypeError, "salt"),
     ("prepare swapped", lambda c: c.prepare({"z": [1]}), ValueError, "swapped out"),
     ("prepare not a mapping", lambda c: c.prepare([("a", [1])]), TypeError, "mapping"),
+    ("rows_of unknown", lambda c: c.rows_of(["a", "nope"]), KeyError, "'nope'"),
+    ("rows_of swapped", lambda c: c.rows_of(["z"]), ValueError, "not resident"),
+    ("decode swapped row", lambda c: c.prepare_decode(
+        np.array([c.tables.row_of["z"]]), np.array([1])), ValueError, "not resident"),
+    ("decode unused row", lambda c: c.prepare_decode(np.array([63]), np.array([1])),
+     ValueError, "not resident"),
+    ("decode row twice", lambda c: c.prepare_decode(np.array([0, 0]), np.array([1, 2])),
+     ValueError, "twice"),
+    ("decode float rows", lambda c: c.prepare_decode(np.array([0.0]), np.array([1])),
+     TypeError, "rows"),
+    ("decode no rows", lambda c: c.prepare_decode(np.array([], dtype=int), np.array([])),
+     TypeError, "non-empty"),
+    ("decode token count", lambda c: c.prepare_decode(c.rows_of(["a", "b"]), np.array([1])),
+     ValueError, "one per row"),
+    ("decode negative token", lambda c: c.prepare_decode(c.rows_of(["a"]), np.array([-1])),
+     ValueError, "token ids"),
     ("free unknown", lambda c: c.free("nope"), KeyError, "double free"),
     ("fork onto existing", lambda c: c.fork("a", "b"), ValueError, "'b' already exists"),
     ("fork unknown parent", lambda c: c.fork("nope", "c"), KeyError, "'nope'"),

@@ -98,6 +98,34 @@ class CacheMachine(RuleBasedStateMachine):
         for layer in range(2):
             self.cache.write(layer, k[layer].contiguous(), v[layer].contiguous(), batch)
 
+    @rule(data=st.data())
+    def decode(self, data):
+        """One token for each of some resident sequences through the array API."""
+        resident = [s for s in self.tokens if not self.cache.is_swapped(s)]
+        if not resident:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(resident), min_size=1, unique=True))
+        new = data.draw(st.lists(st.integers(0, 5), min_size=len(chosen),
+                                 max_size=len(chosen)))
+        rows = self.cache.rows_of(chosen)
+        before = self.cache.snapshot()
+        try:
+            batch = self.cache.prepare_decode(rows, np.array(new))
+        except OutOfBlocksError as exc:
+            assert exc.requested > exc.free
+            assert_same_snapshot(before, self.cache.snapshot(), "prepare_decode() out of blocks")
+            return
+        assert batch.seq_ids == tuple(chosen)
+        kvs = []
+        for seq_id, token in zip(chosen, new, strict=True):
+            self.pending[seq_id] = self.pending[seq_id][1:]
+            self.tokens[seq_id].append(token)
+            kvs.append(kv_for(tuple(self.tokens[seq_id])))
+            self.kv[seq_id].append(kvs[-1])
+        kv = torch.stack(kvs, 2)  # (layers, 2, tokens, H, D)
+        for layer in range(2):
+            self.cache.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous(), batch)
+
     @rule(parent=seqs)
     def fork(self, parent):
         if parent not in self.tokens or self.cache.is_swapped(parent):

@@ -1,0 +1,109 @@
+"""The array decode step (`rows_of` + `prepare_decode`) equals `prepare({seq: [token]})`.
+
+Two caches run the same random program, one through each API; after every step their
+batches and their whole state (tables, allocator, index, pool) must be identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paged_kv import OutOfBlocksError, PagedKVCache
+
+from .conftest import assert_same_snapshot, tiny_config
+
+
+def _same_batch(a, b) -> None:
+    assert a.seq_ids == b.seq_ids
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                 "kv_indptr", "kv_indices", "kv_last_page_len"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert (a.num_tokens, a.max_seq_len, a.max_query_len) == \
+        (b.num_tokens, b.max_seq_len, b.max_query_len)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_arrays_equal_mapping(block_size, caching, seed):
+    rng = np.random.default_rng(seed)
+    caches = [PagedKVCache(tiny_config(block_size=block_size, num_blocks=64,
+                                       enable_prefix_caching=caching)) for _ in range(2)]
+    live: list[str] = []
+    for step in range(60):
+        action = rng.random()
+        if action < 0.15 or not live:  # admit, often behind a shared prefix
+            seq_id = f"s{step}"
+            prompt = [1, 2, 3, 4, 5, 6, 7][: rng.integers(1, 8)] + \
+                rng.integers(0, 9, rng.integers(0, 12)).tolist()
+            for cache in caches:
+                hit = cache.add_sequence(seq_id, prompt)
+                try:
+                    cache.prepare({seq_id: prompt[hit:]})
+                except OutOfBlocksError:
+                    cache.free(seq_id)
+                    continue
+            if seq_id in caches[0]:
+                live.append(seq_id)
+        elif action < 0.25:  # fork: the next decode must copy a shared last block
+            parent = live[rng.integers(len(live))]
+            for cache in caches:
+                cache.fork(parent, f"{parent}.{step}")
+            live.append(f"{parent}.{step}")
+        elif action < 0.32 and len(live) > 1:
+            seq_id = live.pop(rng.integers(len(live)))
+            for cache in caches:
+                cache.free(seq_id)
+        else:
+            chosen = [live[i] for i in rng.permutation(len(live))[: rng.integers(1, 9)]]
+            tokens = rng.integers(0, 9, len(chosen))
+            results = []
+            for api, cache in zip(("mapping", "arrays"), caches, strict=True):
+                before = cache.snapshot()
+                try:
+                    if api == "mapping":
+                        results.append(cache.prepare(
+                            {s: [int(t)] for s, t in zip(chosen, tokens, strict=True)}))
+                    else:
+                        results.append(cache.prepare_decode(cache.rows_of(chosen), tokens))
+                except OutOfBlocksError:
+                    assert_same_snapshot(before, cache.snapshot(), f"{api} out of blocks")
+                    results.append(None)
+            assert (results[0] is None) == (results[1] is None)
+            if results[0] is not None:
+                _same_batch(*results)
+                for layer in range(2):  # same K/V in both pools
+                    k = torch.randn(len(chosen), 2, 4)
+                    for cache, batch in zip(caches, results, strict=True):
+                        cache.write(layer, k, -k, batch)
+        for cache in caches:
+            cache.check()
+        assert_same_snapshot(caches[0].snapshot(), caches[1].snapshot(), f"step {step}")
+
+
+def test_rows_of_handle_is_reused_until_the_set_changes():
+    cache = PagedKVCache(tiny_config())
+    for seq_id in ("a", "b"):
+        cache.add_sequence(seq_id, [1, 2, 3])
+        cache.prepare({seq_id: [1, 2, 3]})
+    rows = cache.rows_of(["a", "b"])
+    assert rows is cache.rows_of(["a", "b"]) and not rows.flags.writeable
+    cache.prepare_decode(rows, np.array([4, 5]))
+    cache.add_sequence("c")
+    assert cache.rows_of(["a", "b"]) is not rows
+    cache.free("a")
+    with pytest.raises(ValueError, match="not resident"):
+        cache.prepare_decode(rows, np.array([6, 7]))  # a stale handle is caught
+    assert cache.seq_len("b") == 4
+
+
+def test_decode_accepts_a_token_tensor_and_plain_lists():
+    cache = PagedKVCache(tiny_config())
+    cache.add_sequence("a", [1, 2])
+    cache.prepare({"a": [1, 2]})
+    batch = cache.prepare_decode([cache.tables.row_of["a"]], torch.tensor([9]))
+    assert batch.seq_ids == ("a",) and batch.seq_lens.tolist() == [3]
+    assert cache.tables.token_ids[cache.tables.row_of["a"], :3].tolist() == [1, 2, 9]
