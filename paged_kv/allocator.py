@@ -247,26 +247,44 @@ class BlockAllocator:
         sha256 = hashlib.sha256
         keys = [sha256(parent + piece).digest()
                 for parent, piece in zip(parent_keys, pieces, strict=True)]
-        if not self.enable_prefix_caching:
-            return keys
+        if self.enable_prefix_caching:
+            self._insert(keys, block_ids, pieces)
+        return keys
+
+    def register_chain(self, block_ids: list[int], parent_key: bytes,
+                       token_ids: bytes) -> list[bytes]:
+        """Key and index consecutive full blocks of one sequence: ``block_ids[0]`` chains
+        from `parent_key`, each next one from the key before it; ``block_ids[i]`` holds
+        slice i of `token_ids` (equal slices, little-endian int32). Returns the keys."""
+        if not block_ids:
+            return []
+        width = len(token_ids) // len(block_ids)
+        pieces = [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
+        sha256, keys, key = hashlib.sha256, [], parent_key
+        for piece in pieces:  # serial: each key chains the one before
+            key = sha256(key + piece).digest()
+            keys.append(key)
+        if self.enable_prefix_caching:
+            self._insert(keys, block_ids, pieces)
+        return keys
+
+    def _insert(self, keys: list[bytes], block_ids: list[int], pieces: list[bytes]) -> None:
+        """Index blocks in bulk; a key indexed before (or twice here) keeps its first block."""
         index = self._index
-        new_keys, new_ids = keys, block_ids
         if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
-            # a key indexed before (or twice in this step) keeps its first block
-            first = {}
+            first: dict[bytes, int] = {}
             for i, key in enumerate(keys):
                 if key not in index:
                     first.setdefault(key, i)
             chosen = list(first.values())
-            new_keys = [keys[i] for i in chosen]
-            new_ids = [block_ids[i] for i in chosen]
+            keys = [keys[i] for i in chosen]
+            block_ids = [block_ids[i] for i in chosen]
             pieces = [pieces[i] for i in chosen]
-        index.update(zip(new_keys, new_ids, strict=True))
-        self._block_hash.update(zip(new_ids, new_keys, strict=True))
-        self._block_tokens.update(zip(new_ids, pieces, strict=True))
-        self._indexed[new_ids] = True
-        self._protected[new_ids] = True
-        return keys
+        index.update(zip(keys, block_ids, strict=True))
+        self._block_hash.update(zip(block_ids, keys, strict=True))
+        self._block_tokens.update(zip(block_ids, pieces, strict=True))
+        self._indexed[block_ids] = True
+        self._protected[block_ids] = True
 
     def reset_prefix_cache(self) -> int:
         """Free every cached block and empty the index; returns how many blocks were dropped."""

@@ -24,7 +24,7 @@ from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
 from .page_table import PageTables, SeqId, StepBatch
 from .pool import KVPool
-from .prefix import index_filled_blocks, index_full_blocks, lookup_prefix
+from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
 
 
 class PagedKVCache(TensorOps):
@@ -244,7 +244,47 @@ class PagedKVCache(TensorOps):
             batch = self._prepare_decode(step.seq_ids, step.rows, step.token_ids)
             if batch is not None:
                 return batch
+        if step.rows.size == 1:
+            return self._prepare_one(step)
         return self._prepare_general(step)
+
+    def _prepare_one(self, step: Step) -> StepBatch:
+        """`prepare` for a single sequence (an admission's prefill, a lone chunk) in scalar
+        arithmetic: the general path's array bookkeeping costs more than it saves at B = 1."""
+        tables, allocator, block_size = self._tables, self._allocator, self.config.block_size
+        row, count = int(step.rows[0]), int(step.counts[0])
+        old_len = int(tables.num_tokens[row])
+        new_len = old_len + count
+        have, need = int(tables.num_blocks[row]), -(-new_len // block_size)
+        copy = old_len % block_size != 0 and bool(
+            allocator.protected[tables.block_ids[row, have - 1]])
+        requested = need - have + copy
+        if requested > allocator.num_obtainable_blocks:
+            raise OutOfBlocksError(requested, allocator.num_obtainable_blocks)
+        # commit
+        new_ids = allocator.allocate(requested) if requested else np.empty(0, np.int64)
+        if copy:  # copy-on-write of the partly filled last block
+            source = tables.block_ids[row, have - 1: have].astype(np.int64)
+            self._pool.copy(source, new_ids[:1])
+            tables.replace_blocks(np.array([row]), np.array([have - 1]), new_ids[:1])
+            allocator.free(source)
+            new_ids = new_ids[1:]
+        known = bool(step.has_ids[0])
+        tables.extend_row(row, old_len, new_len, new_ids, step.token_ids if known else None)
+        if not known:
+            tables.set_chain(row, None)
+        elif self.config.enable_prefix_caching:
+            index_row_blocks(allocator, tables, row, old_len // block_size,
+                             new_len // block_size, block_size)
+        block_table = tables.block_ids[row: row + 1, :need].copy()
+        first = old_len % block_size
+        slots = (block_table[0, old_len // block_size:].astype(np.int64)[:, None] * block_size
+                 + np.arange(block_size)).ravel()[first: first + count]
+        batch = StepBatch.from_host(step.seq_ids, block_table, np.array([need]),
+                                    np.array([new_len]), np.array([0, count]), slots, count,
+                                    count, block_size, self.config.device)
+        self._after_mutation()
+        return batch
 
     def _prepare_general(self, step: Step) -> StepBatch:
         """`prepare` for any step: prefill chunks, counts, copy-on-write."""

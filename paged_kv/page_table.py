@@ -350,6 +350,19 @@ class PageTables:
         self._token_ids[rows, old_lens] = token_ids
         self._num_tokens[rows] = old_lens + 1
 
+    def extend_row(self, row: int, old_len: int, new_len: int, block_ids: np.ndarray,
+                   token_ids: np.ndarray | None) -> None:
+        """Grow one row from `old_len` to `new_len` tokens: append `block_ids`, record the
+        new tokens' ids when known (a single-sequence step)."""
+        have = int(self._num_blocks[row])
+        if have + block_ids.size > self._block_ids.shape[1]:
+            self._grow_columns(have + block_ids.size)
+        self._block_ids[row, have: have + block_ids.size] = block_ids
+        self._num_blocks[row] = have + block_ids.size
+        self._num_tokens[row] = new_len
+        if token_ids is not None:
+            self._token_ids[row, old_len:new_len] = token_ids
+
     def replace_blocks(self, rows: np.ndarray, columns: np.ndarray, block_ids: np.ndarray) -> None:
         """Point entry ``columns[i]`` of row ``rows[i]`` at ``block_ids[i]`` (copy-on-write)."""
         self._block_ids[rows, columns] = block_ids

@@ -6,9 +6,11 @@ cache calls them from `add_sequence` and `prepare`.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
-from .allocator import TOKEN_BYTES, BlockAllocator, encode_tokens, hash_block
+from .allocator import TOKEN_BYTES, BlockAllocator, encode_tokens
 from .page_table import PageTables
 
 
@@ -19,10 +21,15 @@ def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
     Returns the key of the last block found (or `chain`) and the blocks' ids.
     """
     hits: list[int] = []
-    for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
-        block_tokens = encode_tokens(tokens[start:start + block_size])
-        key = hash_block(chain, block_tokens)
-        block_id = allocator.lookup(key, block_tokens)
+    num_full = (len(tokens) - 1) // block_size
+    if num_full <= 0:
+        return chain, hits
+    data, width = encode_tokens(tokens[: num_full * block_size]), TOKEN_BYTES * block_size
+    lookup, sha256 = allocator.lookup, hashlib.sha256
+    for start in range(0, len(data), width):  # one pass over the chained keys
+        block_tokens = data[start:start + width]
+        key = sha256(chain + block_tokens).digest()
+        block_id = lookup(key, block_tokens)
         if block_id is None:
             break
         hits.append(block_id)
@@ -54,27 +61,18 @@ def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.nd
                       old_lens: np.ndarray, new_lens: np.ndarray, block_size: int) -> None:
     """Enter every block a step filled with known ids (rows grew old_lens -> new_lens)."""
     first_full, end_full = old_lens // block_size, new_lens // block_size
-    num_filled = end_full - first_full
-    if not num_filled.any():
+    filling = np.flatnonzero(end_full > first_full)
+    for i in filling.tolist():
+        index_row_blocks(allocator, tables, int(rows[i]), int(first_full[i]),
+                         int(end_full[i]), block_size)
+
+
+def index_row_blocks(allocator: BlockAllocator, tables: PageTables, row: int, first: int,
+                     end: int, block_size: int) -> None:
+    """Enter the full blocks ``first .. end - 1`` of one row, chained from its last key."""
+    chain = tables.chain(row)
+    if chain is None or end <= first:  # ids unknown somewhere: never indexed
         return
-    # every (row, block column) filled this step, gathered at once; hashing stays serial
-    # because each key chains the previous block's key
-    owner = np.repeat(rows, num_filled)
-    rank = np.arange(owner.size) - np.repeat(np.cumsum(num_filled) - num_filled, num_filled)
-    columns = np.repeat(first_full, num_filled) + rank
-    block_ids = tables.block_ids[owner, columns].tolist()
-    slots = columns[:, None] * block_size + np.arange(block_size)
-    data = encode_tokens(tables.token_ids[owner[:, None], slots])
-    width, register = TOKEN_BYTES * block_size, allocator.register
-    row, chain = -1, None
-    for i, (block_row, block_id) in enumerate(zip(owner.tolist(), block_ids, strict=True)):
-        if block_row != row:
-            if row >= 0 and chain is not None:
-                tables.set_chain(row, chain)
-            row, chain = block_row, tables.chain(block_row)
-        if chain is not None:
-            block_tokens = data[i * width:(i + 1) * width]
-            chain = hash_block(chain, block_tokens)
-            register(block_id, chain, block_tokens)
-    if chain is not None:
-        tables.set_chain(row, chain)
+    data = encode_tokens(tables.token_ids[row, first * block_size: end * block_size])
+    keys = allocator.register_chain(tables.block_ids[row, first:end].tolist(), chain, data)
+    tables.set_chain(row, keys[-1])

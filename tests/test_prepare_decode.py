@@ -107,3 +107,43 @@ def test_decode_accepts_a_token_tensor_and_plain_lists():
     batch = cache.prepare_decode([cache.tables.row_of["a"]], torch.tensor([9]))
     assert batch.seq_ids == ("a",) and batch.seq_lens.tolist() == [3]
     assert cache.tables.token_ids[cache.tables.row_of["a"], :3].tolist() == [1, 2, 9]
+
+
+@pytest.mark.parametrize("new_tokens", [[5, 6], 2, [5]])
+def test_single_sequence_step_copies_a_shared_last_block(new_tokens):
+    """fork, then the parent alone grows by a chunk, by a count, or by one token: the
+    child's half-filled block must keep the child's K/V."""
+    cache = PagedKVCache(tiny_config(block_size=4))
+    cache.add_sequence("p", [1, 2, 3, 4, 5, 6])
+    batch = cache.prepare({"p": [1, 2, 3, 4, 5, 6]})
+    k = torch.randn(6, 2, 4)
+    for layer in range(2):
+        cache.write(layer, k, -k, batch)
+    cache.fork("p", "c")
+    batch = cache.prepare({"p": new_tokens})
+    for layer in range(2):
+        cache.write(layer, torch.full((batch.num_tokens, 2, 4), 9.0),
+                    torch.full((batch.num_tokens, 2, 4), 9.0), batch)
+    batch = cache.prepare({"c": [7]})
+    for layer in range(2):
+        cache.write(layer, torch.ones(1, 2, 4), -torch.ones(1, 2, 4), batch)
+    keys, _ = cache.gather(0, ["p", "c"])
+    assert torch.equal(keys[1, :6], k) and torch.equal(keys[1, 6], torch.ones(2, 4))
+    assert torch.equal(keys[0, :6], k) and (keys[0, 6:cache.seq_len("p")] == 9).all()
+    cache.check()
+
+
+def test_single_sequence_step_copies_an_indexed_block_after_truncate():
+    cache = PagedKVCache(tiny_config(block_size=4))
+    cache.add_sequence("a", list(range(8)))
+    batch = cache.prepare({"a": list(range(8)) + [8]})
+    k = torch.randn(9, 2, 4)
+    for layer in range(2):
+        cache.write(layer, k, -k, batch)
+    cache.truncate("a", 6)  # block 1 (tokens 4-7) stays indexed but is now partial
+    batch = cache.prepare({"a": [50, 51]})
+    for layer in range(2):
+        cache.write(layer, torch.zeros(2, 2, 4), torch.zeros(2, 2, 4), batch)
+    cache.add_sequence("b", list(range(8)) + [9])  # hits both indexed blocks
+    keys, _ = cache.gather(0, ["b"])
+    assert torch.equal(keys[0, :8], k[:8]), "the cached prefix block was overwritten"
