@@ -26,6 +26,8 @@ from .page_table import PageTables, SeqId, StepBatch
 from .pool import KVPool
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
 
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
+
 
 class PagedKVCache(TensorOps):
     """A paged KV cache for many sequences at once.
@@ -374,36 +376,21 @@ class PagedKVCache(TensorOps):
         Returns None (the general path takes over) when a last block must be copied.
         """
         tables, allocator, block_size = self._tables, self._allocator, self.config.block_size
-        old_lens = tables.num_tokens[rows]
-        offsets = old_lens % block_size
-        # the block each row writes into unless it opens one (column -1 of an empty row is
-        # never used: its offset is 0)
-        last = tables.block_ids[rows, (old_lens - 1) // block_size]
-        in_place = offsets != 0
-        if (self._must_copy(last) & in_place).any():
+        requested = tables.plan_decode(rows, allocator.protected)
+        if requested < 0:
             return None  # copy-on-write needed
-        opens_block = ~in_place
-        requested = int(np.count_nonzero(opens_block))
         if requested > allocator.num_obtainable_blocks:
             raise OutOfBlocksError(requested, allocator.num_obtainable_blocks)
         # commit
-        slot_blocks = last.astype(np.int64)
-        new_ids = None
-        if requested:
-            new_ids = allocator.allocate(requested)
-            slot_blocks[opens_block] = new_ids
-        tables.append_one_token(rows, old_lens, token_ids, opens_block, new_ids)
-        if self.config.enable_prefix_caching:
-            index_filled_blocks(allocator, tables, rows[offsets == block_size - 1], block_size)
-        slot_blocks *= block_size
-        slot_blocks += offsets
-        num_blocks = tables.num_blocks[rows]
-        new_lens = old_lens + 1
+        new_ids = allocator.allocate(requested) if requested else _NO_BLOCKS
+        slots, num_blocks, seq_lens, filled = tables.commit_decode(rows, token_ids, new_ids)
+        if self.config.enable_prefix_caching and filled.size:
+            index_filled_blocks(allocator, tables, rows[filled], block_size)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         batch = StepBatch.from_host(
             seq_ids, tables.block_ids[:, : int(num_blocks.max())][rows], num_blocks,
-            new_lens, np.arange(rows.size + 1), slot_blocks, rows.size, 1,
-            block_size, self.config.device)
+            seq_lens, np.arange(rows.size + 1), slots, rows.size, 1, block_size,
+            self.config.device)
         self._after_mutation()
         return batch
 

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from . import _compiled
 from ._checks import read_only
 from .errors import ensure
 
@@ -178,6 +179,7 @@ class PageTables:
         self._resident = np.zeros(max_num_seqs, dtype=bool)  # has a row, blocks on the device
         self._seq_of_row: list[SeqId | None] = [None] * max_num_seqs
         self._version = 0  # bumped whenever the seq_id -> row mapping or residency changes
+        self._compiled = _compiled.enabled()
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
         self._last_resolved: tuple = (-1, None, None, ())  # version, handle, rows, seq_ids
         self._refresh_views()
@@ -335,20 +337,68 @@ class PageTables:
         self._block_ids[owner, columns] = block_ids
         self._num_blocks[rows] = new_num_blocks
 
-    def append_one_token(self, rows: np.ndarray, old_lens: np.ndarray, token_ids: np.ndarray,
-                         opens_block: np.ndarray, block_ids: np.ndarray | None) -> None:
-        """A decode step: one token per row, a new block for the rows where `opens_block`."""
-        if block_ids is not None:
-            opening = rows[opens_block]
-            columns = self._num_blocks[opening]
-            if columns.max() >= self._block_ids.shape[1]:
-                self._grow_columns(int(columns.max()) + 1)
-            self._block_ids[opening, columns] = block_ids
-            self._num_blocks[opening] = columns + 1
-        if old_lens.max() >= self._token_ids.shape[1]:
-            self._grow_columns(int(old_lens.max()) // self.block_size + 1)
+    def plan_decode(self, rows: np.ndarray, protected: np.ndarray) -> int:
+        """Blocks a decode step of `rows` (one token each) opens; -1 when a row would write
+        into a block `protected` marks (shared or indexed), i.e. needs copy-on-write.
+
+        Grows the columns so `commit_decode` cannot run out of them (no visible change).
+        """
+        if self._compiled:
+            num_open, columns = _compiled.plan_decode(rows, self._num_tokens, self._num_blocks,
+                                                      self._block_ids, protected,
+                                                      self.block_size)
+        else:
+            old_lens = self._num_tokens[rows]
+            in_place = old_lens % self.block_size != 0
+            # column -1 of an empty row is read but never used: its offset is 0
+            last = self._block_ids[rows, (old_lens - 1) // self.block_size]
+            if (protected[last] & in_place).any():
+                return -1
+            opening = ~in_place
+            num_open = int(np.count_nonzero(opening))
+            columns = int(self._num_blocks[rows[opening]].max()) + 1 if num_open else 0
+        if columns > self._block_ids.shape[1]:
+            self._grow_columns(columns)
+        return num_open
+
+    def commit_decode(self, rows: np.ndarray, token_ids: np.ndarray, block_ids: np.ndarray,
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Append one token to each of `rows` (after `plan_decode`), a new block from
+        `block_ids` (in order) for each row whose last block is full.
+
+        Returns
+        -------
+        slots, num_blocks, seq_lens, filled : np.ndarray
+            ``[B]`` int64 slot of each new token, ``[B]`` blocks and tokens of each row now,
+            and the positions in `rows` of the rows whose last block just became full.
+        """
+        size = rows.size
+        if self._compiled:
+            slots = np.empty(size, dtype=np.int64)
+            num_blocks = np.empty(size, dtype=np.int64)
+            seq_lens = np.empty(size, dtype=np.int64)
+            filled = np.empty(size, dtype=np.int64)
+            num_filled, _ = _compiled.commit_decode(
+                rows, token_ids, block_ids, self._num_tokens, self._num_blocks,
+                self._block_ids, self._token_ids, self.block_size, slots, num_blocks,
+                seq_lens, filled)
+            return slots, num_blocks, seq_lens, filled[:num_filled]
+        old_lens = self._num_tokens[rows]
+        offsets = old_lens % self.block_size
+        opening = offsets == 0
+        if block_ids.size:
+            opened = rows[opening]
+            columns = self._num_blocks[opened]
+            self._block_ids[opened, columns] = block_ids
+            self._num_blocks[opened] = columns + 1
+        slots = self._block_ids[rows, old_lens // self.block_size].astype(np.int64)
+        slots *= self.block_size
+        slots += offsets
         self._token_ids[rows, old_lens] = token_ids
-        self._num_tokens[rows] = old_lens + 1
+        seq_lens = old_lens + 1
+        self._num_tokens[rows] = seq_lens
+        filled = np.flatnonzero(offsets == self.block_size - 1)
+        return slots, self._num_blocks[rows], seq_lens, filled
 
     def extend_row(self, row: int, old_len: int, new_len: int, block_ids: np.ndarray,
                    token_ids: np.ndarray | None) -> None:

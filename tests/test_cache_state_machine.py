@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from paged_kv import OutOfBlocksError, PagedKVCache
+from paged_kv import OutOfBlocksError, PagedKVCache, _compiled
 
 from .conftest import assert_same_snapshot, tiny_config
 
@@ -206,7 +206,25 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.num_swapped_blocks == 0
 
 
+class NumpyCacheMachine(CacheMachine):
+    """The same programs with the numpy page-table path (numba, when installed, is the
+    default for decode steps)."""
+
+    def __init__(self) -> None:
+        previous = os.environ.get("PAGED_KV_NUMBA")
+        os.environ["PAGED_KV_NUMBA"] = "0"
+        try:
+            super().__init__()
+        finally:
+            if previous is None:
+                del os.environ["PAGED_KV_NUMBA"]
+            else:
+                os.environ["PAGED_KV_NUMBA"] = previous
+        assert not self.cache.tables._compiled
+
+
 TestCacheMachine = CacheMachine.TestCase
+TestNumpyCacheMachine = NumpyCacheMachine.TestCase
 # 150 programs of 40 rules find a truncated-then-overwritten prefix block (checked by
 # planting that bug); the rerun under the Triton interpreter keeps to fewer
 for name, examples, steps in (("paged_kv", 150, 40), ("paged_kv_interpreter", 40, 30)):
@@ -214,3 +232,9 @@ for name, examples, steps in (("paged_kv", 150, 40), ("paged_kv_interpreter", 40
                               deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestCacheMachine.settings = settings.get_profile(
     os.environ.get("PAGED_KV_HYPOTHESIS_PROFILE", "paged_kv"))
+settings.register_profile("paged_kv_numpy", max_examples=60, stateful_step_count=40,
+                          deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestNumpyCacheMachine.settings = settings.get_profile(
+    "paged_kv_interpreter" if os.environ.get("PAGED_KV_HYPOTHESIS_PROFILE") else "paged_kv_numpy")
+if _compiled.numba is None:  # the main machine already runs the numpy path
+    TestNumpyCacheMachine = pytest.mark.skip("numba not installed")(TestNumpyCacheMachine)

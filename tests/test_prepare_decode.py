@@ -1,7 +1,9 @@
 """The array decode step (`rows_of` + `prepare_decode`) equals `prepare({seq: [token]})`.
 
-Two caches run the same random program, one through each API; after every step their
-batches and their whole state (tables, allocator, index, pool) must be identical.
+Caches run the same random program, through the mapping API and through the array API
+(with the numpy page-table path and, where numba is installed, the compiled one); after
+every step their batches and their whole state (tables, allocator, index, pool) must be
+identical.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_kv import OutOfBlocksError, PagedKVCache
+from paged_kv import OutOfBlocksError, PagedKVCache, _compiled
 
 from .conftest import assert_same_snapshot, tiny_config
 
@@ -28,10 +30,14 @@ def _same_batch(a, b) -> None:
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_arrays_equal_mapping(block_size, caching, seed):
+def test_decode_arrays_equal_mapping(block_size, caching, seed, monkeypatch):
     rng = np.random.default_rng(seed)
-    caches = [PagedKVCache(tiny_config(block_size=block_size, num_blocks=64,
-                                       enable_prefix_caching=caching)) for _ in range(2)]
+    apis = ["mapping", "arrays"] + (["arrays"] if _compiled.numba is not None else [])
+    caches = []
+    for i in range(len(apis)):
+        monkeypatch.setenv("PAGED_KV_NUMBA", "1" if i == 2 else "0")
+        caches.append(PagedKVCache(tiny_config(block_size=block_size, num_blocks=64,
+                                               enable_prefix_caching=caching)))
     live: list[str] = []
     for step in range(60):
         action = rng.random()
@@ -61,7 +67,7 @@ def test_decode_arrays_equal_mapping(block_size, caching, seed):
             chosen = [live[i] for i in rng.permutation(len(live))[: rng.integers(1, 9)]]
             tokens = rng.integers(0, 9, len(chosen))
             results = []
-            for api, cache in zip(("mapping", "arrays"), caches, strict=True):
+            for api, cache in zip(apis, caches, strict=True):
                 before = cache.snapshot()
                 try:
                     if api == "mapping":
@@ -72,16 +78,18 @@ def test_decode_arrays_equal_mapping(block_size, caching, seed):
                 except OutOfBlocksError:
                     assert_same_snapshot(before, cache.snapshot(), f"{api} out of blocks")
                     results.append(None)
-            assert (results[0] is None) == (results[1] is None)
+            assert len({result is None for result in results}) == 1
             if results[0] is not None:
-                _same_batch(*results)
+                for other in results[1:]:
+                    _same_batch(results[0], other)
                 for layer in range(2):  # same K/V in both pools
                     k = torch.randn(len(chosen), 2, 4)
                     for cache, batch in zip(caches, results, strict=True):
                         cache.write(layer, k, -k, batch)
         for cache in caches:
             cache.check()
-        assert_same_snapshot(caches[0].snapshot(), caches[1].snapshot(), f"step {step}")
+        for other in caches[1:]:
+            assert_same_snapshot(caches[0].snapshot(), other.snapshot(), f"step {step}")
 
 
 def test_rows_of_handle_is_reused_until_the_set_changes():
@@ -136,7 +144,7 @@ def test_single_sequence_step_copies_a_shared_last_block(new_tokens):
 def test_single_sequence_step_copies_an_indexed_block_after_truncate():
     cache = PagedKVCache(tiny_config(block_size=4))
     cache.add_sequence("a", list(range(8)))
-    batch = cache.prepare({"a": list(range(8)) + [8]})
+    batch = cache.prepare({"a": [*range(9)]})
     k = torch.randn(9, 2, 4)
     for layer in range(2):
         cache.write(layer, k, -k, batch)
@@ -144,6 +152,6 @@ def test_single_sequence_step_copies_an_indexed_block_after_truncate():
     batch = cache.prepare({"a": [50, 51]})
     for layer in range(2):
         cache.write(layer, torch.zeros(2, 2, 4), torch.zeros(2, 2, 4), batch)
-    cache.add_sequence("b", list(range(8)) + [9])  # hits both indexed blocks
+    cache.add_sequence("b", [*range(8), 9])  # hits both indexed blocks
     keys, _ = cache.gather(0, ["b"])
     assert torch.equal(keys[0, :8], k[:8]), "the cached prefix block was overwritten"
