@@ -67,9 +67,30 @@ def _commit_decode(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, 
     return num_filled, width
 
 
+def _find_bad_row(rows, resident, seen, stamp):
+    """Index of the first entry of `rows` that is out of range, not resident, or repeated;
+    -1 when all are fine. `seen` remembers the stamp of the call that last saw each row, so
+    no clearing pass is needed between calls."""
+    for i in range(rows.size):
+        row = rows[i]
+        if row < 0 or row >= resident.size or not resident[row] or seen[row] == stamp:
+            return i
+        seen[row] = stamp
+    return -1
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view, so every call has the same array type (numba compiles one
+    specialisation per type: read-only and writable arrays are two)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 if numba is not None:
     # cache=True keeps the machine code beside the module: only the first process compiles
     plan_decode = numba.njit(cache=True, nogil=True)(_plan_decode)
     commit_decode = numba.njit(cache=True, nogil=True)(_commit_decode)
+    find_bad_row = numba.njit(cache=True, nogil=True)(_find_bad_row)
 else:
-    plan_decode = commit_decode = None
+    plan_decode = commit_decode = find_bad_row = None

@@ -180,6 +180,8 @@ class PageTables:
         self._seq_of_row: list[SeqId | None] = [None] * max_num_seqs
         self._version = 0  # bumped whenever the seq_id -> row mapping or residency changes
         self._compiled = _compiled.enabled()
+        self._seen = np.zeros(max_num_seqs, dtype=np.int64)  # compiled row check's stamps
+        self._stamp = 0
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
         self._last_resolved: tuple = (-1, None, None, ())  # version, handle, rows, seq_ids
         self._refresh_views()
@@ -234,14 +236,21 @@ class PageTables:
                             f"got dtype {array.dtype} and shape {array.shape}")
         array = array.astype(np.int64, copy=False)
         num_rows = self._resident.shape[0]
-        if array.min() < 0 or array.max() >= num_rows or not self._resident[array].all():
-            bad = [int(r) for r in array if not 0 <= r < num_rows or not self._resident[r]]
-            raise ValueError(f"{what}: rows {bad[:5]} are not resident sequences (freed, "
-                             f"swapped out, or never handed out by rows_of())")
-        mark = np.full(num_rows, -1, dtype=np.int64)
-        mark[array] = np.arange(array.size)
-        if not (mark[array] == np.arange(array.size)).all():
-            raise ValueError(f"{what}: a row appears twice in rows")
+        if self._compiled:
+            array = _compiled.read_only(array)
+            self._stamp += 1
+            fine = _compiled.find_bad_row(array, self._resident, self._seen, self._stamp) < 0
+        else:
+            fine = False
+        if not fine:
+            if array.min() < 0 or array.max() >= num_rows or not self._resident[array].all():
+                bad = [int(r) for r in array if not 0 <= r < num_rows or not self._resident[r]]
+                raise ValueError(f"{what}: rows {bad[:5]} are not resident sequences (freed, "
+                                 f"swapped out, or never handed out by rows_of())")
+            mark = np.full(num_rows, -1, dtype=np.int64)
+            mark[array] = np.arange(array.size)
+            if not (mark[array] == np.arange(array.size)).all():
+                raise ValueError(f"{what}: a row appears twice in rows")
         seq_ids = tuple(map(self._seq_of_row.__getitem__, array.tolist()))
         if isinstance(rows, np.ndarray) and not rows.flags.writeable:
             self._last_resolved = (self._version, rows, array, seq_ids)
@@ -369,14 +378,15 @@ class PageTables:
         Returns
         -------
         slots, num_blocks, seq_lens, filled : np.ndarray
-            ``[B]`` int64 slot of each new token, ``[B]`` blocks and tokens of each row now,
+            ``[B]`` int64 slot of each new token, ``[B]`` blocks and (int32) tokens of each
+            row now,
             and the positions in `rows` of the rows whose last block just became full.
         """
         size = rows.size
         if self._compiled:
             slots = np.empty(size, dtype=np.int64)
             num_blocks = np.empty(size, dtype=np.int64)
-            seq_lens = np.empty(size, dtype=np.int64)
+            seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
             filled = np.empty(size, dtype=np.int64)
             num_filled, _ = _compiled.commit_decode(
                 rows, token_ids, block_ids, self._num_tokens, self._num_blocks,
@@ -397,6 +407,7 @@ class PageTables:
         self._token_ids[rows, old_lens] = token_ids
         seq_lens = old_lens + 1
         self._num_tokens[rows] = seq_lens
+        seq_lens = seq_lens.astype(np.int32)
         filled = np.flatnonzero(offsets == self.block_size - 1)
         return slots, self._num_blocks[rows], seq_lens, filled
 
@@ -475,6 +486,7 @@ class PageTables:
         self._token_ids = _pad_rows(self._token_ids, old)
         self._swapped = _pad_rows(self._swapped, old)
         self._resident = _pad_rows(self._resident, old)
+        self._seen = _pad_rows(self._seen, old)
         self._seq_of_row += [None] * old
         self._version += 1
         self._chain += [None] * old

@@ -7,10 +7,12 @@ single decode steps with 256 running sequences.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ...cache import PagedKVCache
@@ -75,6 +77,36 @@ def decode_step_times(manager, prompts: Sequence[Sequence[int]], num_steps: int)
     return times
 
 
+def decode_step_times_arrays(cache: PagedKVCache, prompts: Sequence[Sequence[int]],
+                             num_steps: int) -> list[float]:
+    """As `decode_step_times`, through the array API: row handles resolved once (the
+    running set does not change), then `prepare_decode(rows, tokens)` per step."""
+    for seq_id, prompt in enumerate(prompts):
+        hit = cache.add_sequence(seq_id, prompt)
+        cache.prepare({seq_id: prompt[hit:]})
+    rows = cache.rows_of(range(len(prompts)))
+    times = []
+    for step in range(num_steps):
+        tokens = np.array([output_token_id(seq_id, step) for seq_id in range(len(prompts))])
+        start = time.perf_counter()
+        cache.prepare_decode(rows, tokens)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _numpy_cache(num_blocks: int) -> PagedKVCache:
+    """A bookkeeping cache on the numpy page-table path, compiled loops switched off."""
+    previous = os.environ.get("PAGED_KV_NUMBA")
+    os.environ["PAGED_KV_NUMBA"] = "0"
+    try:
+        return bookkeeping_cache(num_blocks=num_blocks)
+    finally:
+        if previous is None:
+            del os.environ["PAGED_KV_NUMBA"]
+        else:
+            os.environ["PAGED_KV_NUMBA"] = previous
+
+
 def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
     """Replay `trace` through both managers `scale.repeats` times, then time decode steps."""
     paged, simple = [], []
@@ -91,7 +123,29 @@ def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
         manager = SimpleBlockManager(blocks, BLOCK_SIZE)
         simple_step.append(statistics.median(decode_step_times(manager, prompts,
                                                                scale.decode_steps)))
-    return _result(trace, paged, simple, paged_step, simple_step, len(prompts))
+    arrays_step, numpy_step = [], []
+    for _ in range(scale.repeats):
+        arrays_step.append(statistics.median(decode_step_times_arrays(
+            bookkeeping_cache(num_blocks=blocks), prompts, scale.decode_steps)))
+        numpy_step.append(statistics.median(decode_step_times_arrays(
+            _numpy_cache(blocks), prompts, scale.decode_steps)))
+    result = _result(trace, paged, simple, paged_step, simple_step, len(prompts))
+
+    def us(times: list[float]) -> Stat:
+        return Stat(tuple(times), "s").scaled(1e6, "us")
+
+    compiled = bookkeeping_cache(num_blocks=2).tables._compiled
+    result.figures.extend([
+        Figure(f"decode step, {len(prompts)} sequences: array API (rows_of + prepare_decode"
+               f"{', compiled loops' if compiled else ''})", us(arrays_step),
+               "the mapping API, prepare({seq: [token]})", us(paged_step),
+               higher_is_better=False),
+        Figure(f"decode step, {len(prompts)} sequences, array API: "
+               f"{'compiled page-table loops (numba)' if compiled else 'numpy path'}",
+               us(arrays_step), "numpy page-table path (PAGED_KV_NUMBA=0)", us(numpy_step),
+               higher_is_better=False),
+    ])
+    return result
 
 
 def _result(trace, paged: list[ReplayResult], simple: list[ReplayResult],
