@@ -436,15 +436,15 @@ class PagedKvNoCacheAdapter(PagedKvAdapter):
 
 
 class PagedKvArraysAdapter(PagedKvAdapter):
-    """paged_kv through its array decode step: the harness's per-request states become one
-    rows array and one token array per step (built here, inside the timed step), then
-    `prepare_decode(rows, tokens)`; admission and free as `PagedKvAdapter`."""
+    """paged_kv through its array API: admission is one `admit(rid, prompt)` (add +
+    prepare, the prompt converted and hashed once); each decode step turns the harness's
+    per-request states into one rows array and one token array (built here, inside the
+    timed step) for `prepare_decode(rows, tokens)`; free as `PagedKvAdapter`."""
 
     name = "paged_kv_arrays"
 
     def admit(self, rid, prompt, first_tok):
-        hit = self.cache.add_sequence(rid, prompt)
-        self.cache.prepare({rid: prompt[hit:]})
+        hit, _ = self.cache.admit(rid, prompt)
         return [rid, first_tok, hit // self.bs, self.cache.tables.row_of[rid]]
 
     def decode_step(self, states):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterable
 
@@ -60,7 +61,12 @@ def root_hash(salt: str | None = None) -> bytes:
     """Key that the first block of a sequence chains from; a salt isolates tenants."""
     if salt is not None and not isinstance(salt, str):
         raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
-    return hashlib.sha256(b"paged_kv:" + (salt or "").encode()).digest()
+    return _root_hash(salt or "")
+
+
+@functools.lru_cache(maxsize=4096)  # one per tenant, asked for at every admission
+def _root_hash(salt: str) -> bytes:
+    return hashlib.sha256(b"paged_kv:" + salt.encode()).digest()
 
 
 class BlockAllocator:

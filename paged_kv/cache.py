@@ -136,26 +136,99 @@ class PagedKVCache(TensorOps):
         self._require_new("add_sequence()", seq_id)
         tokens = (None if prompt_token_ids is None
                   else tokens_to_array("prompt_token_ids", prompt_token_ids))
-        chain = root_hash(salt) if self.config.enable_prefix_caching else None
-        hits: list[int] = []
-        if chain is not None and tokens is not None and len(tokens):
-            chain, hits = lookup_prefix(self._allocator, chain, tokens,
-                                        self.config.block_size)
+        chain, hits = self._lookup(tokens, salt)
+        self._add(seq_id, tokens, salt, chain, hits)
+        self._after_mutation()
+        return len(hits) * self.config.block_size
+
+    def admit(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
+              max_tokens: int | None = None, salt: str | None = None,
+              ) -> tuple[int, StepBatch]:
+        """`add_sequence` and the `prepare` of the prompt's next tokens, as one call: the
+        prompt is converted and hashed once, and the admission is all or nothing.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            New, unique id.
+        prompt_token_ids : sequence of int
+            The prompt (at least one token).
+        max_tokens : int, optional
+            Prepare at most this many tokens after the cached prefix (a prefill chunk);
+            default: the rest of the prompt.
+        salt : str, optional
+            Isolates prefix reuse between tenants.
+
+        Returns
+        -------
+        (int, StepBatch)
+            Tokens found cached, and the step batch of the tokens prepared after them.
+
+        Raises
+        ------
+        OutOfBlocksError
+            Not enough blocks for the prepared tokens; the sequence was not added and
+            nothing changed.
+
+        Examples
+        --------
+        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8))
+        >>> hit, batch = cache.admit("a", [1, 2, 3, 4, 5])
+        >>> hit, batch.slot_mapping.tolist()
+        (0, [4, 5, 6, 7, 8])
+        """
+        self._require_new("admit()", seq_id)
+        tokens = tokens_to_array("admit(): prompt_token_ids", prompt_token_ids)
+        if not len(tokens):
+            raise ValueError("admit(): empty prompt; give at least one token")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
+                max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"admit(): max_tokens must be an int >= 1, got {max_tokens!r}")
+        chain, hits = self._lookup(tokens, salt)
+        block_size, allocator = self.config.block_size, self._allocator
+        num_hit = len(hits) * block_size
+        count = len(tokens) - num_hit
+        if max_tokens is not None:
+            count = min(count, max_tokens)
+        requested = -(-(num_hit + count) // block_size) - len(hits)
+        # cached hits leave the evictable set when this sequence takes them
+        obtainable = allocator.num_obtainable_blocks - int(
+            np.count_nonzero(allocator.refcount[hits] == 0)) if hits else \
+            allocator.num_obtainable_blocks
+        if requested > obtainable:
+            raise OutOfBlocksError(requested, obtainable, "admit()")
+        row = self._add(seq_id, tokens, salt, chain, hits)
+        step = Step((seq_id,), np.array([row]), np.array([count]), np.ones(1, dtype=bool),
+                    tokens[num_hit:num_hit + count])
+        return num_hit, self._prepare_one(step)
+
+    def _lookup(self, tokens: np.ndarray | None, salt: str | None) -> tuple[bytes | None,
+                                                                            list[int]]:
+        """The salted chain after the longest cached prefix of `tokens`, and its blocks."""
+        if not self.config.enable_prefix_caching:
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
+            return None, []
+        chain = root_hash(salt)
+        if tokens is None or not len(tokens):
+            return chain, []
+        return lookup_prefix(self._allocator, chain, tokens, self.config.block_size)
+
+    def _add(self, seq_id: SeqId, tokens: np.ndarray | None, salt: str | None,
+             chain: bytes | None, hits: list[int]) -> int:
+        """Commit a new sequence's row with its prefix hits; returns the row."""
         row = self._tables.add(seq_id, chain)
         if self.config.enable_prefix_caching:
             self._roots[seq_id] = root_hash(salt)
         num_hit = len(hits) * self.config.block_size
         if hits:
             self._allocator.share(hits)
-            self._tables.append_blocks(np.array([row]), np.array([len(hits)]), np.array(hits))
-            self._tables.set_num_tokens(np.array([row]), np.array([num_hit]))
-            self._tables.set_token_ids(np.full(num_hit, row), np.arange(num_hit),
-                                       tokens[:num_hit])
+            self._tables.extend_row(row, 0, num_hit, np.array(hits), tokens[:num_hit])
         if tokens is not None and chain is not None:
             self._prefix_query_tokens += len(tokens)
             self._prefix_hit_tokens += num_hit
-        self._after_mutation()
-        return num_hit
+        return row
 
     def match_prefix(self, prompt_token_ids: Sequence[int], *, salt: str | None = None) -> int:
         """Tokens `add_sequence` would find cached for this prompt now; changes nothing

@@ -1,4 +1,5 @@
-"""The array decode step (`rows_of` + `prepare_decode`) equals `prepare({seq: [token]})`.
+"""The fast paths equal the general ones: the array decode step (`rows_of` + `prepare_decode`)
+equals `prepare({seq: [token]})`, `admit` equals `add_sequence` + `prepare`.
 
 Caches run the same random program, through the mapping API and through the array API
 (with the numpy page-table path and, where numba is installed, the compiled one); after
@@ -155,3 +156,60 @@ def test_single_sequence_step_copies_an_indexed_block_after_truncate():
     cache.add_sequence("b", [*range(8), 9])  # hits both indexed blocks
     keys, _ = cache.gather(0, ["b"])
     assert torch.equal(keys[0, :8], k[:8]), "the cached prefix block was overwritten"
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("max_tokens", [None, 1, 5])
+def test_admit_equals_add_sequence_then_prepare(caching, max_tokens):
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 50, 11).tolist()
+    caches = [PagedKVCache(tiny_config(num_blocks=64, enable_prefix_caching=caching))
+              for _ in range(2)]
+    for i in range(12):
+        prompt = (system if i % 2 else []) + rng.integers(0, 50, rng.integers(1, 14)).tolist()
+        hit = caches[0].add_sequence(i, prompt, salt="t")
+        count = len(prompt) - hit if max_tokens is None else min(max_tokens, len(prompt) - hit)
+        expected = caches[0].prepare({i: prompt[hit: hit + count]})
+        got_hit, got = caches[1].admit(i, prompt, max_tokens=max_tokens, salt="t")
+        assert got_hit == hit
+        _same_batch(expected, got)
+        k = torch.randn(got.num_tokens, 2, 4)
+        for cache, batch in zip(caches, (expected, got), strict=True):
+            for layer in range(2):
+                cache.write(layer, k, -k, batch)
+        if i % 3 == 2:
+            for cache in caches:
+                cache.free(i - 1)
+        caches[1].check()
+        assert_same_snapshot(caches[0].snapshot(), caches[1].snapshot(), f"request {i}")
+
+
+def test_admit_out_of_blocks_adds_nothing():
+    cache = PagedKVCache(tiny_config(num_blocks=6, block_size=4))
+    cache.admit("a", list(range(12)))  # 3 blocks, indexed
+    cache.free("a")                    # ... now cached: evictable
+    cache.admit("b", [9, 9, 9, 9, 9])  # 2 blocks; 3 cached + 0 free left
+    before = cache.snapshot()
+    # hits 2 cached blocks (they stop being evictable), then needs 3 more: only 1 is left
+    with pytest.raises(OutOfBlocksError) as info:
+        cache.admit("c", list(range(8)) + [7] * 9)
+    assert info.value.requested == 3 and info.value.free == 1
+    assert "c" not in cache
+    assert_same_snapshot(before, cache.snapshot(), "admit() out of blocks")
+    cache.check()
+
+
+@pytest.mark.parametrize(("call", "error", "pattern"), [
+    (lambda c: c.admit("a", [1]), ValueError, "already exists"),
+    (lambda c: c.admit("n", []), ValueError, "empty prompt"),
+    (lambda c: c.admit("n", [1.5]), TypeError, "ints"),
+    (lambda c: c.admit("n", [1], max_tokens=0), ValueError, "max_tokens"),
+    (lambda c: c.admit("n", [1], salt=3), TypeError, "salt"),
+])
+def test_admit_rejects_bad_input_unchanged(call, error, pattern):
+    cache = PagedKVCache(tiny_config())
+    cache.admit("a", [1, 2, 3])
+    before = cache.snapshot()
+    with pytest.raises(error, match=pattern):
+        call(cache)
+    assert_same_snapshot(before, cache.snapshot(), "rejected admit()")
