@@ -37,6 +37,7 @@ class BlockEvent:
 
 
 TOKEN_BYTES = 4  # one token id in a key: little-endian int32
+KEY_BYTES = 32  # a block key: sha256
 
 
 def encode_tokens(token_ids: np.ndarray) -> bytes:
@@ -97,14 +98,16 @@ class BlockAllocator:
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._block_hash: dict[int, bytes] = {}
-        self._indexed = np.zeros(num_blocks, dtype=bool)  # block_hash's keys, as an array
+        # per block, its key and its token bytes (valid where indexed): arrays, so a step
+        # stores a batch of them with one scatter instead of two dict updates per block
+        self._keys = np.zeros((num_blocks, KEY_BYTES), dtype=np.uint8)
+        self._tokens = np.zeros((num_blocks, 0), dtype=np.uint8)  # sized at the first key
+        self._indexed = np.zeros(num_blocks, dtype=bool)
         # shared or indexed: a write must copy it first (kept up to date by every mutator,
         # so a decode step tests its last blocks with one lookup)
         self._protected = np.zeros(num_blocks, dtype=bool)
         self._views = tuple(read_only(a) for a in (self._refcount, self._indexed,
                                                    self._protected))
-        self._block_tokens: dict[int, bytes] = {}
         self._index: dict[bytes, int] = {}
         # bounded, so a user who never drains events does not leak memory
         self._events: collections.deque[BlockEvent] = collections.deque(maxlen=max_events)
@@ -152,12 +155,12 @@ class BlockAllocator:
 
     def block_hash(self, block_id: int) -> bytes | None:
         """The prefix key `block_id` is indexed under, or None."""
-        return self._block_hash.get(block_id)
+        return self._keys[block_id].tobytes() if self._indexed[block_id] else None
 
     def lookup(self, key: bytes, token_ids: bytes) -> int | None:
         """Block indexed under `key` whose tokens equal `token_ids`, else None."""
         block_id = self._index.get(key)
-        if block_id is None or self._block_tokens[block_id] != token_ids:
+        if block_id is None or self._tokens[block_id].tobytes() != token_ids:
             return None
         return block_id
 
@@ -182,9 +185,9 @@ class BlockAllocator:
         del self._free[len(self._free) - from_free:]
         if from_free < num_blocks:
             evicted = [self._cached.popitem(last=False)[0] for _ in range(num_blocks - from_free)]
-            for block_id in evicted:
-                del self._index[self._block_hash.pop(block_id)]
-                del self._block_tokens[block_id]
+            index, keys = self._index, self._keys[evicted].tobytes()
+            for start in range(0, len(keys), KEY_BYTES):
+                del index[keys[start:start + KEY_BYTES]]
             self._indexed[evicted] = False
             self._events.append(BlockEvent("evicted", tuple(evicted)))
             taken += evicted
@@ -205,8 +208,9 @@ class BlockAllocator:
         self._refcount[ids] += 1
         self._protected[ids] = True  # now shared, or a revived cached block (indexed)
 
-    def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
-        """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry).
+    def free(self, block_ids: Iterable[int] | np.ndarray, *, unique: bool = False) -> None:
+        """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry;
+        ``unique=True`` promises there is none, which saves a slower scatter).
 
         Blocks left with no owner become cached when indexed, free otherwise; they are
         released tail first, so the tail is evicted first and the prefix outlives it.
@@ -214,11 +218,16 @@ class BlockAllocator:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        np.subtract.at(self._refcount, ids, 1)
+        if unique:
+            self._refcount[ids] -= 1
+        else:
+            np.subtract.at(self._refcount, ids, 1)
         self._protected[ids] = (self._refcount[ids] > 1) | self._indexed[ids]
-        released = list(dict.fromkeys(ids[self._refcount[ids] == 0][::-1].tolist()))
-        cached = [b for b in released if b in self._block_hash]
-        freed = [b for b in released if b not in self._block_hash]
+        released = ids[self._refcount[ids] == 0][::-1]
+        if not unique:
+            released = np.array(list(dict.fromkeys(released.tolist())), dtype=np.int64)
+        indexed = self._indexed[released]
+        cached, freed = released[indexed].tolist(), released[~indexed].tolist()
         self._cached.update(dict.fromkeys(cached))
         self._free.extend(freed)
         if cached:
@@ -230,11 +239,7 @@ class BlockAllocator:
         """Index a live, full block under `key`; False when that key is already indexed."""
         if not self.enable_prefix_caching or key in self._index:
             return False
-        self._index[key] = block_id
-        self._block_hash[block_id] = key
-        self._block_tokens[block_id] = token_ids
-        self._indexed[block_id] = True
-        self._protected[block_id] = True
+        self._insert([key], [block_id], token_ids)
         return True
 
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
@@ -254,7 +259,7 @@ class BlockAllocator:
         keys = [sha256(parent + piece).digest()
                 for parent, piece in zip(parent_keys, pieces, strict=True)]
         if self.enable_prefix_caching:
-            self._insert(keys, block_ids, pieces)
+            self._insert(keys, block_ids, token_ids)
         return keys
 
     def register_chain(self, block_ids: list[int], parent_key: bytes,
@@ -271,13 +276,15 @@ class BlockAllocator:
             key = sha256(key + piece).digest()
             keys.append(key)
         if self.enable_prefix_caching:
-            self._insert(keys, block_ids, pieces)
+            self._insert(keys, block_ids, token_ids)
         return keys
 
-    def _insert(self, keys: list[bytes], block_ids: list[int], pieces: list[bytes]) -> None:
-        """Index blocks in bulk; a key indexed before (or twice here) keeps its first block."""
+    def _insert(self, keys: list[bytes], block_ids: list[int], token_ids: bytes) -> None:
+        """Index blocks in bulk (``block_ids[i]`` holds slice i of `token_ids`); a key indexed
+        before (or twice here) keeps its first block."""
         index = self._index
         if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
+            width = len(token_ids) // len(keys)
             first: dict[bytes, int] = {}
             for i, key in enumerate(keys):
                 if key not in index:
@@ -285,12 +292,19 @@ class BlockAllocator:
             chosen = list(first.values())
             keys = [keys[i] for i in chosen]
             block_ids = [block_ids[i] for i in chosen]
-            pieces = [pieces[i] for i in chosen]
+            token_ids = b"".join(token_ids[i * width:(i + 1) * width] for i in chosen)
+            if not keys:
+                return
         index.update(zip(keys, block_ids, strict=True))
-        self._block_hash.update(zip(block_ids, keys, strict=True))
-        self._block_tokens.update(zip(block_ids, pieces, strict=True))
-        self._indexed[block_ids] = True
-        self._protected[block_ids] = True
+        ids = np.array(block_ids, dtype=np.int64)
+        self._keys[ids] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(ids.size, -1)
+        tokens = np.frombuffer(token_ids, dtype=np.uint8).reshape(ids.size, -1)
+        if self._tokens.shape[1] != tokens.shape[1]:  # the first key sizes the token rows
+            assert not self._indexed.any(), "blocks of two sizes in one allocator"
+            self._tokens = np.zeros((self.num_blocks, tokens.shape[1]), dtype=np.uint8)
+        self._tokens[ids] = tokens
+        self._indexed[ids] = True
+        self._protected[ids] = True
 
     def reset_prefix_cache(self) -> int:
         """Free every cached block and empty the index; returns how many blocks were dropped."""
@@ -298,8 +312,6 @@ class BlockAllocator:
         self._cached.clear()
         self._free.extend(reversed(dropped))
         self._index.clear()
-        self._block_hash.clear()
-        self._block_tokens.clear()
         self._indexed[:] = False
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
@@ -316,7 +328,8 @@ class BlockAllocator:
     def snapshot(self) -> tuple:
         """Comparable copy of the whole state (for tests of rejected calls)."""
         return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
-                tuple(sorted(self._index.items())), tuple(sorted(self._block_tokens.items())))
+                tuple(sorted(self._index.items())),
+                self._tokens[self._indexed].tobytes())
 
     def check_invariants(self, owners: np.ndarray | None = None) -> None:
         """Raise `InvariantError` if the block states do not partition the pool.
@@ -334,18 +347,15 @@ class BlockAllocator:
         ensure(sorted(everything) == list(range(1, self.num_blocks)), "blocks leaked or invented")
         ensure(self._refcount.min() >= 0, "negative refcount")
         ensure(self._refcount[NULL_BLOCK] == 0, "the null block was handed out")
-        for block_id in free:
-            ensure(block_id not in self._block_hash, f"free block {block_id} is still indexed")
-        for block_id in cached:
-            ensure(block_id in self._block_hash, f"cached block {block_id} is not indexed")
+        ensure(not self._indexed[free].any(), "a free block is still indexed")
+        ensure(self._indexed[cached].all(), "a cached block is not indexed")
         for key, block_id in self._index.items():
-            ensure(self._block_hash.get(block_id) == key, f"index entry of {block_id} is stale")
-        ensure(len(self._block_hash) == len(self._index) == len(self._block_tokens),
-               "index, block keys and block tokens disagree in size")
+            ensure(bool(self._indexed[block_id]) and self._keys[block_id].tobytes() == key,
+                   f"index entry of {block_id} is stale")
+        ensure(len(self._index) == int(np.count_nonzero(self._indexed)),
+               "the indexed flags disagree with the index")
         ensure(np.array_equal(self._protected, (self._refcount > 1) | self._indexed),
                "the write-protected flags disagree with refcounts and the index")
-        ensure(sorted(self._block_hash) == np.flatnonzero(self._indexed).tolist(),
-               "the indexed flags disagree with the index")
         if owners is not None:
             bad = np.flatnonzero(owners != self._refcount)
             ensure(bad.size == 0,

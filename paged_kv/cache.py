@@ -272,7 +272,7 @@ class PagedKVCache(TensorOps):
             chain = self._roots.get(seq_id)
         else:
             chain = self._allocator.block_hash(int(self._tables.blocks(seq_id)[num_full - 1]))
-        self._allocator.free(self._tables.truncate(seq_id, int(num_tokens), chain))
+        self._allocator.free(self._tables.truncate(seq_id, int(num_tokens), chain), unique=True)
         self._after_mutation()
 
     def free(self, seq_id: SeqId) -> None:
@@ -281,10 +281,10 @@ class PagedKVCache(TensorOps):
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
         self._roots.pop(seq_id, None)
         if self.is_swapped(seq_id):
-            self._host_allocator.free(self._tables.remove(seq_id))
+            self._host_allocator.free(self._tables.remove(seq_id), unique=True)
             del self._swapped_keys[seq_id]
         else:
-            self._allocator.free(self._tables.remove(seq_id))
+            self._allocator.free(self._tables.remove(seq_id), unique=True)
         self._after_mutation()
 
     def reset_prefix_cache(self) -> int:
@@ -342,7 +342,7 @@ class PagedKVCache(TensorOps):
             source = tables.block_ids[row, have - 1: have].astype(np.int64)
             self._pool.copy(source, new_ids[:1])
             tables.replace_blocks(np.array([row]), np.array([have - 1]), new_ids[:1])
-            allocator.free(source)
+            allocator.free(source, unique=True)
             new_ids = new_ids[1:]
         known = bool(step.has_ids[0])
         tables.extend_row(row, old_len, new_len, new_ids, step.token_ids if known else None)
@@ -547,7 +547,7 @@ class PagedKVCache(TensorOps):
         host_ids = self._host_allocator.allocate(block_ids.size)
         self._pool.swap_out(block_ids, host_ids)
         self._swapped_keys[seq_id] = [self._allocator.block_hash(b) for b in block_ids.tolist()]
-        self._allocator.free(block_ids)
+        self._allocator.free(block_ids, unique=True)
         self._tables.set_swapped(seq_id, host_ids, True)
         self._num_preemptions += 1
         self._after_mutation()
@@ -563,7 +563,7 @@ class PagedKVCache(TensorOps):
                                    "swap_in()")
         block_ids = self._allocator.allocate(host_ids.size)
         self._pool.swap_in(host_ids, block_ids)
-        self._host_allocator.free(host_ids)
+        self._host_allocator.free(host_ids, unique=True)
         self._tables.set_swapped(seq_id, block_ids, False)
         token_ids = self._tables.token_ids[self._tables.row_of[seq_id]]
         block_size = self.config.block_size
