@@ -41,9 +41,11 @@ def _plan_decode(rows, num_tokens, num_blocks, block_ids, protected, block_size)
 
 def _commit_decode(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
                    block_size, slots, row_blocks, seq_lens, filled):
-    """Append one token per row (a new block where the row's last one is full); fills the
-    step's slots, per-row block counts and lengths, and the positions of rows that just
-    filled a block. Returns ``(number of filled rows, widest row in blocks)``."""
+    """Append one token per row (a new block where the row's last one is full), recording
+    its id unless `token_ids` is empty (ids unknown); fills the step's slots, per-row block
+    counts and lengths, and the positions of rows that just filled a block. Returns
+    ``(number of filled rows, widest row in blocks)``."""
+    known = token_ids.size > 0
     opened = 0
     num_filled = 0
     width = 0
@@ -56,7 +58,8 @@ def _commit_decode(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, 
             num_blocks[row] += 1
             opened += 1
         slots[i] = np.int64(block_ids[row, length // block_size]) * block_size + offset
-        token_table[row, length] = token_ids[i]
+        if known:
+            token_table[row, length] = token_ids[i]
         num_tokens[row] = length + 1
         seq_lens[i] = length + 1
         row_blocks[i] = num_blocks[row]

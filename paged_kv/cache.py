@@ -403,7 +403,7 @@ class PagedKVCache(TensorOps):
         self._tables.resolve_rows("rows_of()", rows)
         return rows
 
-    def prepare_decode(self, rows: np.ndarray, token_ids: np.ndarray | torch.Tensor,
+    def prepare_decode(self, rows: np.ndarray, token_ids: np.ndarray | torch.Tensor | None,
                        ) -> StepBatch:
         """`prepare` for one new token per sequence, given as arrays: the decode step.
 
@@ -411,8 +411,9 @@ class PagedKVCache(TensorOps):
         ----------
         rows : np.ndarray
             ``[B]`` row handles from `rows_of` (each sequence once, resident).
-        token_ids : np.ndarray or torch.Tensor
-            ``[B]`` int, the new token of each row.
+        token_ids : np.ndarray or torch.Tensor or None
+            ``[B]`` int, the new token of each row; None when the ids are unknown (as a
+            count of 1 in `prepare`: those rows' blocks are never indexed for reuse).
 
         Returns
         -------
@@ -432,18 +433,22 @@ class PagedKVCache(TensorOps):
         [7, 11]
         """
         rows, seq_ids = self._tables.resolve_rows("prepare_decode()", rows)
-        tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
-        if tokens.shape != rows.shape:
-            raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} (one "
-                             f"per row), got {tokens.shape}")
+        tokens = None
+        if token_ids is not None:
+            tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
+            if tokens.shape != rows.shape:
+                raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
+                                 f"(one per row), got {tokens.shape}")
         batch = self._prepare_decode(seq_ids, rows, tokens)
         if batch is None:
-            batch = self._prepare_general(Step(seq_ids, rows, np.ones(rows.size, dtype=np.int64),
-                                               np.ones(rows.size, dtype=bool), tokens))
+            known = np.full(rows.size, tokens is not None)
+            batch = self._prepare_general(Step(
+                seq_ids, rows, np.ones(rows.size, dtype=np.int64), known,
+                tokens if tokens is not None else np.empty(0, dtype=np.int32)))
         return batch
 
     def _prepare_decode(self, seq_ids: tuple[SeqId, ...], rows: np.ndarray,
-                        token_ids: np.ndarray) -> StepBatch | None:
+                        token_ids: np.ndarray | None) -> StepBatch | None:
         """`prepare` for one known token per sequence, the steady state, in a few array ops.
 
         Returns None (the general path takes over) when a last block must be copied.
@@ -457,7 +462,9 @@ class PagedKVCache(TensorOps):
         # commit
         new_ids = allocator.allocate(requested) if requested else _NO_BLOCKS
         slots, num_blocks, seq_lens, filled = tables.commit_decode(rows, token_ids, new_ids)
-        if self.config.enable_prefix_caching and filled.size:
+        if token_ids is None:
+            tables.set_chains(rows.tolist(), [None] * rows.size)  # ids unknown: never indexed
+        elif self.config.enable_prefix_caching and filled.size:
             index_filled_blocks(allocator, tables, rows[filled], block_size)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         batch = StepBatch.from_host(

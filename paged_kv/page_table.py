@@ -23,6 +23,7 @@ from ._checks import read_only
 from .errors import ensure
 
 SeqId = Hashable
+_NO_TOKENS = np.empty(0, dtype=np.int32)  # the compiled decode step's "ids unknown"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -370,10 +371,12 @@ class PageTables:
             self._grow_columns(columns)
         return num_open
 
-    def commit_decode(self, rows: np.ndarray, token_ids: np.ndarray, block_ids: np.ndarray,
+    def commit_decode(self, rows: np.ndarray, token_ids: np.ndarray | None,
+                      block_ids: np.ndarray,
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Append one token to each of `rows` (after `plan_decode`), a new block from
-        `block_ids` (in order) for each row whose last block is full.
+        `block_ids` (in order) for each row whose last block is full; records the tokens'
+        ids unless `token_ids` is None (unknown).
 
         Returns
         -------
@@ -389,7 +392,8 @@ class PageTables:
             seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
             filled = np.empty(size, dtype=np.int64)
             num_filled, _ = _compiled.commit_decode(
-                rows, token_ids, block_ids, self._num_tokens, self._num_blocks,
+                rows, _NO_TOKENS if token_ids is None else token_ids, block_ids,
+                self._num_tokens, self._num_blocks,
                 self._block_ids, self._token_ids, self.block_size, slots, num_blocks,
                 seq_lens, filled)
             return slots, num_blocks, seq_lens, filled[:num_filled]
@@ -404,7 +408,8 @@ class PageTables:
         slots = self._block_ids[rows, old_lens // self.block_size].astype(np.int64)
         slots *= self.block_size
         slots += offsets
-        self._token_ids[rows, old_lens] = token_ids
+        if token_ids is not None:
+            self._token_ids[rows, old_lens] = token_ids
         seq_lens = old_lens + 1
         self._num_tokens[rows] = seq_lens
         seq_lens = seq_lens.astype(np.int32)

@@ -67,15 +67,18 @@ def test_decode_arrays_equal_mapping(block_size, caching, seed, monkeypatch):
         else:
             chosen = [live[i] for i in rng.permutation(len(live))[: rng.integers(1, 9)]]
             tokens = rng.integers(0, 9, len(chosen))
+            unknown = rng.random() < 0.2  # ids unknown: a count of 1 / token_ids=None
             results = []
             for api, cache in zip(apis, caches, strict=True):
                 before = cache.snapshot()
                 try:
                     if api == "mapping":
                         results.append(cache.prepare(
-                            {s: [int(t)] for s, t in zip(chosen, tokens, strict=True)}))
+                            {s: 1 if unknown else [int(t)]
+                             for s, t in zip(chosen, tokens, strict=True)}))
                     else:
-                        results.append(cache.prepare_decode(cache.rows_of(chosen), tokens))
+                        results.append(cache.prepare_decode(cache.rows_of(chosen),
+                                                            None if unknown else tokens))
                 except OutOfBlocksError:
                     assert_same_snapshot(before, cache.snapshot(), f"{api} out of blocks")
                     results.append(None)

@@ -287,7 +287,10 @@ class PagedCache(Cache):
             self._next_seq_id += batch_size
             for seq_id in seq_ids:
                 self._kv.add_sequence(seq_id)
-        self._batch = self._kv.prepare(dict.fromkeys(seq_ids, num_new))
+        if num_new == 1 and self._seq_ids:  # a decode step: the array path
+            self._batch = self._kv.prepare_decode(self._kv.rows_of(seq_ids), None)
+        else:
+            self._batch = self._kv.prepare(dict.fromkeys(seq_ids, num_new))
         self._seq_ids = seq_ids
         self._written = set()
 
