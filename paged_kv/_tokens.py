@@ -106,7 +106,9 @@ def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | N
         return None
     if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
         return None
-    counts = np.array(lengths, dtype=np.int64)
+    # as many tokens as sequences, none empty: one each (a decode step)
+    counts = (np.ones(len(lengths), dtype=np.int64) if token_ids.size == len(lengths)
+              else np.array(lengths, dtype=np.int64))
     return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool),
                 token_ids.astype(np.int32))
 
