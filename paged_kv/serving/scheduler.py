@@ -49,6 +49,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     @property
     def seq_id(self) -> tuple[int, int]:
