@@ -86,6 +86,40 @@ def test_no_logprobs_unless_asked(model):
         [[t] for t in output.outputs[0].token_ids]
 
 
+@pytest.mark.parametrize("budget", [7, 512], ids=["chunked prefill", "one step"])
+def test_prompt_logprobs_match_the_dense_model_and_skip_the_prefix_cache(model, budget):
+    engine = Engine(model, model.cache_config(num_blocks=64, block_size=4),
+                    max_num_batched_tokens=budget)
+    shared = _prompts()[3]
+    engine.generate([[*shared, 1]], SamplingParams(max_tokens=1))  # caches shared's blocks
+    prompt = [*shared, 5, 6]
+    [output] = engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=2))
+    assert output.prefix_hit_tokens == 0, "every prompt position must be computed"
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+    dense = model.forward_dense(torch.tensor(prompt)).float().log_softmax(-1)
+    for position, entry in enumerate(output.prompt_logprobs[1:]):
+        chosen, *rest = entry
+        assert chosen == prompt[position + 1], f"position {position}"
+        top = torch.topk(dense[position], 2).indices.tolist()
+        assert rest == [t for t in top if t != chosen], f"position {position}"
+        torch.testing.assert_close(torch.tensor(list(entry.values())),
+                                   dense[position, list(entry)], atol=1e-4, rtol=1e-4)
+    assert output.outputs[0].logprobs is None
+    [output] = engine.generate([prompt], SamplingParams(max_tokens=2))
+    assert output.prompt_logprobs is None and output.prefix_hit_tokens > 0
+
+
+def test_prompt_logprobs_are_recorded_once_when_a_preempted_prompt_is_recomputed(model):
+    engine = Engine(model, model.cache_config(num_blocks=9, block_size=4),
+                    max_num_batched_tokens=8)  # 8 usable blocks: 32 token slots
+    prompts = [_prompts(2)[2], _prompts(3)[2]]  # 17 tokens each, + 6 to generate
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=6, prompt_logprobs=0))
+    assert engine.scheduler.num_preemptions > 0, "the case needs a preemption"
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert [None if e is None else list(e) for e in output.prompt_logprobs] == \
+            [None] + [[t] for t in prompt[1:]]
+
+
 def test_token_logprobs_orders_the_top_and_caps_at_the_vocabulary():
     logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
     out = token_logprobs(logits, token_id=2, num_top=10)
@@ -94,7 +128,8 @@ def test_token_logprobs_orders_the_top_and_caps_at_the_vocabulary():
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", -1), ("logprobs", True),
-                                          ("logprobs", 1.5), ("ignore_eos", "yes")])
+                                          ("logprobs", 1.5), ("prompt_logprobs", -2),
+                                          ("ignore_eos", "yes")])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})

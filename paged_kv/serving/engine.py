@@ -38,7 +38,8 @@ class RequestOutput:
     """A finished request: its `n` samples and what serving it cost.
 
     ``time_to_first_token`` and ``token_latencies`` (gaps between a sample's consecutive
-    tokens) are in seconds.
+    tokens) are in seconds. ``prompt_logprobs`` (None for the first prompt token, then one
+    `token_logprobs` dict per token) is None unless ``SamplingParams.prompt_logprobs`` asked.
     """
 
     request_id: int
@@ -49,6 +50,7 @@ class RequestOutput:
     num_preemptions: int
     time_to_first_token: float
     token_latencies: list[float]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Engine:
@@ -193,13 +195,18 @@ class Engine:
             if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
                 logits_rows.append(len(tokens) - 1)
                 sampled.append(seq)
+        prompt_rows = self._prompt_logprob_rows(plan)  # their logits follow the sampled rows
         try:
-            logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache,
-                                batch, torch.tensor(logits_rows, dtype=torch.long))
+            logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache, batch,
+                                torch.tensor(logits_rows + [row for _, row, _ in prompt_rows],
+                                             dtype=torch.long))
         except BaseException:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed)
             raise
+        for (request, _, target), row in zip(prompt_rows, logits[len(sampled):], strict=True):
+            request.prompt_logprobs.append(token_logprobs(row, target,
+                                                          request.params.prompt_logprobs))
         for seq, n in plan.items():  # only once the model has written their K/V
             seq.num_computed += n
         finished, num_generated = [], 0
@@ -212,6 +219,23 @@ class Engine:
                 finished.append(self._finish_request(seq.request))
         self.metrics.observe(self.cache, self.scheduler, num_generated)
         return finished
+
+    @staticmethod
+    def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
+        """``(request, row in this step's tokens, prompt token that row predicts)`` for each
+        prompt position whose log-probabilities are asked for and not yet recorded (a
+        recomputed one is not recorded twice)."""
+        rows, offset = [], 0
+        for seq, n in plan.items():
+            request = seq.request
+            if request.params.prompt_logprobs is not None and seq.index == 0:
+                prompt = request.prompt_token_ids
+                first = max(seq.num_computed, len(request.prompt_logprobs) - 1)
+                rows += [(request, offset + position - seq.num_computed, prompt[position + 1])
+                         for position in range(first, min(seq.num_computed + n,
+                                                          len(prompt) - 1))]
+            offset += n
+        return rows
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its request's other samples when its prompt was just computed."""
@@ -256,6 +280,8 @@ class Engine:
             num_preemptions=sum(s.num_preemptions for s in request.samples),
             time_to_first_token=request.first_token_time - request.arrival_time,
             token_latencies=latencies,
+            prompt_logprobs=(list(request.prompt_logprobs)
+                             if request.params.prompt_logprobs is not None else None),
         )
 
     def metrics_text(self) -> str:

@@ -32,6 +32,9 @@ class SamplingParams:
         Per generated token, return the chosen token's log-probability and those of the
         `logprobs` most likely tokens (0: the chosen one only; None: nothing). They are of the
         model's distribution, before temperature, top-k and top-p, as vLLM returns them.
+    prompt_logprobs : int, optional
+        The same for every prompt token after the first (each predicted from the ones before
+        it); such a request computes its whole prompt, reusing no cached prefix.
     ignore_eos : bool
         Keep generating past the model's end-of-sequence tokens (``stop_token_ids`` still
         stop).
@@ -45,6 +48,7 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -60,11 +64,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n: expected an int >= 1, got {self.n!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool)
-                                          or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ValueError(f"SamplingParams.logprobs: expected None or an int >= 0, "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"SamplingParams.{name}: expected None or an int >= 0, "
+                                 f"got {value!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos: expected a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

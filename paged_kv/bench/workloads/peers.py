@@ -226,6 +226,7 @@ def run(scale: Scale) -> WorkloadResult | None:
 
     from ...serving.hf import HFCausalLM
 
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint load
     prompts = make_prompts(scale.peers_requests, vocab=scale.peers_vocab)
     num_blocks = sum(-(-(len(p) + scale.peers_new_tokens) // BLOCK_SIZE) for p in prompts) + 1
     with tempfile.TemporaryDirectory(prefix="paged-kv-peers-") as tmp:
@@ -246,6 +247,7 @@ def run(scale: Scale) -> WorkloadResult | None:
                 runs[name].append(serve())
     finally:
         quiet.setLevel(level)
+    transformers.utils.logging.enable_progress_bar()
     _check_same_tokens(runs, prompts)
     return _result(scale, runs, prompts, num_blocks, transformers.__version__)
 
@@ -319,5 +321,6 @@ def _plots(runs: dict[str, list[PeerRun]], generated: int) -> list[Plot]:
         Series("with setup", names, bars(lambda r: generated / r.total_s))), kind="bar")
     memory = Plot("memory", "", "MiB", (
         Series("KV cache allocated", names, bars(lambda r: r.kv_bytes / 2**20)),
-        Series("RSS growth at peak", names, bars(lambda r: r.rss_growth / 2**20))), kind="bar")
+        Series("RSS growth at peak", names, bars(lambda r: r.rss_growth / 2**20))), kind="bar",
+        logy=True)
     return [speed, memory]
