@@ -80,7 +80,8 @@ def _run_all(args: argparse.Namespace) -> int:
         if result is not None:  # None: skipped, its optional extra is missing
             results.append(result)
     wall_time = time.perf_counter() - start
-    mode = f"{scale.name} ({scale.repeats} repeats, {scale.serving_repeats} for serving)"
+    mode = (f"{scale.name} ({scale.repeats} repeats, {scale.serving_repeats} for serving, "
+            f"{scale.peers_repeats} for peers)")
     data = to_json(command_line(args), machine_info(), mode, wall_time, results)
     for warning in write_report(args.out, data, results):
         print(f"warning: {warning}", file=sys.stderr)

@@ -226,28 +226,29 @@ def run(scale: Scale) -> WorkloadResult | None:
 
     from ...serving.hf import HFCausalLM
 
-    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint load
     prompts = make_prompts(scale.peers_requests, vocab=scale.peers_vocab)
     num_blocks = sum(-(-(len(p) + scale.peers_new_tokens) // BLOCK_SIZE) for p in prompts) + 1
-    with tempfile.TemporaryDirectory(prefix="paged-kv-peers-") as tmp:
-        path = build_checkpoint(Path(tmp), hidden=scale.peers_hidden, layers=scale.peers_layers,
-                                heads=8, kv_heads=4, vocab=scale.peers_vocab, max_position=1024)
-        runner = HFCausalLM.from_pretrained(path)
-        batch_model, generate_model = (
-            transformers.AutoModelForCausalLM.from_pretrained(path).eval() for _ in range(2))
-    systems = _systems(scale, runner, batch_model, generate_model, prompts, num_blocks)
-    systems[ENGINE]()  # warm-up: first calls pay for lazy imports and allocator growth
-    runs: dict[str, list[PeerRun]] = {name: [] for name in systems}
     quiet = logging.getLogger("ContinuousBatchingLogger")  # psutil and EOS notices, per call
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint load
     try:
+        with tempfile.TemporaryDirectory(prefix="paged-kv-peers-") as tmp:
+            path = build_checkpoint(Path(tmp), hidden=scale.peers_hidden, heads=8, kv_heads=4,
+                                    layers=scale.peers_layers, vocab=scale.peers_vocab,
+                                    max_position=1024)
+            models = (HFCausalLM.from_pretrained(path), *(
+                transformers.AutoModelForCausalLM.from_pretrained(path).eval() for _ in range(2)))
+        for warm_up in _systems(scale, *models, prompts[:2], num_blocks).values():
+            warm_up()  # first calls pay for lazy imports and allocator growth
+        systems = _systems(scale, *models, prompts, num_blocks)
+        runs: dict[str, list[PeerRun]] = {name: [] for name in systems}
         for _ in range(scale.peers_repeats):
             for name, serve in systems.items():
                 runs[name].append(serve())
     finally:
         quiet.setLevel(level)
-    transformers.utils.logging.enable_progress_bar()
+        transformers.utils.logging.enable_progress_bar()
     _check_same_tokens(runs, prompts)
     return _result(scale, runs, prompts, num_blocks, transformers.__version__)
 
