@@ -100,7 +100,7 @@ def cache_config_for_free_memory(model: torch.nn.Module,
                          f"bytes; at least 2 are needed: raise memory_fraction or free memory")
     config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
                                 device=probe.device, **overrides)
-    logger.info("# %s blocks: %d of %d tokens = %d tokens, %.2f GiB (memory_fraction %.2f of "
+    logger.info("# %s blocks: %d of %d tokens = %d tokens, %.2f GiB (memory_fraction %g of "
                 "%.2f GiB free)", probe.device.type.upper(), config.num_usable_blocks,
                 block_size, config.num_usable_blocks * block_size, config.total_bytes / 2**30,
                 memory_fraction, free / 2**30)
