@@ -47,6 +47,10 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.synthetic:
+        if args.memory_fraction is not None:
+            print("paged-kv demo: --memory-fraction sizes a model's pool; --synthetic has no "
+                  "model, give --memory-mib", file=sys.stderr)
+            return 2
         return _synthetic_demo(args)
     from .serving import TinyLlamaConfig
     from .serving.demo import format_report, run_demo
@@ -62,7 +66,8 @@ def _demo(args: argparse.Namespace) -> int:
         model = HFCausalLM.from_pretrained(args.model)
     report = run_demo(model=model, num_requests=args.num_requests, block_size=args.block_size,
                       memory_mib=args.memory_mib, preemption=args.preemption,
-                      model_config=model_config, seed=args.seed,
+                      memory_fraction=args.memory_fraction, model_config=model_config,
+                      seed=args.seed,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       progress=not args.json)
@@ -107,7 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "and memory accounting")
     demo.add_argument("--num-requests", type=int, default=64)
     demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--memory-mib", type=float, default=16.0, help="KV pool budget")
+    memory = demo.add_mutually_exclusive_group()
+    memory.add_argument("--memory-mib", type=float, default=16.0, help="KV pool budget")
+    memory.add_argument("--memory-fraction", type=float, default=None,
+                        help="size the KV pool as this share, in (0, 1], of the memory free "
+                             "on the device (vLLM's --gpu-memory-utilization; not with "
+                             "--synthetic)")
     demo.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     demo.add_argument("--max-num-seqs", type=int, default=64)
     demo.add_argument("--max-num-batched-tokens", type=int, default=512)

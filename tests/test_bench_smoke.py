@@ -3,6 +3,8 @@ cache computes (so the ratios compare equal work). No timing is asserted."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import math
 
@@ -23,6 +25,8 @@ from paged_kv.bench import (
 )
 from paged_kv.bench.cli import WORKLOADS
 from paged_kv.bench.replay import paged_block_ops, simple_block_ops
+from paged_kv.bench.scale import QUICK
+from paged_kv.bench.workloads import peers
 from paged_kv.cli import main
 
 SMALL_TRACE = TraceSpec(num_requests=40, arrival_rate=4.0, mean_prompt_len=60,
@@ -148,3 +152,36 @@ def test_seed_caches_hand_on_the_same_kv_as_the_paged_gather(seed_cache):
     seed_k, seed_v = seeds.kv(0)
     assert torch.equal(seed_k[:, :length], paged_k) and torch.equal(seed_v[:, :length], paged_v)
     assert not seed_k[:, length:].any(), "padding past the length must be zeros"
+
+
+def test_peers_compares_the_engine_with_each_transformers_path(quick_report):
+    pytest.importorskip("transformers")
+    _, data = quick_report
+    [workload] = [w for w in data["workloads"] if w["key"] == "peers"]
+    pairs = {(f["name"], f["baseline"]) for f in workload["figures"]}
+    for baseline in (peers.GB_TUNED, peers.GENERATE):
+        assert ("throughput, generated tokens (serving)", baseline) in pairs, baseline
+        assert ("KV cache bytes allocated", baseline) in pairs, baseline
+    assert ("time to first token, median", peers.GB_TUNED) in pairs
+    assert ("time to first token, median", peers.GENERATE) not in pairs, "generate has no TTFT"
+    assert workload["info"]["generated tokens"] == QUICK.peers_requests * QUICK.peers_new_tokens
+
+
+def test_peers_refuses_to_time_different_answers():
+    same = peers.PeerRun(((1, 2, 3), (4, 5)), 1.0, 1.0, None, 1, 1)
+    wrong = dataclasses.replace(same, token_ids=((1, 2, 3), (4, 6)))
+    peers._check_same_tokens({peers.ENGINE: [same], peers.GENERATE: [same]}, [[0], [0]])
+    with pytest.raises(RuntimeError, match=r"generate, DynamicCache .* request 1 .* token 1"):
+        peers._check_same_tokens({peers.ENGINE: [same], peers.GENERATE: [wrong]}, [[0], [0]])
+
+
+def test_peers_is_skipped_without_transformers(monkeypatch, capsys, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real_find_spec(name,
+                                                                                             *a))
+    assert peers.run(QUICK) is None
+    out = tmp_path / "skip"
+    assert main(["bench", "--quick", "--out", str(out), "--workloads", "peers"]) == 0
+    assert peers.SKIP_REASON in capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())["workloads"] == []

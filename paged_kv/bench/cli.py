@@ -1,4 +1,4 @@
-"""``paged-kv bench``: run the five workloads, print a summary table, write the report.
+"""``paged-kv bench``: run the six workloads, print a summary table, write the report.
 
 Importing this module is cheap (the parser only); the workloads load when the command runs.
 """
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving")
+WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "peers")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -76,9 +76,12 @@ def _run_all(args: argparse.Namespace) -> int:
     for i, key in enumerate(args.workloads, 1):
         print(f"[{i}/{len(args.workloads)}] {key} ({time.perf_counter() - start:.1f} s)",
               file=sys.stderr, flush=True)
-        results.append(_run_workload(key, scale, trace, torch.device(args.device)))
+        result = _run_workload(key, scale, trace, torch.device(args.device))
+        if result is not None:  # None: skipped, its optional extra is missing
+            results.append(result)
     wall_time = time.perf_counter() - start
-    mode = f"{scale.name} ({scale.repeats} repeats, {scale.serving_repeats} for serving)"
+    mode = (f"{scale.name} ({scale.repeats} repeats, {scale.serving_repeats} for serving, "
+            f"{scale.peers_repeats} for peers)")
     data = to_json(command_line(args), machine_info(), mode, wall_time, results)
     for warning in write_report(args.out, data, results):
         print(f"warning: {warning}", file=sys.stderr)
@@ -88,7 +91,7 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run_workload(key: str, scale, trace, device):
-    from .workloads import allocator, kernels, memory, serving, step_cost
+    from .workloads import allocator, kernels, memory, peers, serving, step_cost
 
     if key == "allocator":
         return allocator.run(scale, trace)
@@ -98,4 +101,9 @@ def _run_workload(key: str, scale, trace, device):
         return step_cost.run(scale)
     if key == "memory":
         return memory.run(scale, trace)
+    if key == "peers":
+        result = peers.run(scale)
+        if result is None:
+            print(peers.SKIP_REASON, file=sys.stderr, flush=True)
+        return result
     return serving.run(scale, trace)

@@ -26,12 +26,21 @@ class Scale:
     serving_layers: int = 4
     serving_hidden: int = 256
     serving_repeats: int = 3
+    peers_requests: int = 64           # workload 6: a Llama checkpoint through the peers
+    peers_new_tokens: int = 64
+    peers_hidden: int = 256
+    peers_layers: int = 4
+    peers_vocab: int = 4096
+    peers_repeats: int = 3
+    peers_defaults: bool = True        # also run generate_batch at its defaults
 
 
 QUICK = Scale(name="quick", repeats=3, trace_requests=300, decode_steps=30, kernel_seqs=8,
               kernel_tokens=1024, step_lengths=(128, 512, 2048, 4096), step_layers=1,
               step_kv_heads=4, step_head_dim=128, sharing_requests=16, serving_requests=64,
-              serving_scale=8, serving_layers=1, serving_hidden=128, serving_repeats=2)
+              serving_scale=8, serving_layers=1, serving_hidden=128, serving_repeats=2,
+              peers_requests=8, peers_new_tokens=8, peers_hidden=64, peers_layers=2,
+              peers_vocab=512, peers_repeats=1, peers_defaults=False)
 
 FULL = Scale(name="full", repeats=5, trace_requests=2000, decode_steps=100, kernel_seqs=16,
              kernel_tokens=1024, step_lengths=(128, 256, 512, 1024, 2048, 4096), step_layers=2,

@@ -11,6 +11,7 @@ from ..accounting import CacheStats
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
 from .sampling import SamplingParams
+from .sizing import cache_config_for_free_memory
 
 
 def make_workload(num_requests: int, *, vocab_size: int, seed: int = 0,
@@ -41,17 +42,25 @@ def make_workload(num_requests: int, *, vocab_size: int, seed: int = 0,
 def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float = 16.0,
              preemption: str = "recompute", model_config: TinyLlamaConfig | None = None,
              seed: int = 0, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-             progress: bool = True, model: torch.nn.Module | None = None) -> dict:
+             progress: bool = True, model: torch.nn.Module | None = None,
+             memory_fraction: float | None = None) -> dict:
     """Serve `make_workload(num_requests)` and return the report as a dict.
 
     `model` defaults to the embedded `TinyLlama(model_config)`; any model the `Engine`
-    drives works (e.g. `HFCausalLM.from_pretrained(path)`).
+    drives works (e.g. `HFCausalLM.from_pretrained(path)`). The pool takes `memory_mib`, or,
+    when given, `memory_fraction` of the free memory (`cache_config_for_free_memory`).
     """
     torch.manual_seed(seed)
     model = model if model is not None else TinyLlama(model_config, seed=seed)
-    probe = model.cache_config(num_blocks=2, block_size=block_size)
-    budget = int(memory_mib * 2**20)
-    num_blocks = budget // probe.bytes_per_block
+    if memory_fraction is not None:
+        num_blocks = cache_config_for_free_memory(model, memory_fraction,
+                                                  block_size=block_size).num_blocks
+        budget = num_blocks * model.cache_config(num_blocks=2, block_size=block_size)\
+            .bytes_per_block
+    else:
+        budget = int(memory_mib * 2**20)
+        num_blocks = budget // model.cache_config(num_blocks=2,
+                                                  block_size=block_size).bytes_per_block
     cache_config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
                                       num_host_blocks=num_blocks if preemption == "swap" else 0)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,

@@ -11,18 +11,26 @@ import torch
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from .metrics import EngineMetrics
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Request, Scheduler, Sequence
+from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 
 
 @dataclasses.dataclass(frozen=True)
 class CompletionOutput:
-    """One sample of a request: vLLM's ``CompletionOutput`` fields that apply here."""
+    """One sample of a request: vLLM's ``CompletionOutput`` fields that apply here.
+
+    ``logprobs`` (one dict per generated token, see `token_logprobs`) and
+    ``cumulative_logprob`` (the sum of the chosen tokens') are None unless
+    ``SamplingParams.logprobs`` asked for them.
+    """
 
     index: int
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
     num_preemptions: int
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +38,8 @@ class RequestOutput:
     """A finished request: its `n` samples and what serving it cost.
 
     ``time_to_first_token`` and ``token_latencies`` (gaps between a sample's consecutive
-    tokens) are in seconds.
+    tokens) are in seconds. ``prompt_logprobs`` (None for the first prompt token, then one
+    `token_logprobs` dict per token) is None unless ``SamplingParams.prompt_logprobs`` asked.
     """
 
     request_id: int
@@ -41,6 +50,7 @@ class RequestOutput:
     num_preemptions: int
     time_to_first_token: float
     token_latencies: list[float]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Engine:
@@ -50,9 +60,11 @@ class Engine:
     ----------
     model : torch.nn.Module
         Called as ``model(token_ids, positions, cache, batch, logits_indices) -> logits``;
-        ``model.config.vocab_size`` and ``max_position`` bound the requests.
-    cache_config : CacheConfig
-        Shape of the paged cache (must match the model's K/V).
+        ``model.config.vocab_size`` and ``max_position`` bound the requests; a sequence stops
+        at any of ``model.eos_token_ids`` (if it has them) unless ``SamplingParams.ignore_eos``.
+    cache_config : CacheConfig, optional
+        Shape of the paged cache (must match the model's K/V). None: ``model.cache_config``
+        with as many blocks as `memory_fraction` of the device's free memory holds.
     max_num_seqs : int
         Sequences running at once.
     max_num_batched_tokens : int
@@ -60,6 +72,9 @@ class Engine:
     preemption : {"recompute", "swap"}
         What to do with a sequence when blocks run out ("swap" needs
         ``cache_config.num_host_blocks``).
+    memory_fraction : float, optional
+        Without `cache_config`: the share of free memory the pool takes, in (0, 1] (default
+        0.9, as vLLM's ``gpu_memory_utilization``); see `paged_kv.serving.sizing`.
 
     Examples
     --------
@@ -72,9 +87,14 @@ class Engine:
     (4, 'length')
     """
 
-    def __init__(self, model: torch.nn.Module, cache_config: CacheConfig, *,
+    def __init__(self, model: torch.nn.Module, cache_config: CacheConfig | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 preemption: str = "recompute") -> None:
+                 preemption: str = "recompute", memory_fraction: float | None = None) -> None:
+        if cache_config is not None and memory_fraction is not None:
+            raise ValueError("memory_fraction: give it or cache_config, not both")
+        if cache_config is None:
+            cache_config = cache_config_for_free_memory(
+                model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
         if preemption == "swap" and not cache_config.num_host_blocks:
@@ -84,6 +104,7 @@ class Engine:
             if value < 1:
                 raise ValueError(f"{name}: expected >= 1, got {value}")
         self.model = model
+        self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
         self.cache = PagedKVCache(cache_config)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -174,25 +195,47 @@ class Engine:
             if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
                 logits_rows.append(len(tokens) - 1)
                 sampled.append(seq)
+        prompt_rows = self._prompt_logprob_rows(plan)  # their logits follow the sampled rows
         try:
-            logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache,
-                                batch, torch.tensor(logits_rows, dtype=torch.long))
+            logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache, batch,
+                                torch.tensor(logits_rows + [row for _, row, _ in prompt_rows],
+                                             dtype=torch.long))
         except BaseException:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed)
             raise
+        for (request, _, target), row in zip(prompt_rows, logits[len(sampled):], strict=True):
+            request.prompt_logprobs.append(token_logprobs(row, target,
+                                                          request.params.prompt_logprobs))
         for seq, n in plan.items():  # only once the model has written their K/V
             seq.num_computed += n
         finished, num_generated = [], 0
         for row, seq in enumerate(sampled):
             for target in self._fork_samples(seq):
                 self._append_token(target, sample(logits[row], target.request.params,
-                                                  target.generator))
+                                                  target.generator), logits[row])
                 num_generated += 1
             if seq.request.is_finished and seq.request.finish_time is None:
                 finished.append(self._finish_request(seq.request))
         self.metrics.observe(self.cache, self.scheduler, num_generated)
         return finished
+
+    @staticmethod
+    def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
+        """``(request, row in this step's tokens, prompt token that row predicts)`` for each
+        prompt position whose log-probabilities are asked for and not yet recorded (a
+        recomputed one is not recorded twice)."""
+        rows, offset = [], 0
+        for seq, n in plan.items():
+            request = seq.request
+            if request.params.prompt_logprobs is not None and seq.index == 0:
+                prompt = request.prompt_token_ids
+                first = max(seq.num_computed, len(request.prompt_logprobs) - 1)
+                rows += [(request, offset + position - seq.num_computed, prompt[position + 1])
+                         for position in range(first, min(seq.num_computed + n,
+                                                          len(prompt) - 1))]
+            offset += n
+        return rows
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its request's other samples when its prompt was just computed."""
@@ -208,14 +251,18 @@ class Engine:
         self.scheduler.add_children(seq, children)
         return [seq, *children]
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         now = time.perf_counter()
         seq.token_ids.append(token)
         seq.token_times.append(now)
         if seq.request.first_token_time is None:
             seq.request.first_token_time = now
         params = seq.request.params
-        if token in params.stop_token_ids:
+        if params.logprobs is not None:
+            seq.logprobs.append(token_logprobs(logits, token, params.logprobs))
+            seq.cumulative_logprob += seq.logprobs[-1][token]
+        if token in params.stop_token_ids or (token in self.eos_token_ids
+                                              and not params.ignore_eos):
             self.scheduler.finish(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens:
             self.scheduler.finish(seq, "length")
@@ -227,18 +274,26 @@ class Engine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(s.index, s.output_token_ids, s.finish_reason,
-                                      s.num_preemptions) for s in request.samples],
+            outputs=[_completion(s) for s in request.samples],
             finished=True,
             prefix_hit_tokens=request.prefix_hit_tokens or 0,
             num_preemptions=sum(s.num_preemptions for s in request.samples),
             time_to_first_token=request.first_token_time - request.arrival_time,
             token_latencies=latencies,
+            prompt_logprobs=(list(request.prompt_logprobs)
+                             if request.params.prompt_logprobs is not None else None),
         )
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format."""
         return self.metrics.text(self.cache)
+
+
+def _completion(seq: Sequence) -> CompletionOutput:
+    wanted = seq.request.params.logprobs is not None
+    return CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason,
+                            seq.num_preemptions, list(seq.logprobs) if wanted else None,
+                            seq.cumulative_logprob if wanted else None)
 
 
 def _generator(params: SamplingParams, seed: int, index: int) -> torch.Generator | None:

@@ -56,6 +56,12 @@ class HFCausalLM(torch.nn.Module):
     model : transformers.PreTrainedModel
         A decoder-only model whose attention modules dispatch through
         ``config._attn_implementation`` (Llama, Mistral, Qwen2 and most others).
+
+    Attributes
+    ----------
+    eos_token_ids : tuple of int
+        The checkpoint's ``generation_config.eos_token_id`` (one id or several; the model
+        config's when there is no generation config): the engine stops a sequence at them.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -69,6 +75,7 @@ class HFCausalLM(torch.nn.Module):
         self._kv_shape = (hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None)
                           or hf.num_attention_heads,
                           getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        self.eos_token_ids = _eos_token_ids(model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFCausalLM:
@@ -101,3 +108,14 @@ class HFCausalLM(torch.nn.Module):
                             use_cache=False, logits_to_keep=logits_indices,
                             paged_kv_cache=cache, paged_kv_batch=batch)
         return output.logits[0].float()
+
+
+def _eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """``eos_token_id`` of the generation config (else the model config): None, int or list."""
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(t) for t in (eos if isinstance(eos, list | tuple) else [eos]))

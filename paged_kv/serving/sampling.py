@@ -28,6 +28,16 @@ class SamplingParams:
         Samples per prompt; they share the prompt's blocks.
     stop_token_ids : tuple of int
         Finishing tokens (kept in the output).
+    logprobs : int, optional
+        Per generated token, return the chosen token's log-probability and those of the
+        `logprobs` most likely tokens (0: the chosen one only; None: nothing). They are of the
+        model's distribution, before temperature, top-k and top-p, as vLLM returns them.
+    prompt_logprobs : int, optional
+        The same for every prompt token after the first (each predicted from the ones before
+        it); such a request computes its whole prompt, reusing no cached prefix.
+    ignore_eos : bool
+        Keep generating past the model's end-of-sequence tokens (``stop_token_ids`` still
+        stop).
     """
 
     max_tokens: int = 16
@@ -37,6 +47,9 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
@@ -51,6 +64,14 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n: expected an int >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"SamplingParams.{name}: expected None or an int >= 0, "
+                                 f"got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos: expected a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
@@ -70,3 +91,39 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
+    """Log-probabilities of `token_id` and of the `num_top` most likely tokens.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[vocab]`` logits of one position, any float dtype.
+    token_id : int
+        The token that was chosen.
+    num_top : int
+        How many of the most likely tokens to add (>= 0).
+
+    Returns
+    -------
+    dict of int to float
+        ``{token_id: logprob, *top}``: the chosen token first, then the top tokens from most to
+        least likely (the chosen one appears once, first, when it is among them).
+
+    Examples
+    --------
+    >>> out = token_logprobs(torch.tensor([0.0, 2.0, 1.0]), token_id=2, num_top=2)
+    >>> list(out)  # chosen 2 first, then 1 (most likely); 2 is already in
+    [2, 1]
+    >>> import math
+    >>> round(sum(math.exp(v) for v in out.values()), 2)  # (e^2 + e^1) / (e^0 + e^2 + e^1)
+    0.91
+    """
+    logprobs = logits.float().log_softmax(-1)
+    out = {token_id: float(logprobs[token_id])}
+    if num_top:
+        top = torch.topk(logprobs, min(num_top, logprobs.shape[-1]))
+        for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            out.setdefault(index, value)
+    return out

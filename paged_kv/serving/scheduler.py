@@ -30,6 +30,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     prefix_hit_tokens: int | None = None
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
+        default_factory=lambda: [None])  # the first prompt token has none
 
     @property
     def is_finished(self) -> bool:
@@ -49,6 +51,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     @property
     def seq_id(self) -> tuple[int, int]:
@@ -143,13 +147,14 @@ class Scheduler:
             slots = seq.request.params.n if not seq.request.samples[1:] else 1
             if self._num_slots() + slots > self.max_num_seqs:
                 return
-            hit = self.cache.match_prefix(seq.token_ids)
+            reuse = seq.request.params.prompt_logprobs is None  # else compute every position
+            hit = self.cache.match_prefix(seq.token_ids) if reuse else 0
             num_new = min(len(seq.token_ids) - hit, budget[0])
             # counts the hit blocks as new: exact when they are cached, safe when live
             need = self.cache.config.blocks_for(hit + num_new)
             if need > self._available(self._reserved):
                 return
-            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids)
+            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids if reuse else None)
             self.waiting.popleft()
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = hit

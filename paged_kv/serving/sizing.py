@@ -1,0 +1,107 @@
+"""Size the KV pool from the memory free on its device, as vLLM's ``gpu_memory_utilization``.
+
+The reading is taken once, after the model is loaded, so its weights are already excluded:
+the pool gets ``memory_fraction`` of what is free at that moment (vLLM's fraction is of the
+device's total, weights included; with nothing else on the device the two agree up to the
+weights). CUDA reads ``torch.cuda.mem_get_info``; CPU reads ``MemAvailable`` in
+``/proc/meminfo`` (Linux), the RAM the kernel can hand out without swapping.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+MEMINFO = Path("/proc/meminfo")
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+def free_memory_bytes(device: str | torch.device) -> int:
+    """Bytes free on `device` now: CUDA's free memory, or the host's available RAM.
+
+    Raises
+    ------
+    ValueError
+        For a device kind with no reading (give the engine a `CacheConfig` instead).
+    OSError
+        On a host without ``/proc/meminfo``.
+
+    Examples
+    --------
+    >>> free_memory_bytes("cpu") > 0
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        raise ValueError(f"device: cannot read the free memory of a {device.type!r} device; "
+                         f"give the engine a CacheConfig instead of memory_fraction")
+    for line in MEMINFO.read_text(encoding="ascii").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the file counts kB
+    raise OSError(f"{MEMINFO} has no MemAvailable line; give the engine a CacheConfig")
+
+
+def check_memory_fraction(memory_fraction: float) -> None:
+    """Raise ValueError, naming it, unless `memory_fraction` is a number in (0, 1]."""
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, int | float) \
+            or not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction: expected a number in (0, 1], got {memory_fraction!r}")
+
+
+def cache_config_for_free_memory(model: torch.nn.Module,
+                                 memory_fraction: float = DEFAULT_MEMORY_FRACTION, *,
+                                 block_size: int = 16, device: str | torch.device | None = None,
+                                 **overrides) -> CacheConfig:
+    """The `model`'s cache config with as many blocks as `memory_fraction` of free memory holds.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Has ``cache_config(num_blocks, block_size, **overrides) -> CacheConfig``.
+    memory_fraction : float
+        Share of the free memory the pool may take, in (0, 1].
+    block_size : int
+        Tokens per block.
+    device : str or torch.device, optional
+        Where the pool goes (default: where the model's parameters are).
+    **overrides
+        Further `CacheConfig` fields (e.g. ``enable_prefix_caching``).
+
+    Returns
+    -------
+    CacheConfig
+        ``num_blocks = floor(memory_fraction * free / bytes_per_block)``; logged, in blocks and
+        tokens, at INFO.
+
+    Raises
+    ------
+    ValueError
+        A fraction outside (0, 1], or too little memory for two blocks (one is the null block).
+    """
+    check_memory_fraction(memory_fraction)
+    if device is None:
+        parameter = next(model.parameters(), None)
+        device = parameter.device if parameter is not None else torch.device("cpu")
+    probe = model.cache_config(num_blocks=2, block_size=block_size, device=device, **overrides)
+    free = free_memory_bytes(probe.device)
+    num_blocks = int(memory_fraction * free) // probe.bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"memory_fraction={memory_fraction} of the {free} bytes free on "
+                         f"{probe.device} holds {num_blocks} blocks of {probe.bytes_per_block} "
+                         f"bytes; at least 2 are needed: raise memory_fraction or free memory")
+    config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                device=probe.device, **overrides)
+    logger.info("# %s blocks: %d of %d tokens = %d tokens, %.2f GiB (memory_fraction %g of "
+                "%.2f GiB free)", probe.device.type.upper(), config.num_usable_blocks,
+                block_size, config.num_usable_blocks * block_size, config.total_bytes / 2**30,
+                memory_fraction, free / 2**30)
+    return config
