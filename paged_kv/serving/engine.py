@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from .._threads import engine_threads, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from .metrics import EngineMetrics
@@ -75,6 +76,11 @@ class Engine:
     memory_fraction : float, optional
         Without `cache_config`: the share of free memory the pool takes, in (0, 1] (default
         0.9, as vLLM's ``gpu_memory_utilization``); see `paged_kv.serving.sizing`.
+    num_threads : int, optional
+        torch intra-op threads while the engine runs a step (restored after each step).
+        Default: torch's own count, except on the CPU when torch's OpenMP threads spin at
+        barriers (torch imported before paged_kv), where 1 keeps a busy core from stalling
+        every step; see `paged_kv._threads`.
 
     Examples
     --------
@@ -89,7 +95,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, cache_config: CacheConfig | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 preemption: str = "recompute", memory_fraction: float | None = None) -> None:
+                 preemption: str = "recompute", memory_fraction: float | None = None,
+                 num_threads: int | None = None) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
         if cache_config is None:
@@ -104,6 +111,7 @@ class Engine:
             if value < 1:
                 raise ValueError(f"{name}: expected >= 1, got {value}")
         self.model = model
+        self._threads = engine_threads(num_threads, cache_config.device.type)
         self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
         self.cache = PagedKVCache(cache_config)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
@@ -182,6 +190,10 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the requests that finished."""
+        with intra_op_threads(self._threads):  # the whole step: sampling runs torch ops too
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan:
             return []
