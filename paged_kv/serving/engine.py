@@ -12,7 +12,7 @@ from .._threads import engine_threads, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from .metrics import EngineMetrics
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, sample_rows, token_logprobs
 from .scheduler import Request, Scheduler, Sequence
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 
@@ -221,14 +221,20 @@ class Engine:
                                                           request.params.prompt_logprobs))
         for seq, n in plan.items():  # only once the model has written their K/V
             seq.num_computed += n
-        finished, num_generated = [], 0
-        for row, seq in enumerate(sampled):
-            for target in self._fork_samples(seq):
-                self._append_token(target, sample(logits[row], target.request.params,
-                                                  target.generator), logits[row])
-                num_generated += 1
+        # every sample of the step in one batched call (a forked request's samples share
+        # their row); then the tokens are appended in order
+        targets = [(row, target) for row, seq in enumerate(sampled)
+                   for target in self._fork_samples(seq)]
+        rows = [row for row, _ in targets]
+        tokens = sample_rows(logits[rows], [t.request.params for _, t in targets],
+                             [t.generator for _, t in targets]) if targets else []
+        finished = []
+        for (row, target), token in zip(targets, tokens, strict=True):
+            self._append_token(target, token, logits, row)
+        for seq in sampled:
             if seq.request.is_finished and seq.request.finish_time is None:
                 finished.append(self._finish_request(seq.request))
+        num_generated = len(targets)
         self.metrics.observe(self.cache, self.scheduler, num_generated)
         return finished
 
@@ -263,7 +269,7 @@ class Engine:
         self.scheduler.add_children(seq, children)
         return [seq, *children]
 
-    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
         now = time.perf_counter()
         seq.token_ids.append(token)
         seq.token_times.append(now)
@@ -271,7 +277,7 @@ class Engine:
             seq.request.first_token_time = now
         params = seq.request.params
         if params.logprobs is not None:
-            seq.logprobs.append(token_logprobs(logits, token, params.logprobs))
+            seq.logprobs.append(token_logprobs(logits[row], token, params.logprobs))
             seq.cumulative_logprob += seq.logprobs[-1][token]
         if token in params.stop_token_ids or (token in self.eos_token_ids
                                               and not params.ignore_eos):

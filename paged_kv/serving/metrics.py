@@ -32,15 +32,18 @@ class EngineMetrics:
                              registry=r)
         self.generated = Counter("paged_kv_generated_tokens", "Tokens generated", registry=r)
         self._seen = (0, 0, 0)
+        # label children resolved once: observe() runs every step
+        self._block_gauges = tuple(self.blocks.labels(state=state)
+                                   for state in ("live", "cached", "free"))
 
     def observe(self, cache: PagedKVCache, scheduler: Scheduler, num_generated: int) -> None:
         """Update from one step from the owners' counters (no per-sequence work): gauges
         are set, counters advance by what is new."""
         allocator = cache.allocator
-        for state, value in (("live", allocator.num_live_blocks),
-                             ("cached", allocator.num_cached_blocks),
-                             ("free", allocator.num_free_blocks)):
-            self.blocks.labels(state=state).set(value)
+        for gauge, value in zip(self._block_gauges, (allocator.num_live_blocks,
+                                                     allocator.num_cached_blocks,
+                                                     allocator.num_free_blocks), strict=True):
+            gauge.set(value)
         totals = (*cache.prefix_counters, scheduler.num_preemptions)
         for counter, total, seen in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
                                         totals, self._seen, strict=True):

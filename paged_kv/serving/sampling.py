@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -78,19 +79,37 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None) -> int:
     """Pick one token from ``logits [vocab]`` as `params` say."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    return sample_rows(logits[None], [params], [generator])[0]
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Pick one token per row of ``logits [rows, vocab]``, row i as ``params[i]`` says.
+
+    Temperature, top-k and top-p run on all rows at once; only the draw is per row, with the
+    row's own generator, so a row's token does not depend on the rows beside it.
+    """
+    greedy = logits.argmax(-1).tolist()
+    hot = [i for i, p in enumerate(params) if p.temperature != 0]
+    if not hot:
+        return greedy
+    chosen = [params[i] for i in hot]
+    x = logits[hot].float() / torch.tensor([[p.temperature] for p in chosen])
+    top_k = torch.tensor([p.top_k if p.top_k else x.shape[-1] for p in chosen])
+    if (top_k < x.shape[-1]).any():
+        kth = torch.topk(x, int(top_k.max())).values.gather(-1, (top_k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_p = torch.tensor([[p.top_p] for p in chosen])
+    if (top_p < 1).any():
+        sorted_x, order = x.sort(-1, descending=True)
+        probs = sorted_x.softmax(-1)
         # drop a token when the ones before it already reach top_p (the first always stays)
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    for row, i in enumerate(hot):
+        greedy[i] = int(torch.multinomial(probs[row], 1, generator=generators[i]))
+    return greedy
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:

@@ -108,14 +108,14 @@ class Scheduler:
                     break
                 plan.append((seq, min(len(seq.token_ids) - seq.num_computed, left)))
                 left -= plan[-1][1]
-            needs = (self.cache.num_blocks_needed({s.seq_id: n for s, n in plan},
-                                                  per_sequence=True) if plan else [])
-            if sum(needs) <= self._available(0):
+            needs = (self.cache.num_blocks_needed({s.seq_id: n for s, n in plan})
+                     if plan else 0)
+            if needs <= self._available(0):
                 break
             self._preempt(self.running[-1])
             preempted = True
         step.update(plan)
-        self._reserved, budget[0] = int(sum(needs)), left
+        self._reserved, budget[0] = needs, left
         return preempted
 
     def _schedule_swapped(self, step: dict[Sequence, int], budget: list[int]) -> None:
