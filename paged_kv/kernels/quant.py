@@ -1,0 +1,92 @@
+"""8-bit pages: one scale per (token, kv head), int8 or fp8 codes, and their Triton helpers.
+
+A token's head of ``head_dim`` values ``x`` is stored as codes ``q`` with one scale ``s``
+(`SCALE_DTYPE`) such that ``x ~ q * s``: ``s = max|x| / QMAX`` rounded *up* to bfloat16 by
+its bits (so torch, Triton and the interpreter agree exactly), hence ``|x / s| <= QMAX``.
+int8 rounds ``x / s`` to the nearest integer, halves up (error ``<= s / 2`` per element); fp8
+casts it (relative error ``<= 2**-4`` for e4m3, ``2**-3`` for e5m2, above the subnormals).
+fp8 pages are moved as uint8 (same bits): index ops and Triton pointers then need no fp8
+support.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SCALE_DTYPE
+from ._triton import tl, triton
+
+# format code (a Triton constexpr), then QMAX, by page dtype name
+FORMATS = {"int8": (1, 127.0), "float8_e4m3fn": (2, 448.0), "float8_e5m2": (3, 57344.0)}
+# float32 -> bfloat16 keeps the top 16 bits; adding this first rounds positive values up
+ROUND_UP = 0xFFFF
+
+
+def format_of(cache: torch.Tensor | torch.dtype) -> tuple[int, float]:
+    """``(code, QMAX)`` of an 8-bit page dtype; ``(0, 0.0)`` for float pages."""
+    dtype = cache.dtype if isinstance(cache, torch.Tensor) else cache
+    return FORMATS.get(str(dtype).removeprefix("torch."), (0, 0.0))
+
+
+def raw(pages: torch.Tensor) -> torch.Tensor:
+    """Pages as plain bytes when they are fp8 (same storage), else themselves."""
+    return pages.view(torch.uint8) if pages.dtype.is_floating_point and pages.itemsize == 1 \
+        else pages
+
+
+def quantize_reference(x: torch.Tensor, cache_dtype: torch.dtype,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of ``x [N, H, D]``: ``([N, H, D] cache_dtype, [N, H] SCALE_DTYPE)``.
+
+    Examples
+    --------
+    >>> q, s = quantize_reference(torch.tensor([[[1.0, -2.0, 0.5]]]), torch.int8)
+    >>> q.tolist(), float(s)  # scale 2 / 127 = 0.015748... rounded up to bfloat16
+    ([[[63, -126, 32]]], 0.015869140625)
+    """
+    _, qmax = format_of(cache_dtype)
+    x = x.float()
+    bits = (x.abs().amax(dim=-1) / qmax).view(torch.int32)
+    scale = ((bits + ROUND_UP) & -65536).view(torch.float32).to(SCALE_DTYPE)
+    divisor = scale.float()
+    divisor = torch.where(divisor > 0, divisor, 1.0)[..., None]
+    scaled = (x / divisor).clamp_(-qmax, qmax)
+    if cache_dtype == torch.int8:
+        return torch.floor(scaled + 0.5).to(torch.int8), scale  # half up, as the kernels
+    return scaled.to(cache_dtype), scale
+
+
+def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor,
+                         out: torch.Tensor) -> torch.Tensor:
+    """``out[..., d] = codes[..., d] * scale[...]`` in float32, rounded once to out's dtype."""
+    return torch.mul(codes.to(torch.float32), scale.to(torch.float32)[..., None], out=out)
+
+
+if triton is not None:
+
+    @triton.jit
+    def encode(x, FORMAT: tl.constexpr, QMAX: tl.constexpr):
+        """float32 ``x`` (already divided by its scale) -> stored codes (int8 or fp8 bits)."""
+        x = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+        if FORMAT == 1:
+            return tl.floor(x + 0.5).to(tl.int8)
+        elif FORMAT == 2:
+            return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+    @triton.jit
+    def decode(codes, FORMAT: tl.constexpr):
+        """Stored codes -> float32 (not yet multiplied by the scale)."""
+        if FORMAT == 1:
+            return codes.to(tl.float32)
+        elif FORMAT == 2:
+            return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            return codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def head_scale(x, QMAX: tl.constexpr):
+        """Per-row scale of ``x [rows, D]`` float32, rounded up to bfloat16 -> ``[rows]``."""
+        bits = (tl.max(tl.abs(x), axis=1) / QMAX).to(tl.int32, bitcast=True)
+        return ((bits + 0xFFFF) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
