@@ -65,15 +65,32 @@ def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor,
 if triton is not None:
 
     @triton.jit
+    def round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+        """float32 ``x`` rounded to nearest-even on an fp8 grid, so the cast after it is exact.
+
+        The interpreter's fp8 cast mishandles a mantissa carry (124.1 -> 64, not 128); this
+        rounding makes every backend give torch's codes. Normals: round the float32 bits to
+        MANTISSA bits; below 2**MIN_EXPONENT the grid is even: add and subtract 1.5 * 2**k.
+        """
+        SHIFT: tl.constexpr = 23 - MANTISSA
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & -(1 << SHIFT)
+        MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXPONENT - MANTISSA)
+        small = (tl.abs(x) + MAGIC) - MAGIC
+        small = tl.where(x < 0, -small, small)  # keeps the sign of a value rounded to 0
+        return tl.where(tl.abs(x) < 2.0 ** MIN_EXPONENT, small,
+                        bits.to(tl.float32, bitcast=True))
+
+    @triton.jit
     def encode(x, FORMAT: tl.constexpr, QMAX: tl.constexpr):
         """float32 ``x`` (already divided by its scale) -> stored codes (int8 or fp8 bits)."""
         x = tl.minimum(tl.maximum(x, -QMAX), QMAX)
         if FORMAT == 1:
             return tl.floor(x + 0.5).to(tl.int8)
         elif FORMAT == 2:
-            return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            return round_to_fp8(x, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            return round_to_fp8(x, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
 
     @triton.jit
     def decode(codes, FORMAT: tl.constexpr):
