@@ -4,6 +4,7 @@ the original K/V, scales moving with their blocks, accounting, the engine, bad i
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -281,3 +282,57 @@ def test_auto_pages_are_unchanged() -> None:
     assert config.cache_dtype == config.dtype and PagedKVCache(config).pool.scales is None
     assert dataclasses.replace(config, kv_cache_dtype="int8").bytes_per_token < \
         config.bytes_per_token
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "bound"), [("int8", 0.01), ("fp8_e4m3", 0.05)])
+def test_transformers_paged_cache_on_8bit_pages(kv_cache_dtype: str, bound: float) -> None:
+    """Prefill then a decode step through `PagedCache` against the model without a cache
+    (relative logit error measured 0.003 for int8, 0.014 for e4m3), and greedy `generate`."""
+    transformers = pytest.importorskip("transformers")
+    from paged_kv.integrations.transformers import PagedCache
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().float()
+    ids = torch.randint(3, 128, (2, 21))
+
+    def paged() -> PagedCache:
+        return PagedCache(config, num_blocks=16, block_size=16, dtype=torch.float32,
+                          kv_cache_dtype=kv_cache_dtype)
+
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = paged()
+        got = torch.cat([model(ids[:, :20], cache=cache, use_cache=True).logits,
+                         model(ids[:, 20:], cache=cache, use_cache=True).logits], 1)
+    assert cache.stats().total_bytes == PagedCache(config, num_blocks=16, dtype=torch.float32
+                                                   ).stats().total_bytes * 36 // 128
+    error = float((got - want).norm() / want.norm())
+    assert error < bound, f"{kv_cache_dtype}: relative logit error {error:.4f}"
+    greedy = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(model.generate(ids, cache=paged(), **greedy),
+                       model.generate(ids, **greedy))
+
+
+def test_demo_kv_cache_dtype_fits_more_blocks_in_the_budget(capsys: pytest.CaptureFixture
+                                                            ) -> None:
+    from paged_kv.cli import main
+
+    reports = {}
+    for kv_cache_dtype in ("auto", "int8"):
+        assert main(["demo", "--num-requests", "6", "--memory-mib", "0.5", "--num-layers", "1",
+                     "--hidden-size", "64", "--vocab-size", "256", "--json",
+                     "--kv-cache-dtype", kv_cache_dtype]) == 0
+        reports[kv_cache_dtype] = json.loads(capsys.readouterr().out)
+    int8 = reports["int8"]
+    assert int8["kv_cache_dtype"] == "int8" and int8["generated_tokens"] > 0
+    assert int8["pool_bytes"] <= int8["memory_budget_bytes"]
+    blocks = {k: r["peak_live_blocks"] + r["peak_cached_blocks"] + r["peak_free_blocks"]
+              for k, r in reports.items()}
+    # float32 pages, head_dim 32: 128 bytes per token-head against 32 codes + a 2-byte scale
+    assert blocks["int8"] >= 3.5 * blocks["auto"]
+    assert main(["demo", "--synthetic", "--num-requests", "4", "--memory-mib", "1",
+                 "--num-layers", "1", "--kv-cache-dtype", "fp8_e4m3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["final"]["num_live_blocks"] == 0
