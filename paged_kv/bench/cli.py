@@ -1,4 +1,4 @@
-"""``paged-kv bench``: run the five workloads, print a summary table, write the report.
+"""``paged-kv bench``: run the six workloads, print a summary table, write the report.
 
 Importing this module is cheap (the parser only); the workloads load when the command runs.
 """
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving")
+WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -88,7 +88,7 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run_workload(key: str, scale, trace, device):
-    from .workloads import allocator, kernels, memory, serving, step_cost
+    from .workloads import allocator, kernels, memory, quantised, serving, step_cost
 
     if key == "allocator":
         return allocator.run(scale, trace)
@@ -98,4 +98,6 @@ def _run_workload(key: str, scale, trace, device):
         return step_cost.run(scale)
     if key == "memory":
         return memory.run(scale, trace)
+    if key == "quantised":
+        return quantised.run(scale, trace, device)
     return serving.run(scale, trace)

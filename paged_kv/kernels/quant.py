@@ -11,6 +11,8 @@ support.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import SCALE_DTYPE
@@ -50,16 +52,33 @@ def quantize_reference(x: torch.Tensor, cache_dtype: torch.dtype,
     scale = ((bits + ROUND_UP) & -65536).view(torch.float32).to(SCALE_DTYPE)
     divisor = scale.float()
     divisor = torch.where(divisor > 0, divisor, 1.0)[..., None]
-    scaled = (x / divisor).clamp_(-qmax, qmax)
+    # |x / scale| <= QMAX up to float32 rounding, which neither rounding below can push past
+    # QMAX: no clamp needed (the kernels clamp anyway, to the same result)
+    scaled = x / divisor
     if cache_dtype == torch.int8:
-        return torch.floor(scaled + 0.5).to(torch.int8), scale  # half up, as the kernels
+        return scaled.add_(0.5).floor_().to(torch.int8), scale  # half up, as the kernels
     return scaled.to(cache_dtype), scale
 
 
 def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor,
                          out: torch.Tensor) -> torch.Tensor:
     """``out[..., d] = codes[..., d] * scale[...]`` in float32, rounded once to out's dtype."""
-    return torch.mul(codes.to(torch.float32), scale.to(torch.float32)[..., None], out=out)
+    if codes.dtype == torch.int8:
+        values = codes.to(torch.float32)
+    else:  # a 256-entry table: several times faster than torch's CPU fp8 cast, same values
+        values = torch.index_select(_fp8_values(codes.dtype, codes.device), 0,
+                                    codes.view(torch.uint8).flatten().int()).view(codes.shape)
+    scale = scale.to(torch.float32)[..., None]
+    if out.dtype == torch.float32:
+        return torch.mul(values, scale, out=out)
+    # a float32 product then one cast: torch's mixed-dtype out= path is ~10x slower on CPU
+    return out.copy_(values.mul_(scale))
+
+
+@functools.cache
+def _fp8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """float32 value of each of the 256 codes of an fp8 dtype."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(dtype).to(torch.float32)
 
 
 if triton is not None:
