@@ -298,10 +298,9 @@ def paged_attention(
     torch.Tensor
         ``[num_tokens, num_q_heads, D]`` in the query's dtype (accumulated in float32).
     """
+    scales = quant.scale_kwargs(key_scales, value_scales)
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, out, key_scales=key_scales,
-                                      value_scales=value_scales)
+                                      query_start_loc, scale, out, **scales)
     return paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, out, workspace,
-                                     key_scales=key_scales, value_scales=value_scales)
+                                     query_start_loc, scale, out, workspace, **scales)

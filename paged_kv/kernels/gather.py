@@ -292,7 +292,7 @@ def gather_kv(
     >>> k.flatten().tolist()  # block 3 (6, 7), then block 1 offset 0 (2), then padding
     [6.0, 7.0, 2.0, 0.0]
     """
-    scales = dict(key_scales=key_scales, value_scales=value_scales, out_dtype=out_dtype)
+    scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
     if use_triton(key_cache):
         return gather_kv_triton(key_cache, value_cache, block_tables, seq_lens, pad_to, out,
                                 **scales)
@@ -388,7 +388,7 @@ def gather_kv_packed(
     (torch.Tensor, torch.Tensor)
         K and V ``[total_tokens, H, D]``; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
     """
-    scales = dict(key_scales=key_scales, value_scales=value_scales, out_dtype=out_dtype)
+    scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
     if use_triton(key_cache):
         return gather_kv_packed_triton(key_cache, value_cache, block_tables, seq_lens,
                                        cu_seqlens, out, **scales)

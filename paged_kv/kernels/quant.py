@@ -36,6 +36,15 @@ def raw(pages: torch.Tensor) -> torch.Tensor:
         else pages
 
 
+def scale_kwargs(key_scales: torch.Tensor | None, value_scales: torch.Tensor | None,
+                 **extra: object) -> dict:
+    """Keyword arguments passing 8-bit scales (and `extra`) on to a launcher; none for float
+    pages, so their calls are exactly what they were before 8-bit pages existed."""
+    if key_scales is None:
+        return {}
+    return {"key_scales": key_scales, "value_scales": value_scales, **extra}
+
+
 def quantize_reference(x: torch.Tensor, cache_dtype: torch.dtype,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of ``x [N, H, D]``: ``([N, H, D] cache_dtype, [N, H] SCALE_DTYPE)``.

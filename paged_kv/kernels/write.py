@@ -174,9 +174,8 @@ def write_kv(
     >>> kc.flatten().tolist()
     [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     """
+    scales = quant.scale_kwargs(key_scales, value_scales)
     if use_triton(key):
-        write_kv_triton(key, value, key_cache, value_cache, slot_mapping, key_scales,
-                        value_scales)
+        write_kv_triton(key, value, key_cache, value_cache, slot_mapping, **scales)
     else:
-        write_kv_reference(key, value, key_cache, value_cache, slot_mapping, key_scales,
-                           value_scales)
+        write_kv_reference(key, value, key_cache, value_cache, slot_mapping, **scales)
