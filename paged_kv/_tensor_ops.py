@@ -14,6 +14,7 @@ import torch
 from . import kernels
 from ._checks import check_tensor
 from .config import CacheConfig
+from .kernels.quant import scale_kwargs
 from .page_table import PageTables, SeqId, StepBatch
 from .pool import KVPool
 
@@ -82,7 +83,7 @@ class TensorOps:
                 check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
                              device=self.config.device)
         return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out,
-                                 **self._scales_of(layer))
+                                 **self._scales_of(layer, out_dtype=self.config.dtype))
 
     def gather_packed(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -105,7 +106,8 @@ class TensorOps:
                 check_tensor(f"gather_packed(): {name}", tensor, shape,
                              dtype=self.config.dtype, device=self.config.device)
         k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
-                                        cu_seqlens, out, **self._scales_of(layer))
+                                        cu_seqlens, out,
+                                        **self._scales_of(layer, out_dtype=self.config.dtype))
         return k, v, cu_seqlens
 
     def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
@@ -136,16 +138,12 @@ class TensorOps:
                                        batch.seq_lens, batch.query_start_loc, scale,
                                        workspace=None if kernels.use_triton(query)
                                        else self._workspace_for(batch),
-                                       **self._scales_of(layer, out_dtype=False))
+                                       **self._scales_of(layer))
 
-    def _scales_of(self, layer: int, out_dtype: bool = True) -> dict:
+    def _scales_of(self, layer: int, **extra: object) -> dict:
         """Keyword arguments that make a kernel read this layer's 8-bit pages (none for float
         pages, so their calls stay as they were)."""
-        if not self.config.is_quantized:
-            return {}
-        key_scales, value_scales = self._pool.layer_scales(layer)
-        extra = {"out_dtype": self.config.dtype} if out_dtype else {}
-        return {"key_scales": key_scales, "value_scales": value_scales, **extra}
+        return scale_kwargs(*self._pool.layer_scales(layer), **extra)
 
     def _workspace_for(self, batch: StepBatch) -> torch.Tensor:
         """Scratch for the torch attention path's gathers, grown on demand, reused by every
