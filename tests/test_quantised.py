@@ -336,3 +336,17 @@ def test_demo_kv_cache_dtype_fits_more_blocks_in_the_budget(capsys: pytest.Captu
     assert main(["demo", "--synthetic", "--num-requests", "4", "--memory-mib", "1",
                  "--num-layers", "1", "--kv-cache-dtype", "fp8_e4m3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["final"]["num_live_blocks"] == 0
+
+
+def test_kernels_want_scales_exactly_with_8bit_pages() -> None:
+    pages = torch.zeros(3, 2, 1, 4, dtype=torch.int8)
+    scales = torch.zeros(3, 2, 1, dtype=torch.bfloat16)
+    key, slots = torch.ones(1, 1, 4), torch.tensor([2])
+    with pytest.raises(ValueError, match=r"write_kv\(\): key_scales is required"):
+        write_kv(key, key, pages, pages, slots)
+    with pytest.raises(ValueError, match=r"value_scales given with torch\.float32 pages"):
+        write_kv(key, key, pages.float(), pages.float(), slots, None, scales)
+    with pytest.raises(ValueError, match=r"expected torch.bfloat16 of shape \(3, 2, 1\)"):
+        gather_kv(pages, pages, torch.tensor([[1]], dtype=torch.int32),
+                  torch.tensor([2], dtype=torch.int32), key_scales=scales.float(),
+                  value_scales=scales)

@@ -298,6 +298,7 @@ def paged_attention(
     torch.Tensor
         ``[num_tokens, num_q_heads, D]`` in the query's dtype (accumulated in float32).
     """
+    quant.check_scales("paged_attention", key_cache, key_scales, value_scales)
     scales = quant.scale_kwargs(key_scales, value_scales)
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,

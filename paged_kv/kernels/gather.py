@@ -42,7 +42,7 @@ def gather_kv_reference(
     zero scales, hence zeros).
     """
     if key_scales is not None:
-        return _dequantized(
+        return quant.gather_dequantized(
             lambda k, v, o, zero: gather_kv_reference(k, v, block_tables, seq_lens, pad_to, o,
                                                       zero_padding=zero),
             key_cache, value_cache, key_scales, value_scales, out, out_dtype)
@@ -72,24 +72,6 @@ def gather_kv_reference(
             for row, start in enumerate(seq_lens.tolist()):
                 if start < length:
                     dst[row, start:].zero_()
-    return out
-
-
-def _dequantized(gather, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 key_scales: torch.Tensor, value_scales: torch.Tensor,
-                 out: tuple[torch.Tensor, torch.Tensor] | None,
-                 out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a float `gather(k, v, out, zero_padding)` over the codes (as bytes) and the scales
-    (as one-element heads), then ``out = codes * scales``."""
-    codes = gather(quant.raw(key_cache), quant.raw(value_cache), None, False)
-    scales = gather(key_scales[..., None], value_scales[..., None], None, True)
-    if out is None:
-        dtype = out_dtype or torch.float32
-        out = (codes[0].new_empty(codes[0].shape, dtype=dtype),
-               codes[1].new_empty(codes[1].shape, dtype=dtype))
-    for code, scale, cache, dst in zip(codes, scales, (key_cache, value_cache), out,
-                                       strict=True):
-        quant.dequantize_reference(code.view(cache.dtype), scale[..., 0], dst)
     return out
 
 
@@ -292,6 +274,7 @@ def gather_kv(
     >>> k.flatten().tolist()  # block 3 (6, 7), then block 1 offset 0 (2), then padding
     [6.0, 7.0, 2.0, 0.0]
     """
+    quant.check_scales("gather_kv", key_cache, key_scales, value_scales)
     scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
     if use_triton(key_cache):
         return gather_kv_triton(key_cache, value_cache, block_tables, seq_lens, pad_to, out,
@@ -314,7 +297,7 @@ def gather_kv_packed_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation of `gather_kv_packed` (the CPU path)."""
     if key_scales is not None:
-        return _dequantized(
+        return quant.gather_dequantized(
             lambda k, v, o, _: gather_kv_packed_reference(k, v, block_tables, seq_lens,
                                                           cu_seqlens, o),
             key_cache, value_cache, key_scales, value_scales, out, out_dtype)
@@ -388,6 +371,7 @@ def gather_kv_packed(
     (torch.Tensor, torch.Tensor)
         K and V ``[total_tokens, H, D]``; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
     """
+    quant.check_scales("gather_kv_packed", key_cache, key_scales, value_scales)
     scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
     if use_triton(key_cache):
         return gather_kv_packed_triton(key_cache, value_cache, block_tables, seq_lens,

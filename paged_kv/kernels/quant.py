@@ -46,6 +46,41 @@ def scale_kwargs(key_scales: torch.Tensor | None, value_scales: torch.Tensor | N
     return {"key_scales": key_scales, "value_scales": value_scales, **extra}
 
 
+def check_scales(what: str, key_cache: torch.Tensor, key_scales: torch.Tensor | None,
+                 value_scales: torch.Tensor | None) -> None:
+    """Raise ValueError unless scales come exactly with 8-bit pages."""
+    is_8bit = format_of(key_cache)[0] != 0
+    for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
+        if is_8bit and scales is None:
+            raise ValueError(f"{what}(): {name} is required with {key_cache.dtype} pages")
+        if not is_8bit and scales is not None:
+            raise ValueError(f"{what}(): {name} given with {key_cache.dtype} pages, which "
+                             f"hold values, not codes")
+        if scales is not None and (scales.shape != key_cache.shape[:3]
+                                   or scales.dtype != SCALE_DTYPE):
+            raise ValueError(f"{what}(): {name}: expected {SCALE_DTYPE} of shape "
+                             f"{tuple(key_cache.shape[:3])}, got {scales.dtype} of shape "
+                             f"{tuple(scales.shape)}")
+
+
+def gather_dequantized(gather, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       key_scales: torch.Tensor, value_scales: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor] | None,
+                       out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a float `gather(k, v, out, zero_padding)` over the codes (as bytes) and the scales
+    (as one-element heads), then ``out = codes * scales`` (padding: zero scales, zeros)."""
+    codes = gather(raw(key_cache), raw(value_cache), None, False)
+    scales = gather(key_scales[..., None], value_scales[..., None], None, True)
+    if out is None:
+        dtype = out_dtype or torch.float32
+        out = (codes[0].new_empty(codes[0].shape, dtype=dtype),
+               codes[1].new_empty(codes[1].shape, dtype=dtype))
+    for code, scale, cache, dst in zip(codes, scales, (key_cache, value_cache), out,
+                                       strict=True):
+        dequantize_reference(code.view(cache.dtype), scale[..., 0], dst)
+    return out
+
+
 def quantize_reference(x: torch.Tensor, cache_dtype: torch.dtype,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of ``x [N, H, D]``: ``([N, H, D] cache_dtype, [N, H] SCALE_DTYPE)``.

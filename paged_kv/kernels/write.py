@@ -174,6 +174,7 @@ def write_kv(
     >>> kc.flatten().tolist()
     [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     """
+    quant.check_scales("write_kv", key_cache, key_scales, value_scales)
     scales = quant.scale_kwargs(key_scales, value_scales)
     if use_triton(key):
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping, **scales)
