@@ -88,7 +88,8 @@ class CacheConfig:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"CacheConfig.device: not a device: {self.device!r}") from exc
         object.__setattr__(self, "device", device)
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if not isinstance(self.kv_cache_dtype, str) or (
+                self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES):
             raise ValueError(f"CacheConfig.kv_cache_dtype: expected one of 'auto', "
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))}, "
                              f"got {self.kv_cache_dtype!r}")

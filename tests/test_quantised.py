@@ -252,8 +252,9 @@ def test_engine_greedy_agrees_with_a_float32_cache() -> None:
 def test_bad_kv_cache_dtype_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype.*'int8'.*got 'int4'"):
         tiny_config(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        tiny_config(kv_cache_dtype=torch.int8)
+    for wrong in (torch.int8, ["int8"], None):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            tiny_config(kv_cache_dtype=wrong)
 
 
 def test_fp8_without_float8_types_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
