@@ -14,6 +14,7 @@ import torch
 from . import kernels
 from ._checks import check_tensor
 from .config import CacheConfig
+from .kernels.quant import scale_kwargs
 from .page_table import PageTables, SeqId, StepBatch
 from .pool import KVPool
 
@@ -40,7 +41,8 @@ class TensorOps:
         ----------
         layer : int
         key, value : torch.Tensor
-            ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device.
+            ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device
+            (quantized on the way in when ``kv_cache_dtype`` is 8-bit).
         batch : StepBatch
             From this step's `prepare`.
 
@@ -54,7 +56,8 @@ class TensorOps:
         for name, tensor in (("key", key), ("value", value)):
             check_tensor(f"write(): {name}", tensor, shape, dtype=self.config.dtype,
                          device=self.config.device)
-        kernels.write_kv(key, value, *self._pool.layer(layer), batch.slot_mapping)
+        kernels.write_kv(key, value, *self._pool.layer(layer), batch.slot_mapping,
+                         *self._pool.layer_scales(layer))
 
     def gather(self, layer: int, batch_or_seq_ids: BatchOrSeqIds, pad_to: int | None = None,
                out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -65,7 +68,8 @@ class TensorOps:
         -------
         (torch.Tensor, torch.Tensor)
             K and V ``[B, T, num_kv_heads, head_dim]``, ``T = pad_to or`` the longest length,
-            zeros past each sequence's length.
+            zeros past each sequence's length; the cache's `dtype` (dequantized from 8-bit
+            pages).
         """
         self._require_layer("gather()", layer)
         block_tables, seq_lens, longest = self._tables_of("gather()", batch_or_seq_ids)
@@ -78,7 +82,8 @@ class TensorOps:
             for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
                 check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
                              device=self.config.device)
-        return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out)
+        return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out,
+                                 **self._scales_of(layer, out_dtype=self.config.dtype))
 
     def gather_packed(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -101,7 +106,8 @@ class TensorOps:
                 check_tensor(f"gather_packed(): {name}", tensor, shape,
                              dtype=self.config.dtype, device=self.config.device)
         k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
-                                        cu_seqlens, out)
+                                        cu_seqlens, out,
+                                        **self._scales_of(layer, out_dtype=self.config.dtype))
         return k, v, cu_seqlens
 
     def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
@@ -131,7 +137,13 @@ class TensorOps:
         return kernels.paged_attention(query, *self._pool.layer(layer), batch.block_tables,
                                        batch.seq_lens, batch.query_start_loc, scale,
                                        workspace=None if kernels.use_triton(query)
-                                       else self._workspace_for(batch))
+                                       else self._workspace_for(batch),
+                                       **self._scales_of(layer))
+
+    def _scales_of(self, layer: int, **extra: object) -> dict:
+        """Keyword arguments that make a kernel read this layer's 8-bit pages (none for float
+        pages, so their calls stay as they were)."""
+        return scale_kwargs(*self._pool.layer_scales(layer), **extra)
 
     def _workspace_for(self, batch: StepBatch) -> torch.Tensor:
         """Scratch for the torch attention path's gathers, grown on demand, reused by every

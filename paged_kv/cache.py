@@ -22,6 +22,7 @@ from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator, encode_tokens, root_hash
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
+from .kernels.quant import raw
 from .page_table import PageTables, SeqId, StepBatch
 from .pool import KVPool
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
@@ -616,8 +617,9 @@ class PagedKVCache(TensorOps):
 
     def snapshot(self) -> tuple:
         """Comparable copy of the full state (tables, allocator, counters, pool bytes)."""
-        pools = (self._pool.kv.clone(), None if self._pool.host is None
-                 else self._pool.host.clone())
+        pools = tuple(None if t is None else t.clone() for t in (
+            raw(self._pool.kv), raw(self._pool.host) if self._pool.host is not None else None,
+            self._pool.scales, self._pool.host_scales))
         host = None if self._host_allocator is None else self._host_allocator.snapshot()
         return (self._allocator.snapshot(), self._tables.snapshot(), host,
                 tuple((k, tuple(v)) for k, v in self._swapped_keys.items()),

@@ -11,7 +11,7 @@ import torch
 
 from .accounting import CacheStats
 from .bench.cli import add_bench_parser
-from .config import CacheConfig
+from .config import KV_CACHE_DTYPES, CacheConfig
 from .workload import run_synthetic
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -70,7 +70,7 @@ def _demo(args: argparse.Namespace) -> int:
                       seed=args.seed,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      progress=not args.json)
+                      progress=not args.json, kv_cache_dtype=args.kv_cache_dtype)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -78,7 +78,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _synthetic_demo(args: argparse.Namespace) -> int:
     config = CacheConfig.for_memory(
         args.memory_mib * 2**20, num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim, block_size=args.block_size, dtype=DTYPES[args.dtype])
+        head_dim=args.head_dim, block_size=args.block_size, dtype=DTYPES[args.dtype],
+        kv_cache_dtype=args.kv_cache_dtype)
     report = run_synthetic(config, num_sequences=args.num_requests, seed=args.seed)
     if args.json:
         print(json.dumps({"num_steps": report.num_steps, "num_forks": report.num_forks,
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vocab-size", type=int, default=2048)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
                       help="pool dtype of --synthetic (the model runs in float32)")
+    demo.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
+                      help="how pages store K/V: auto (the pool dtype) or 8 bits with a scale "
+                           "per token and head (about twice the tokens per MiB)")
     demo.add_argument("--model", metavar="PATH", default=None,
                       help="serve a Hugging Face causal LM from this local directory "
                            "(needs the hf extra) instead of the embedded TinyLlama")

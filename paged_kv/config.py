@@ -8,6 +8,10 @@ import math
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# page element type of each 8-bit format, by torch attribute name (float8 types are optional)
+KV_CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# one scale per (token, layer, K/V, kv head) of 8-bit pages; bfloat16 for float32's range
+SCALE_DTYPE = torch.bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,11 @@ class CacheConfig:
         Blocks in the host (CPU) pool that swapped-out sequences move to (0 = no swapping).
     max_num_seqs : int
         Initial rows of the page tables (they grow on demand).
+    kv_cache_dtype : str
+        How pages store K/V: ``"auto"`` in `dtype`; ``"int8"``, ``"fp8_e4m3"`` or
+        ``"fp8_e5m2"`` in 8 bits with one `SCALE_DTYPE` scale per (token, layer, K/V, kv head)
+        beside them (see docs/architecture.md). `write` takes and `gather` / `attention`
+        return `dtype` either way.
 
     Examples
     --------
@@ -44,6 +53,9 @@ class CacheConfig:
     32768
     >>> cfg.bytes_per_token
     2048
+    >>> cfg8 = dataclasses.replace(cfg, kv_cache_dtype="int8")
+    >>> cfg8.bytes_per_token  # 2 layers * 2 * 4 heads * (64 int8 + a 2-byte scale)
+    1056
     """
 
     num_layers: int
@@ -56,6 +68,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0
     max_num_seqs: int = 256
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         minimums = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1,
@@ -75,6 +88,15 @@ class CacheConfig:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"CacheConfig.device: not a device: {self.device!r}") from exc
         object.__setattr__(self, "device", device)
+        if not isinstance(self.kv_cache_dtype, str) or (
+                self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES):
+            raise ValueError(f"CacheConfig.kv_cache_dtype: expected one of 'auto', "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.is_quantized and not hasattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype]):
+            raise ValueError(f"CacheConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs "
+                             f"torch.{KV_CACHE_DTYPES[self.kv_cache_dtype]}, which torch "
+                             f"{torch.__version__} lacks; use 'int8' or upgrade torch")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"CacheConfig.enable_prefix_caching: expected a bool, "
@@ -82,18 +104,33 @@ class CacheConfig:
             )
 
     @property
+    def is_quantized(self) -> bool:
+        """Whether pages hold 8-bit values with scales (`kv_cache_dtype` is not "auto")."""
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """Element type of the pages: `dtype`, or the 8-bit type of `kv_cache_dtype`."""
+        if not self.is_quantized:
+            return self.dtype
+        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
+
+    @property
     def element_size(self) -> int:
-        """Bytes per element of `dtype`."""
-        return self.dtype.itemsize
+        """Bytes per page element (`cache_dtype`)."""
+        return self.cache_dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers, K and V."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes one token occupies across all layers, K and V (scales included)."""
+        scale_bytes = SCALE_DTYPE.itemsize if self.is_quantized else 0
+        per_head = self.head_dim * self.element_size + scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V: the unit the pool hands out."""
+        """Bytes of one block across all layers, K and V (scales included): the unit the
+        pool hands out."""
         return self.bytes_per_token * self.block_size
 
     @property
@@ -121,6 +158,9 @@ class CacheConfig:
         ...                              dtype=torch.float16)
         >>> cfg.num_blocks  # 1 MiB // 32 KiB per block
         32
+        >>> CacheConfig.for_memory(1 << 20, num_layers=2, num_kv_heads=4, head_dim=64,
+        ...                        dtype=torch.float16, kv_cache_dtype="int8").num_blocks
+        62
         """
         probe = cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     block_size=block_size, num_blocks=2, **kwargs)

@@ -7,8 +7,9 @@ import logging
 import numpy as np
 import torch
 
-from .config import CacheConfig
+from .config import SCALE_DTYPE, CacheConfig
 from .kernels import copy_blocks, swap_blocks
+from .kernels.quant import raw
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,11 @@ class KVPool:
     reads as zeros. ``host`` has the same block shape with ``num_host_blocks + 1`` blocks on the
     CPU (pinned when the pool is on CUDA); its block 0 is unused, like the null block.
 
+    With 8-bit pages (``config.is_quantized``) ``kv`` holds int8 / float8 codes and
+    ``scales`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads]`` bfloat16 holds one
+    scale per (token, head) beside them (``host_scales`` likewise); every block operation
+    moves a block's scales with its codes.
+
     Examples
     --------
     >>> pool = KVPool(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2,
@@ -31,42 +37,72 @@ class KVPool:
 
     def __init__(self, config: CacheConfig) -> None:
         block_shape = (config.block_size, config.num_kv_heads, config.head_dim)
-        self.kv = torch.zeros((config.num_layers, 2, config.num_blocks, *block_shape),
-                              dtype=config.dtype, device=config.device)
+        planes = (config.num_layers, 2)
+        self.kv = torch.zeros((*planes, config.num_blocks, *block_shape),
+                              dtype=config.cache_dtype, device=config.device)
+        scale_shape = (config.block_size, config.num_kv_heads)
+        self.scales = (torch.zeros((*planes, config.num_blocks, *scale_shape), dtype=SCALE_DTYPE,
+                                   device=config.device) if config.is_quantized else None)
         self.host: torch.Tensor | None = None
+        self.host_scales: torch.Tensor | None = None
         if config.num_host_blocks:
             pin = self.kv.is_cuda
-            self.host = torch.zeros((config.num_layers, 2, config.num_host_blocks + 1,
-                                     *block_shape), dtype=config.dtype, pin_memory=pin)
+            host_blocks = config.num_host_blocks + 1
+            self.host = torch.zeros((*planes, host_blocks, *block_shape),
+                                    dtype=config.cache_dtype, pin_memory=pin)
+            if config.is_quantized:
+                self.host_scales = torch.zeros((*planes, host_blocks, *scale_shape),
+                                               dtype=SCALE_DTYPE, pin_memory=pin)
         logger.info("paged_kv: pool of %d blocks x %d tokens = %d tokens, %.3f GiB on %s",
                     config.num_blocks, config.block_size, config.num_blocks * config.block_size,
                     self.nbytes / 2**30, config.device)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device pool."""
-        return self.kv.nbytes
+        """Bytes of the device pool, scales included."""
+        return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``([num_blocks, block_size, H, D], same)`` of one layer's K and V pages."""
         return self.kv[layer, 0], self.kv[layer, 1]
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Views ``([num_blocks, block_size, H], same)`` of one layer's K and V scales, or
+        ``(None, None)`` for float pages."""
+        if self.scales is None:
+            return None, None
+        return self.scales[layer, 0], self.scales[layer, 1]
+
+    def _planes(self, host: bool = False) -> list[torch.Tensor]:
+        """The tensors a block spans, as ``[layers, 2, blocks, ...]`` with a trailing head
+        dim (scales get a one-element one), fp8 as bytes: what copy and swap move."""
+        kv, scales = (self.host, self.host_scales) if host else (self.kv, self.scales)
+        return [raw(kv)] + ([] if scales is None else [scales[..., None]])
 
     def _ids(self, block_ids: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)).to(device)
 
     def copy(self, src_block_ids: np.ndarray, dst_block_ids: np.ndarray) -> None:
         """Copy whole blocks (all layers, K and V) inside the device pool."""
-        copy_blocks(self.kv, self._ids(src_block_ids, self.kv.device),
-                    self._ids(dst_block_ids, self.kv.device))
+        src, dst = self._ids(src_block_ids, self.kv.device), self._ids(dst_block_ids,
+                                                                       self.kv.device)
+        for plane in self._planes():
+            copy_blocks(plane, src, dst)
 
     def swap_out(self, block_ids: np.ndarray, host_block_ids: np.ndarray) -> None:
         """Copy device blocks to host blocks."""
         assert self.host is not None, "swap_out without a host pool"
-        swap_blocks(self.kv, self.host, self._ids(block_ids, self.kv.device),
-                    self._ids(host_block_ids, self.host.device))
+        src, dst = self._ids(block_ids, self.kv.device), self._ids(host_block_ids,
+                                                                   self.host.device)
+        for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
+                                            strict=True):
+            swap_blocks(device_plane, host_plane, src, dst)
 
     def swap_in(self, host_block_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """Copy host blocks back into device blocks."""
         assert self.host is not None, "swap_in without a host pool"
-        swap_blocks(self.host, self.kv, self._ids(host_block_ids, self.host.device),
-                    self._ids(block_ids, self.kv.device))
+        src, dst = self._ids(host_block_ids, self.host.device), self._ids(block_ids,
+                                                                          self.kv.device)
+        for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
+                                            strict=True):
+            swap_blocks(host_plane, device_plane, src, dst)

@@ -185,3 +185,16 @@ def test_peers_is_skipped_without_transformers(monkeypatch, capsys, tmp_path):
     assert main(["bench", "--quick", "--out", str(out), "--workloads", "peers"]) == 0
     assert peers.SKIP_REASON in capsys.readouterr().err
     assert json.loads((out / "results.json").read_text())["workloads"] == []
+
+
+def test_quantised_pages_hold_twice_the_tokens_and_run_more_requests(quick_report):
+    """Counts, not timings: block counts and the engine's schedule are deterministic."""
+    _, data = quick_report
+    workload = next(w for w in data["workloads"] if w["key"] == "quantised")
+    figures = workload["figures"]
+    capacity = [f for f in figures if f["name"].startswith("tokens in 1 GiB")]
+    running = [f for f in figures if "requests running at once, mean" in f["name"]]
+    agreement = [f for f in figures if f["name"].startswith("greedy tokens equal")]
+    assert len(capacity) == 6 and all(f["ratio"] >= 1.9 for f in capacity), capacity
+    assert len(running) == 2 and all(f["ratio"] >= 1.5 for f in running), running
+    assert agreement and all(0 < f["median"] <= 1 for f in agreement)

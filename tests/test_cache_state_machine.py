@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from paged_kv import OutOfBlocksError, PagedKVCache, _compiled
+from paged_kv.kernels.quant import dequantize_reference, quantize_reference
 
 from .conftest import assert_same_snapshot, tiny_config
 
@@ -34,10 +35,12 @@ def kv_for(prefix: tuple) -> torch.Tensor:
 
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
+    kv_cache_dtype = "auto"
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = PagedKVCache(tiny_config(num_blocks=20, num_host_blocks=10))
+        self.cache = PagedKVCache(tiny_config(num_blocks=20, num_host_blocks=10,
+                                              kv_cache_dtype=self.kv_cache_dtype))
         self.tokens: dict[str, list] = {}     # seq -> token ids so far (None = unknown)
         self.kv: dict[str, list] = {}         # seq -> per token [layers, 2, H, D]
         self.pending: dict[str, list] = {}    # seq -> prompt tokens not yet prepared
@@ -192,10 +195,21 @@ class CacheMachine(RuleBasedStateMachine):
                 n = len(self.kv[seq_id])
                 if n == 0:
                     continue
-                want = torch.stack(self.kv[seq_id])  # (n, layers, 2, H, D)
+                want = self.read_back(torch.stack(self.kv[seq_id]))  # (n, layers, 2, H, D)
                 assert torch.equal(k[row, :n], want[:, layer, 0]), f"K of {seq_id} corrupted"
                 assert torch.equal(v[row, :n], want[:, layer, 1]), f"V of {seq_id} corrupted"
                 assert not k[row, n:].any(), f"padding of {seq_id} not zero"
+
+    def read_back(self, kv: torch.Tensor) -> torch.Tensor:
+        """What the pages give back for `kv`: itself, or its 8-bit round trip, which is a
+        function of the token's own K/V alone (one scale per token and head) and within
+        half a scale step of it."""
+        if not self.cache.config.is_quantized:
+            return kv
+        codes, scale = quantize_reference(kv.flatten(0, 2), self.cache.config.cache_dtype)
+        out = dequantize_reference(codes, scale, torch.empty_like(kv.flatten(0, 2)))
+        assert ((out - kv.flatten(0, 2)).abs() <= scale.float()[..., None] / 2 + 1e-6).all()
+        return out.view_as(kv)
 
     def teardown(self):
         for seq_id in list(self.tokens):
@@ -225,6 +239,15 @@ class NumpyCacheMachine(CacheMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestNumpyCacheMachine = NumpyCacheMachine.TestCase
+
+
+class Int8CacheMachine(CacheMachine):
+    """The same programs on int8 pages: scales must follow copies, forks, swaps, truncation."""
+
+    kv_cache_dtype = "int8"
+
+
+TestInt8CacheMachine = Int8CacheMachine.TestCase
 # 150 programs of 40 rules find a truncated-then-overwritten prefix block (checked by
 # planting that bug); the rerun under the Triton interpreter keeps to fewer
 for name, examples, steps in (("paged_kv", 150, 40), ("paged_kv_interpreter", 40, 30)):
@@ -238,3 +261,6 @@ TestNumpyCacheMachine.settings = settings.get_profile(
     "paged_kv_interpreter" if os.environ.get("PAGED_KV_HYPOTHESIS_PROFILE") else "paged_kv_numpy")
 if _compiled.numba is None:  # the main machine already runs the numpy path
     TestNumpyCacheMachine = pytest.mark.skip("numba not installed")(TestNumpyCacheMachine)
+# the int8 rerun: fewer programs, the same rules (the float run finds the block-level bugs)
+TestInt8CacheMachine.settings = settings(TestCacheMachine.settings,
+                                         max_examples=TestCacheMachine.settings.max_examples // 3)

@@ -4,7 +4,8 @@ measured in the same run, written to a report with plots.
     trace.py      a seeded serving trace, saved and loaded as JSON lines
     replay.py     replay a trace through any block manager's bookkeeping
     baselines.py  the same-run baselines: a Python-object block manager, the seeds' caches
-    workloads/    allocator, kernels, step_cost, memory, serving, peers (one ``run`` each)
+    workloads/    allocator, kernels, step_cost, memory, serving, quantised, peers (one ``run``
+                  each)
     timing.py     repeats -> median / min / max, and `Figure` (value, baseline, ratio)
     report.py     report.md, results.json, PNGs (matplotlib, imported lazily)
     cli.py        ``paged-kv bench [--quick] [--out DIR]``

@@ -63,6 +63,10 @@ class PagedCache(Cache):
     dtype : torch.dtype, optional
         Pool dtype (float32, float16, bfloat16); default the config's ``dtype``, else
         torch's default dtype. The model's K/V must have it.
+    kv_cache_dtype : str
+        ``"auto"`` (pages in `dtype`) or ``"int8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``:
+        8-bit pages with scales, about twice the tokens in the same memory (see
+        `CacheConfig`); `update` still takes and returns `dtype`.
 
     Raises
     ------
@@ -89,7 +93,8 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config: PreTrainedConfig, num_blocks: int, block_size: int = 16,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         text_config = config.get_text_config(decoder=True)
         _require_full_attention(text_config)
         num_heads = text_config.num_attention_heads
@@ -103,7 +108,8 @@ class PagedCache(Cache):
             num_layers=text_config.num_hidden_layers,
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
-            device=device, enable_prefix_caching=False))  # token ids never reach a cache
+            device=device, enable_prefix_caching=False,  # token ids never reach a cache
+            kv_cache_dtype=kv_cache_dtype))
         self._seq_ids: list[int] = []        # one sequence per batch row, in row order
         self._next_seq_id = 0
         self._batch: StepBatch | None = None  # the open step, shared by every layer

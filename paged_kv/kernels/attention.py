@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from ._triton import tl, triton
 from .backend import use_triton
 from .gather import gather_kv_reference
@@ -19,33 +20,40 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float | None = None,
     out: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,  # [>= 2 * B * T * Hkv * D], the cache's dtype
+    workspace: torch.Tensor | None = None,  # [>= 2 * B * T * Hkv * D], the query's dtype
+    *,
+    key_scales: torch.Tensor | None = None,    # [num_blocks, block_size, num_kv_heads]
+    value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
 ) -> torch.Tensor:
     """Torch implementation of `paged_attention` (the CPU path): gather, then SDPA in float32.
 
     Decode rows (one query each) run as one batched SDPA; rows with several queries (prefill
     chunks) run one sequence at a time, so a long chunk never pads every decode row to its
-    length.
+    length. 8-bit pages are dequantized by the gather.
     """
     out = torch.empty_like(query) if out is None else out
+    scales = (key_scales, value_scales)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     decode = (query_lens == 1).nonzero().flatten()
     if decode.numel():
         starts = query_start_loc[decode].long()
         out[starts] = _attend(query[starts, :, None], key_cache, value_cache,
                               block_tables[decode], seq_lens[decode], scale,
-                              workspace)[:, :, 0]
+                              workspace, scales)[:, :, 0]
     for row in (query_lens > 1).nonzero().flatten().tolist():
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         attended = _attend(query[None, start:end].transpose(1, 2), key_cache, value_cache,
-                           block_tables[row:row + 1], seq_lens[row:row + 1], scale, workspace)
+                           block_tables[row:row + 1], seq_lens[row:row + 1], scale, workspace,
+                           scales)
         out[start:end] = attended[0].transpose(0, 1)
     return out
 
 
 def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float | None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+            scale: float | None, workspace: torch.Tensor | None = None,
+            scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+            ) -> torch.Tensor:
     """``query (B, Hq, n, D)``, the last n positions of each sequence -> ``(B, Hq, n, D)``."""
     # T rounded up to whole blocks: the gather then copies blocks, not tokens
     block_size = key_cache.shape[1]
@@ -58,7 +66,9 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         out = (workspace[:size].view(shape), workspace[size:2 * size].view(shape))
     # padding stays unzeroed: the mask gives it zero weight, and pages hold finite values
     k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens,
-                               pad_to=length, out=out, zero_padding=False)  # (B, T, Hkv, D)
+                               pad_to=length, out=out, zero_padding=False,
+                               key_scales=scales[0], value_scales=scales[1],
+                               out_dtype=query.dtype)  # (B, T, Hkv, D)
     num_queries = query.shape[2]
     key_pos = torch.arange(k.shape[1], device=query.device)
     # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j
@@ -79,6 +89,8 @@ if triton is not None:
         query_ptr,            # [num_tokens, num_q_heads, D]
         key_cache_ptr,        # [num_blocks, block_size, num_kv_heads, D]
         value_cache_ptr,      # [num_blocks, block_size, num_kv_heads, D], same strides
+        key_scales_ptr,       # [num_blocks, block_size, num_kv_heads], read when FORMAT
+        value_scales_ptr,     # as key_scales, same strides
         block_tables_ptr,     # [B, max_blocks] int32
         seq_lens_ptr,         # [B] int32, including this step's tokens
         query_start_loc_ptr,  # [B + 1] int32
@@ -93,6 +105,9 @@ if triton is not None:
         cache_stride_offset,
         cache_stride_head,
         cache_stride_dim,
+        scale_stride_block,   # key_scales / value_scales strides
+        scale_stride_offset,
+        scale_stride_head,
         block_tables_stride,
         num_seqs,             # B
         block_size,
@@ -104,6 +119,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,  # keys per step
         BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16 for tl.dot
         UPCAST_DOT: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
+        FORMAT: tl.constexpr,   # 0 = float pages; else quant.FORMATS' code, dequantized here
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -122,7 +138,9 @@ if triton is not None:
                      + (kv_head * group_size + heads)[:, None] * query_stride_head
                      + dims[None, :] * query_stride_dim)
         q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
-        q = q.to(key_cache_ptr.dtype.element_ty)  # tl.dot wants one dtype
+        # tl.dot wants one dtype: the pages', or the query's when the pages are codes
+        if FORMAT == 0:
+            q = q.to(key_cache_ptr.dtype.element_ty)
         if UPCAST_DOT:
             q = q.to(tl.float32)
 
@@ -141,6 +159,16 @@ if triton is not None:
             kv_mask = is_key[:, None] & is_dim[None, :]
             k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if FORMAT != 0:
+                scale_rows = (blocks.to(tl.int64) * scale_stride_block
+                              + (positions % block_size) * scale_stride_offset
+                              + kv_head * scale_stride_head)
+                k_scale = tl.load(key_scales_ptr + scale_rows, mask=is_key, other=0.0)
+                v_scale = tl.load(value_scales_ptr + scale_rows, mask=is_key, other=0.0)
+                k = quant.decode(k, FORMAT) * k_scale.to(tl.float32)[:, None]
+                v = quant.decode(v, FORMAT) * v_scale.to(tl.float32)[:, None]
+                k = k.to(query_ptr.dtype.element_ty)
+                v = v.to(query_ptr.dtype.element_ty)
             if UPCAST_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -151,7 +179,10 @@ if triton is not None:
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             # p rounds to the cache dtype, as flash attention does, so the dot runs on tensor cores
-            p = p.to(value_cache_ptr.dtype.element_ty)
+            if FORMAT == 0:
+                p = p.to(value_cache_ptr.dtype.element_ty)
+            else:
+                p = p.to(query_ptr.dtype.element_ty)
             if UPCAST_DOT:
                 p = p.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -173,6 +204,9 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,    # [num_blocks, block_size, num_kv_heads]
+    value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
 ) -> torch.Tensor:
     """Triton implementation of `paged_attention` (the CUDA path); same contract."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -186,12 +220,15 @@ def paged_attention_triton(
     out = query.new_empty(query.shape) if out is None else out
     if num_tokens == 0:
         return out
+    if key_scales is None:  # unread by the kernel; any pointer of the pages' strides will do
+        key_scales = value_scales = key_cache[..., 0]
     group_size = num_q_heads // num_kv_heads
     # a program per (token, kv head), so the kv head's query heads share each K/V tile; 64 keys
     # per step spans blocks of any size and keeps a [64, D] tile (16 KiB bf16 at D=128) in flight
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        query_ptr=query, key_cache_ptr=quant.raw(key_cache),
+        value_cache_ptr=quant.raw(value_cache), key_scales_ptr=key_scales,
+        value_scales_ptr=value_scales, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc, out_ptr=out,
         query_stride_token=query.stride(0), query_stride_head=query.stride(1),
         query_stride_dim=query.stride(2),
@@ -199,12 +236,14 @@ def paged_attention_triton(
         out_stride_dim=out.stride(2),
         cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
         cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
-        block_tables_stride=block_tables.stride(0),
+        scale_stride_block=key_scales.stride(0), scale_stride_offset=key_scales.stride(1),
+        scale_stride_head=key_scales.stride(2), block_tables_stride=block_tables.stride(0),
         num_seqs=seq_lens.shape[0], block_size=key_cache.shape[1], group_size=group_size,
         head_dim=head_dim, scale=head_dim ** -0.5 if scale is None else scale,
         BLOCK_B=triton.next_power_of_2(seq_lens.shape[0]),
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST_DOT=not query.is_cuda,
+        FORMAT=quant.format_of(key_cache)[0],
     )
     return out
 
@@ -219,6 +258,9 @@ def paged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached K/V, read through the page table.
 
@@ -244,17 +286,22 @@ def paged_attention(
         ``[num_tokens, num_q_heads, D]`` output buffer.
 
     workspace : torch.Tensor, optional
-        1-D scratch of the cache's dtype the torch path gathers K/V into when it holds
+        1-D scratch of the query's dtype the torch path gathers K/V into when it holds
         ``2 * B * T * num_kv_heads * D`` elements (``T`` rounded up to whole blocks);
         ignored by the Triton kernel, which reads the pages in place.
+    key_scales, value_scales : torch.Tensor, optional
+        ``[num_blocks, block_size, num_kv_heads]`` bfloat16 scales of 8-bit pages, which are
+        then dequantized as they are read (in the kernel's inner loop).
 
     Returns
     -------
     torch.Tensor
         ``[num_tokens, num_q_heads, D]`` in the query's dtype (accumulated in float32).
     """
+    quant.check_scales("paged_attention", key_cache, key_scales, value_scales)
+    scales = quant.scale_kwargs(key_scales, value_scales)
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, out)
+                                      query_start_loc, scale, out, **scales)
     return paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, out, workspace)
+                                     query_start_loc, scale, out, workspace, **scales)

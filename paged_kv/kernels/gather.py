@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
 from ._triton import tl, triton
 from .backend import use_triton
 
@@ -26,6 +27,9 @@ def gather_kv_reference(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     zero_padding: bool = True,
+    key_scales: torch.Tensor | None = None,    # [num_blocks, block_size, H], 8-bit pages
+    value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, H]
+    out_dtype: torch.dtype | None = None,      # of new outputs from 8-bit pages
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation of `gather_kv` (the CPU path).
 
@@ -34,7 +38,14 @@ def gather_kv_reference(
     token rows of ``H * D`` (about 0.6x as fast here). Pass `pad_to` rounded up to the block
     size for the fast path. ``zero_padding=False`` leaves positions past each length as
     whatever the pages hold there (attention masks them anyway).
+    8-bit pages are gathered as codes and scales, then dequantized into `out` (padding gets
+    zero scales, hence zeros).
     """
+    if key_scales is not None:
+        return quant.gather_dequantized(
+            lambda k, v, o, zero: gather_kv_reference(k, v, block_tables, seq_lens, pad_to, o,
+                                                      zero_padding=zero),
+            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
     batch_size = seq_lens.shape[0]
     block_size = key_cache.shape[1]
     longest = int(seq_lens.max()) if batch_size else 0
@@ -72,6 +83,8 @@ if triton is not None:
         value_cache_ptr,      # [num_blocks, block_size, H, D], same strides
         key_out_ptr,          # padded [B, T, H, D], or packed [total_tokens, H, D]
         value_out_ptr,        # as key_out, same strides
+        key_scales_ptr,       # [num_blocks, block_size, H], read when FORMAT
+        value_scales_ptr,     # as key_scales, same strides
         block_tables_ptr,     # [B, max_blocks] int32
         seq_lens_ptr,         # [B] int32
         cu_seqlens_ptr,       # [B + 1] int32, read only when PACKED
@@ -80,6 +93,9 @@ if triton is not None:
         cache_stride_offset,
         cache_stride_head,
         cache_stride_dim,
+        scale_stride_block,   # key_scales / value_scales strides
+        scale_stride_offset,
+        scale_stride_head,
         out_stride_seq,       # padded only, 0 when PACKED
         out_stride_token,
         out_stride_head,
@@ -93,6 +109,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,  # token positions per program
         BLOCK_H: tl.constexpr,  # next_power_of_2(num_heads)
         BLOCK_D: tl.constexpr,  # next_power_of_2(head_dim)
+        FORMAT: tl.constexpr,   # 0 = float pages; else quant.FORMATS' code of the codes
     ):
         positions = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
         seq = tl.program_id(1).to(tl.int64)
@@ -118,6 +135,17 @@ if triton is not None:
         store_mask = is_row[:, None, None] & inner
         key = tl.load(key_cache_ptr + src, mask=load_mask, other=0.0)  # [BLOCK_T, BLOCK_H, BLOCK_D]
         value = tl.load(value_cache_ptr + src, mask=load_mask, other=0.0)
+        if FORMAT != 0:
+            scale_src = ((blocks * scale_stride_block
+                          + (positions % block_size) * scale_stride_offset)[:, None, None]
+                         + heads * scale_stride_head)
+            scale_mask = is_token[:, None, None] & (heads < num_heads)
+            key_scale = tl.load(key_scales_ptr + scale_src, mask=scale_mask, other=0.0)
+            value_scale = tl.load(value_scales_ptr + scale_src, mask=scale_mask, other=0.0)
+            key = quant.decode(key, FORMAT) * key_scale.to(tl.float32)
+            value = quant.decode(value, FORMAT) * value_scale.to(tl.float32)
+            key = key.to(key_out_ptr.dtype.element_ty)
+            value = value.to(value_out_ptr.dtype.element_ty)
         tl.store(key_out_ptr + dst, key, mask=store_mask)
         tl.store(value_out_ptr + dst, value, mask=store_mask)
 
@@ -125,10 +153,17 @@ if triton is not None:
 def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    cu_seqlens: torch.Tensor | None, longest: int,
-                   out: tuple[torch.Tensor, torch.Tensor]) -> None:
+                   out: tuple[torch.Tensor, torch.Tensor],
+                   scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                   ) -> None:
     """Launch `_gather_kv_kernel` into `out`: packed when `cu_seqlens` is given, else padded."""
+    code = quant.format_of(key_cache)[0]
+    key_scales, value_scales = scales
+    if key_scales is None:  # unread by the kernel; any pointer of the pages' strides will do
+        key_scales = value_scales = key_cache[..., 0]
     for name, tensor, like in (("value_cache", value_cache, key_cache),
-                               ("value out", out[1], out[0])):
+                               ("value out", out[1], out[0]),
+                               ("value_scales", value_scales, key_scales)):
         if tensor.stride() != like.stride():
             raise ValueError(f"{name}: expected strides {like.stride()}, got {tensor.stride()}")
     batch_size, num_heads, head_dim = seq_lens.shape[0], *key_cache.shape[2:]
@@ -142,19 +177,22 @@ def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
     # tiles on grid axis 0, whose limit is 2**31 - 1 (axis 1 allows only 65535)
     block_t = min(max(1, 4096 // (block_h * block_d)), triton.next_power_of_2(tile_len))
     _gather_kv_kernel[(triton.cdiv(tile_len, block_t), batch_size)](
-        key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        key_cache_ptr=quant.raw(key_cache), value_cache_ptr=quant.raw(value_cache),
         key_out_ptr=out[0], value_out_ptr=out[1],
+        key_scales_ptr=key_scales, value_scales_ptr=value_scales,
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         cu_seqlens_ptr=cu_seqlens if is_packed else seq_lens,
         block_tables_stride=block_tables.stride(0),
         cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
         cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
+        scale_stride_block=key_scales.stride(0), scale_stride_offset=key_scales.stride(1),
+        scale_stride_head=key_scales.stride(2),
         out_stride_seq=0 if is_packed else out[0].stride(0),
         out_stride_token=out[0].stride(-3), out_stride_head=out[0].stride(-2),
         out_stride_dim=out[0].stride(-1),
         out_len=padded_len, block_size=key_cache.shape[1], max_blocks=block_tables.shape[1],
         num_heads=num_heads, head_dim=head_dim,
-        PACKED=is_packed, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        PACKED=is_packed, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FORMAT=code,
     )
 
 
@@ -165,6 +203,10 @@ def gather_kv_triton(
     seq_lens: torch.Tensor,      # [B] int32
     pad_to: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of `gather_kv` (the CUDA path); same contract as the reference."""
     batch_size = seq_lens.shape[0]
@@ -173,10 +215,18 @@ def gather_kv_triton(
     if length < longest:
         raise ValueError(f"pad_to: expected >= the longest sequence ({longest}), got {pad_to}")
     if out is None:
-        shape = (batch_size, length, *key_cache.shape[2:])
-        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    _launch_gather(key_cache, value_cache, block_tables, seq_lens, None, longest, out)
+        out = _new_out((batch_size, length, *key_cache.shape[2:]), key_cache, key_scales,
+                       out_dtype)
+    _launch_gather(key_cache, value_cache, block_tables, seq_lens, None, longest, out,
+                   (key_scales, value_scales))
     return out
+
+
+def _new_out(shape: tuple[int, ...], key_cache: torch.Tensor, key_scales: torch.Tensor | None,
+             out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh K and V outputs: the pages' dtype, or `out_dtype` (default float32) for 8-bit."""
+    dtype = key_cache.dtype if key_scales is None else out_dtype or torch.float32
+    return key_cache.new_empty(shape, dtype=dtype), key_cache.new_empty(shape, dtype=dtype)
 
 
 def gather_kv(
@@ -186,6 +236,10 @@ def gather_kv(
     seq_lens: torch.Tensor,
     pad_to: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rebuild each sequence's contiguous K/V, zero-padded to a common length.
 
@@ -201,6 +255,11 @@ def gather_kv(
         Output length ``T`` (default the longest sequence); below it is a ValueError.
     out : (torch.Tensor, torch.Tensor), optional
         Preallocated ``[B, T, H, D]`` contiguous outputs for K and V.
+    key_scales, value_scales : torch.Tensor, optional
+        ``[num_blocks, block_size, H]`` bfloat16 scales of 8-bit pages: the output is then
+        ``codes * scale`` (dequantized).
+    out_dtype : torch.dtype, optional
+        dtype of fresh outputs from 8-bit pages (default float32).
 
     Returns
     -------
@@ -215,9 +274,13 @@ def gather_kv(
     >>> k.flatten().tolist()  # block 3 (6, 7), then block 1 offset 0 (2), then padding
     [6.0, 7.0, 2.0, 0.0]
     """
+    quant.check_scales("gather_kv", key_cache, key_scales, value_scales)
+    scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
     if use_triton(key_cache):
-        return gather_kv_triton(key_cache, value_cache, block_tables, seq_lens, pad_to, out)
-    return gather_kv_reference(key_cache, value_cache, block_tables, seq_lens, pad_to, out)
+        return gather_kv_triton(key_cache, value_cache, block_tables, seq_lens, pad_to, out,
+                                **scales)
+    return gather_kv_reference(key_cache, value_cache, block_tables, seq_lens, pad_to, out,
+                               **scales)
 
 
 def gather_kv_packed_reference(
@@ -227,8 +290,17 @@ def gather_kv_packed_reference(
     seq_lens: torch.Tensor,      # [B] int32
     cu_seqlens: torch.Tensor,    # [B + 1] int32
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation of `gather_kv_packed` (the CPU path)."""
+    if key_scales is not None:
+        return quant.gather_dequantized(
+            lambda k, v, o, _: gather_kv_packed_reference(k, v, block_tables, seq_lens,
+                                                          cu_seqlens, o),
+            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
     total = int(cu_seqlens[-1]) if out is None else out[0].shape[0]
     if out is None:
         shape = (total, *key_cache.shape[2:])
@@ -250,13 +322,18 @@ def gather_kv_packed_triton(
     seq_lens: torch.Tensor,      # [B] int32
     cu_seqlens: torch.Tensor,    # [B + 1] int32
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of `gather_kv_packed` (the CUDA path); same contract."""
     longest = int(seq_lens.max()) if seq_lens.shape[0] else 0
     if out is None:
-        shape = (int(cu_seqlens[-1]), *key_cache.shape[2:])
-        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    _launch_gather(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, longest, out)
+        out = _new_out((int(cu_seqlens[-1]), *key_cache.shape[2:]), key_cache, key_scales,
+                       out_dtype)
+    _launch_gather(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, longest, out,
+                   (key_scales, value_scales))
     return out
 
 
@@ -267,6 +344,10 @@ def gather_kv_packed(
     seq_lens: torch.Tensor,
     cu_seqlens: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rebuild K/V of a batch in the packed varlen form (FlashAttention's ``cu_seqlens``).
 
@@ -282,14 +363,18 @@ def gather_kv_packed(
         ``[B + 1]`` int32, ``cu_seqlens[b + 1] - cu_seqlens[b] == seq_lens[b]``.
     out : (torch.Tensor, torch.Tensor), optional
         Preallocated ``[total_tokens, H, D]`` outputs.
+    key_scales, value_scales, out_dtype
+        As for `gather_kv` (8-bit pages).
 
     Returns
     -------
     (torch.Tensor, torch.Tensor)
         K and V ``[total_tokens, H, D]``; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
     """
+    quant.check_scales("gather_kv_packed", key_cache, key_scales, value_scales)
+    scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
     if use_triton(key_cache):
         return gather_kv_packed_triton(key_cache, value_cache, block_tables, seq_lens,
-                                       cu_seqlens, out)
+                                       cu_seqlens, out, **scales)
     return gather_kv_packed_reference(key_cache, value_cache, block_tables, seq_lens,
-                                      cu_seqlens, out)
+                                      cu_seqlens, out, **scales)

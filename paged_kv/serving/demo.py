@@ -43,26 +43,29 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
              preemption: str = "recompute", model_config: TinyLlamaConfig | None = None,
              seed: int = 0, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
              progress: bool = True, model: torch.nn.Module | None = None,
-             memory_fraction: float | None = None) -> dict:
+             memory_fraction: float | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Serve `make_workload(num_requests)` and return the report as a dict.
 
     `model` defaults to the embedded `TinyLlama(model_config)`; any model the `Engine`
     drives works (e.g. `HFCausalLM.from_pretrained(path)`). The pool takes `memory_mib`, or,
     when given, `memory_fraction` of the free memory (`cache_config_for_free_memory`).
+    `kv_cache_dtype` picks 8-bit pages (`CacheConfig.kv_cache_dtype`): more blocks in the
+    same memory.
     """
     torch.manual_seed(seed)
     model = model if model is not None else TinyLlama(model_config, seed=seed)
+    probe = model.cache_config(num_blocks=2, block_size=block_size,
+                               kv_cache_dtype=kv_cache_dtype)
     if memory_fraction is not None:
-        num_blocks = cache_config_for_free_memory(model, memory_fraction,
-                                                  block_size=block_size).num_blocks
-        budget = num_blocks * model.cache_config(num_blocks=2, block_size=block_size)\
-            .bytes_per_block
+        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
+                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
+        budget = num_blocks * probe.bytes_per_block
     else:
         budget = int(memory_mib * 2**20)
-        num_blocks = budget // model.cache_config(num_blocks=2,
-                                                  block_size=block_size).bytes_per_block
+        num_blocks = budget // probe.bytes_per_block
     cache_config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
-                                      num_host_blocks=num_blocks if preemption == "swap" else 0)
+                                      num_host_blocks=num_blocks if preemption == "swap" else 0,
+                                      kv_cache_dtype=kv_cache_dtype)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
     max_prompt_len = min(1024, model.config.max_position // 2)
@@ -104,6 +107,7 @@ def _report(workload, outputs, elapsed: float, peak: CacheStats, engine: Engine,
     max_len = max(len(p) + q.max_tokens for p, q in workload)
     return {
         "model": getattr(engine.model, "name", type(engine.model).__name__),
+        "kv_cache_dtype": engine.cache.config.kv_cache_dtype,
         "num_requests": len(outputs),
         "num_samples": sum(len(out.outputs) for out in outputs),
         "prompt_tokens": prompt_tokens,
@@ -149,7 +153,8 @@ def format_report(report: dict) -> str:
         ("per-token latency", f"median {report['token_latency_median_ms']:.1f} ms, "
                               f"p99 {report['token_latency_p99_ms']:.1f} ms"),
         ("most sequences running at once", f"{report['max_running']}"),
-        ("KV pool", f"{report['pool_bytes'] / mib:.1f} MiB"),
+        ("KV pool", f"{report['pool_bytes'] / mib:.1f} MiB "
+                    f"(kv_cache_dtype {report['kv_cache_dtype']})"),
         ("peak blocks live / cached / free", f"{report['peak_live_blocks']} / "
                                              f"{report['peak_cached_blocks']} / "
                                              f"{report['peak_free_blocks']}"),

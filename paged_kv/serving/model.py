@@ -92,7 +92,8 @@ class TinyLlama(torch.nn.Module):
 
     def cache_config(self, num_blocks: int = 1024, block_size: int = 16,
                      **overrides) -> CacheConfig:
-        """The `CacheConfig` whose K/V shape matches this model."""
+        """The `CacheConfig` whose K/V shape matches this model; `overrides` set any other
+        field, e.g. ``kv_cache_dtype="int8"`` for 8-bit pages."""
         fields = dict(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
                       head_dim=self.config.head_dim, block_size=block_size,
                       num_blocks=num_blocks, dtype=torch.float32)

@@ -1,1 +1,1 @@
-"""The five workloads of ``paged-kv bench``; each module's ``run`` returns a `WorkloadResult`."""
+"""The six workloads of ``paged-kv bench``; each module's ``run`` returns a `WorkloadResult`."""
