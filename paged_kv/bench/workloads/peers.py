@@ -300,7 +300,7 @@ def _result(scale: Scale, runs: dict[str, list[PeerRun]], prompts: list[list[int
             "engine: KV in use at its busiest step (MiB)":
                 runs[ENGINE][-1].kv_bytes_used / 2**20}
     return WorkloadResult(
-        key="peers", title="6. Peers: the engine against transformers' generate_batch and generate",
+        key="peers", title="7. Peers: the engine against transformers' generate_batch and generate",
         description=DESCRIPTION.format(
             num_requests=len(prompts), new_tokens=scale.peers_new_tokens, model=model,
             median=MEDIAN_PROMPT_LEN, system=SYSTEM_PROMPT_LEN, block_size=BLOCK_SIZE,
