@@ -36,6 +36,7 @@ class KVPool:
     """
 
     def __init__(self, config: CacheConfig) -> None:
+        self._ops: list | None = None  # see record_ops
         block_shape = (config.block_size, config.num_kv_heads, config.head_dim)
         planes = (config.num_layers, 2)
         self.kv = torch.zeros((*planes, config.num_blocks, *block_shape),
@@ -82,8 +83,23 @@ class KVPool:
     def _ids(self, block_ids: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)).to(device)
 
+    def record_ops(self) -> None:
+        """From now on keep a log of `copy` / `swap_out` / `swap_in` (``(kind, src, dst)``,
+        kind 1 / 2 / 3) for `take_ops`: tensor-parallel rank 0 replays them on every rank."""
+        self._ops = []
+
+    def take_ops(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Return and clear the log `record_ops` keeps (empty when not recording)."""
+        ops, self._ops = self._ops, ([] if self._ops is not None else None)
+        return ops or []
+
+    def _log(self, kind: int, src: np.ndarray, dst: np.ndarray) -> None:
+        if self._ops is not None:
+            self._ops.append((kind, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)))
+
     def copy(self, src_block_ids: np.ndarray, dst_block_ids: np.ndarray) -> None:
         """Copy whole blocks (all layers, K and V) inside the device pool."""
+        self._log(1, src_block_ids, dst_block_ids)
         src, dst = self._ids(src_block_ids, self.kv.device), self._ids(dst_block_ids,
                                                                        self.kv.device)
         for plane in self._planes():
@@ -92,6 +108,7 @@ class KVPool:
     def swap_out(self, block_ids: np.ndarray, host_block_ids: np.ndarray) -> None:
         """Copy device blocks to host blocks."""
         assert self.host is not None, "swap_out without a host pool"
+        self._log(2, block_ids, host_block_ids)
         src, dst = self._ids(block_ids, self.kv.device), self._ids(host_block_ids,
                                                                    self.host.device)
         for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
@@ -101,6 +118,7 @@ class KVPool:
     def swap_in(self, host_block_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """Copy host blocks back into device blocks."""
         assert self.host is not None, "swap_in without a host pool"
+        self._log(3, host_block_ids, block_ids)
         src, dst = self._ids(host_block_ids, self.host.device), self._ids(block_ids,
                                                                           self.kv.device)
         for device_plane, host_plane in zip(self._planes(), self._planes(host=True),

@@ -11,7 +11,16 @@ import torch
 from .._threads import engine_threads, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
+from ..errors import InvariantError
+from ..page_table import StepBatch
 from .metrics import EngineMetrics
+from .parallel import (
+    ModelSpec,
+    TensorParallelGroup,
+    check_splittable,
+    local_cache_config,
+    shard_model,
+)
 from .sampling import SamplingParams, sample_rows, token_logprobs
 from .scheduler import Request, Scheduler, Sequence
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
@@ -76,6 +85,11 @@ class Engine:
     memory_fraction : float, optional
         Without `cache_config`: the share of free memory the pool takes, in (0, 1] (default
         0.9, as vLLM's ``gpu_memory_utilization``); see `paged_kv.serving.sizing`.
+    tensor_parallel_size : int
+        Split the model's heads and the KV pool over this many processes (torch.distributed:
+        gloo on CPU); the engine starts the workers itself and stops them on `close` (see
+        `paged_kv.serving.parallel`). The model must be a `TinyLlama` or an `HFCausalLM` loaded
+        with ``from_pretrained``; `cache_config` is the whole model's.
     num_threads : int, optional
         torch intra-op threads while the engine runs a step (restored after each step).
         Default: torch's own count, except on the CPU when torch's OpenMP threads spin at
@@ -96,7 +110,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, cache_config: CacheConfig | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  preemption: str = "recompute", memory_fraction: float | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, tensor_parallel_size: int = 1) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
         if cache_config is None:
@@ -110,10 +124,22 @@ class Engine:
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
                 raise ValueError(f"{name}: expected >= 1, got {value}")
-        self.model = model
         self._threads = engine_threads(num_threads, cache_config.device.type)
         self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
+        self._tp: TensorParallelGroup | None = None
+        if tensor_parallel_size != 1:
+            # validated before any process starts; rank 0 shards a model of its own, so
+            # the caller's model is left whole
+            spec = ModelSpec.of(model)
+            check_splittable(*spec.shape(), tensor_parallel_size)
+            model = spec.build()
+            kv_heads = shard_model(model, 0, tensor_parallel_size)
+            self._tp = TensorParallelGroup(spec, cache_config, tensor_parallel_size)
+            cache_config = local_cache_config(cache_config, kv_heads)
+        self.model = model
         self.cache = PagedKVCache(cache_config)
+        if self._tp is not None:
+            self.cache.pool.record_ops()
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    preemption=preemption)
@@ -209,9 +235,10 @@ class Engine:
                 sampled.append(seq)
         prompt_rows = self._prompt_logprob_rows(plan)  # their logits follow the sampled rows
         try:
-            logits = self.model(torch.tensor(tokens), torch.tensor(positions), self.cache, batch,
-                                torch.tensor(logits_rows + [row for _, row, _ in prompt_rows],
-                                             dtype=torch.long))
+            logits = self._run_model(torch.tensor(tokens), torch.tensor(positions), batch,
+                                     torch.tensor(logits_rows + [row for _, row, _
+                                                                 in prompt_rows],
+                                                  dtype=torch.long))
         except BaseException:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed)
@@ -301,6 +328,50 @@ class Engine:
             prompt_logprobs=(list(request.prompt_logprobs)
                              if request.params.prompt_logprobs is not None else None),
         )
+
+    def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
+                   logits_indices: torch.Tensor) -> torch.Tensor:
+        """The model on this step; with tensor parallelism, the plan goes to every rank
+        first (with the pool operations since the last step) and all ranks run together."""
+        if self._tp is not None:
+            self._tp.broadcast_step(tokens, positions, logits_indices, batch,
+                                    self.cache.pool.take_ops())
+        return self.model(tokens, positions, self.cache, batch, logits_indices)
+
+    # -- tensor parallelism and lifetime -----------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model and the KV pool are split over (1: this process alone)."""
+        return 1 if self._tp is None else self._tp.world_size
+
+    def pool_bytes_per_rank(self) -> list[int]:
+        """KV pool bytes of every rank (each holds its share of the KV heads)."""
+        if self._tp is None:
+            return [self.cache.pool.nbytes]
+        return [nbytes for _, nbytes in self._gather_info()]
+
+    def check(self) -> None:
+        """`PagedKVCache.check`, and with tensor parallelism that every rank's pool has the
+        same blocks (they share rank 0's block ids by construction)."""
+        self.cache.check()
+        if self._tp is not None:
+            counts = {num_blocks for num_blocks, _ in self._gather_info()}
+            if counts != {self.cache.config.num_blocks}:
+                raise InvariantError(f"ranks hold different block counts: {sorted(counts)}")
+
+    def _gather_info(self) -> list[tuple[int, int]]:
+        return self._tp.gather_info((self.cache.config.num_blocks, self.cache.pool.nbytes))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
+        if self._tp is not None:
+            self._tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format."""

@@ -76,6 +76,7 @@ class HFCausalLM(torch.nn.Module):
                           or hf.num_attention_heads,
                           getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
         self.eos_token_ids = _eos_token_ids(model)
+        self.path: str | None = None  # set by from_pretrained: workers load the same files
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFCausalLM:
@@ -87,7 +88,9 @@ class HFCausalLM(torch.nn.Module):
         _register()
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                      attn_implementation=ATTN_IMPLEMENTATION)
-        return cls(model)
+        loaded = cls(model)
+        loaded.path = str(path)
+        return loaded
 
     def cache_config(self, num_blocks: int = 1024, block_size: int = 16,
                      **overrides) -> CacheConfig:

@@ -43,6 +43,10 @@ class TinyLlamaConfig:
                              f"of num_kv_heads ({self.num_kv_heads})")
 
 
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class TinyLlama(torch.nn.Module):
     """A Llama-style decoder whose attention reads and writes a paged KV cache.
 
@@ -63,6 +67,10 @@ class TinyLlama(torch.nn.Module):
     def __init__(self, config: TinyLlamaConfig | None = None, seed: int = 0) -> None:
         super().__init__()
         self.config = config = config or TinyLlamaConfig()
+        self.seed = seed
+        # sums the partial outputs of the row-parallel projections across tensor-parallel
+        # ranks (see `serving.parallel`); the identity in one process
+        self.reduce = _identity
         generator = torch.Generator().manual_seed(seed)
 
         def weight(*shape: int) -> torch.nn.Parameter:
@@ -123,7 +131,7 @@ class TinyLlama(torch.nn.Module):
 
     def _mlp(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = (self._rms_norm(x, layer.norm2) @ layer.gate_up.T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ layer.down.T
+        return self.reduce((F.silu(gate) * up) @ layer.down.T)
 
     def _check_tokens(self, token_ids: torch.Tensor) -> None:
         if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size):
@@ -158,7 +166,7 @@ class TinyLlama(torch.nn.Module):
             q, k, v = self._qkv(layer, x, positions)
             cache.write(index, k.contiguous(), v.contiguous(), batch)
             attended = cache.attention(index, q.contiguous(), batch)  # (T, Hq, D)
-            x = x + attended.reshape(x.shape[0], -1) @ layer.out.T
+            x = x + self.reduce(attended.reshape(x.shape[0], -1) @ layer.out.T)
             x = x + self._mlp(layer, x)
         if logits_indices is not None:
             x = x[logits_indices]
