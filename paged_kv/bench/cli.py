@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised", "peers")
+WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised", "peers",
+             "tensor_parallel")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -91,7 +92,16 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run_workload(key: str, scale, trace, device):
-    from .workloads import allocator, kernels, memory, peers, quantised, serving, step_cost
+    from .workloads import (
+        allocator,
+        kernels,
+        memory,
+        peers,
+        quantised,
+        serving,
+        step_cost,
+        tensor_parallel,
+    )
 
     if key == "allocator":
         return allocator.run(scale, trace)
@@ -101,6 +111,8 @@ def _run_workload(key: str, scale, trace, device):
         return step_cost.run(scale)
     if key == "memory":
         return memory.run(scale, trace)
+    if key == "tensor_parallel":
+        return tensor_parallel.run(scale)
     if key == "quantised":
         return quantised.run(scale, trace, device)
     if key == "peers":

@@ -43,7 +43,8 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
              preemption: str = "recompute", model_config: TinyLlamaConfig | None = None,
              seed: int = 0, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
              progress: bool = True, model: torch.nn.Module | None = None,
-             memory_fraction: float | None = None, kv_cache_dtype: str = "auto") -> dict:
+             memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
+             tensor_parallel_size: int = 1) -> dict:
     """Serve `make_workload(num_requests)` and return the report as a dict.
 
     `model` defaults to the embedded `TinyLlama(model_config)`; any model the `Engine`
@@ -67,7 +68,8 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
                                       num_host_blocks=num_blocks if preemption == "swap" else 0,
                                       kv_cache_dtype=kv_cache_dtype)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
+                    max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
+                    tensor_parallel_size=tensor_parallel_size)
     max_prompt_len = min(1024, model.config.max_position // 2)
     workload = make_workload(num_requests, vocab_size=model.config.vocab_size, seed=seed,
                              max_prompt_len=max_prompt_len,
@@ -86,8 +88,13 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
             peak = engine.cache.stats()  # the full accounting only at a new peak
     elapsed = time.perf_counter() - start
     bar.close()
-    engine.cache.check()
-    return _report(workload, outputs, elapsed, peak, engine, concurrency, budget)
+    engine.check()
+    report = _report(workload, outputs, elapsed, peak, engine, concurrency, budget)
+    if engine.tensor_parallel_size > 1:
+        report["tensor parallel"] = {"ranks": engine.tensor_parallel_size,
+                                     "pool bytes per rank": engine.pool_bytes_per_rank()}
+    engine.close()
+    return report
 
 
 def _progress(total: int, enabled: bool):
@@ -171,6 +178,10 @@ def format_report(report: dict) -> str:
                                           f"same memory (paged ran up to "
                                           f"{report['max_running']})"),
     ]
+    if "tensor parallel" in report:
+        parallel = report["tensor parallel"]
+        rows.append(("tensor-parallel ranks", f"{parallel['ranks']}, KV pool per rank " + ", ".join(
+            f"{nbytes / mib:.1f} MiB" for nbytes in parallel["pool bytes per rank"])))
     width = max(len(name) for name, _ in rows)
     lines = [f"paged_kv demo: continuous batching on {report['model']}", "-" * (width + 40)]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]

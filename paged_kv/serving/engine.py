@@ -144,6 +144,8 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    preemption=preemption)
         self.metrics = EngineMetrics()
+        for rank, nbytes in enumerate(self.pool_bytes_per_rank()):
+            self.metrics.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._next_id = 0
         self._seed_source = torch.Generator().manual_seed(0)
 

@@ -31,6 +31,8 @@ class EngineMetrics:
         self.waiting = Gauge("paged_kv_waiting_requests", "Sequences waiting or swapped",
                              registry=r)
         self.generated = Counter("paged_kv_generated_tokens", "Tokens generated", registry=r)
+        self.pool_bytes = Gauge("paged_kv_pool_bytes", "KV pool bytes by tensor-parallel rank",
+                                ["rank"], registry=r)
         self._seen = (0, 0, 0)
         # label children resolved once: observe() runs every step
         self._block_gauges = tuple(self.blocks.labels(state=state)

@@ -27,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -118,8 +119,15 @@ def kv_heads_of_rank(num_kv_heads: int, world_size: int, rank: int) -> tuple[int
     return rank // (world_size // num_kv_heads), 1
 
 
+# seconds this process spent in collectives (all-reduce, plan broadcast): the bench's
+# model / communication / bookkeeping split reads it
+COMM_SECONDS = {"all_reduce": 0.0, "broadcast": 0.0}
+
+
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    start = time.perf_counter()
     dist.all_reduce(tensor)
+    COMM_SECONDS["all_reduce"] += time.perf_counter() - start
     return tensor
 
 
@@ -355,7 +363,9 @@ class TensorParallelGroup:
         """Send one step's plan to every worker."""
         self.check_alive()
         header, payload = pack_step(token_ids, positions, logits_indices, batch, ops)
+        start = time.perf_counter()
         self._collective(lambda: (dist.broadcast(header, 0), dist.broadcast(payload, 0)))
+        COMM_SECONDS["broadcast"] += time.perf_counter() - start
 
     def _collective(self, call):
         try:
