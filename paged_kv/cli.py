@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -70,7 +71,8 @@ def _demo(args: argparse.Namespace) -> int:
                       seed=args.seed,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      progress=not args.json, kv_cache_dtype=args.kv_cache_dtype)
+                      progress=not args.json, kv_cache_dtype=args.kv_cache_dtype,
+                      tensor_parallel_size=args.tensor_parallel_size)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vocab-size", type=int, default=2048)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
                       help="pool dtype of --synthetic (the model runs in float32)")
+    demo.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="split the model and the KV pool over N processes "
+                           "(torch.distributed; under torchrun, its ranks)")
     demo.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
                       help="how pages store K/V: auto (the pool dtype) or 8 bits with a scale "
                            "per token and head (about twice the tokens per MiB)")
@@ -147,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``paged-kv`` command line; returns the exit code."""
+    if int(os.environ.get("RANK", "0")) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # a torchrun rank other than 0: serve rank 0's tensor-parallel plans until it stops
+        from .serving.parallel import torchrun_worker
+
+        torchrun_worker()
+        return 0
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -6,7 +6,13 @@ engine is closed in a ``with`` block, so no worker outlives its test.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +141,22 @@ def test_a_local_llama_checkpoint_through_hf(tmp_path):
         assert _tokens(engine.generate(PROMPTS[:4], params)) == expected
         whole = cache_config.bytes_per_block * cache_config.num_blocks
         assert engine.pool_bytes_per_rank() == [whole // 2] * 2
+
+
+def test_the_same_workers_run_under_torchrun():
+    """torchrun starts every rank; rank 0 is the engine, the others follow its plans."""
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = ["torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "-m", "paged_kv.cli", "demo",
+               "--num-requests", "3", "--tensor-parallel-size", "2", "--json"]
+    root = str(Path(__file__).resolve().parent.parent)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "PYTHONPATH": root})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert report["tensor parallel"]["ranks"] == 2
+    assert report["num_requests"] == 3
