@@ -18,6 +18,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``bench`` on the ``paged-kv`` subcommands (its ``run`` returns an exit code)."""
     bench = commands.add_parser(
         "bench", help="run the benchmark suite and write a report with plots",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=__doc__.splitlines()[0].strip("`: ").split(": ", 1)[-1])
     bench.add_argument("--quick", action="store_true",
                        help="small sizes and fewer repeats (under a minute on 2 cores)")
@@ -29,12 +30,22 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                        help="which workloads to run (default: all)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
-    bench.add_argument("--threads", type=int, default=None,
+    bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "
                             "sane on a shared machine; torch's default otherwise)")
     bench.add_argument("--device", default=None,
                        help="device of the kernel workload (default: cuda when available)")
     bench.set_defaults(run=run_bench)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected >= 1, got {text}")
+    return value
 
 
 def command_line(args: argparse.Namespace) -> str:
