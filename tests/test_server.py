@@ -352,3 +352,57 @@ def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
     parsed = sse_events(events)
     assert parsed[-1] == "DONE"
     assert parsed[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# -- a local Hugging Face checkpoint -------------------------------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _save_tiny_llama_with_tokenizer(path: Path) -> None:
+    """A 2-layer Llama and a character-level tokenizer with a chat template (no download)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *chars])}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."),
+                                                          behavior="isolated")
+    model.decoder = tokenizers.decoders.Fuse()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, initializer_range=0.3,
+                                      bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_chat_completions_on_a_local_checkpoint(tmp_path):
+    _save_tiny_llama_with_tokenizer(tmp_path / "ckpt")
+    from transformers import AutoTokenizer
+
+    from paged_kv.serving.hf import HFCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi!"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<system>be brief\n<user>hi!\n<assistant>"
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    runner = HFCausalLM.from_pretrained(tmp_path / "ckpt")
+    engine = Engine(runner, runner.cache_config(num_blocks=64))
+    want = engine.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
+    with running_server("--model", str(tmp_path / "ckpt"), "--memory-mib", "2",
+                        log=tmp_path / "log") as (_, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        response = client.chat.completions.create(
+            model="ckpt", messages=messages, max_tokens=8, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt
+    assert choice.model_extra["token_ids"] == want
+    assert choice.message.content == tokenizer.decode(want, skip_special_tokens=True)
