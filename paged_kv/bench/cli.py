@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving")
+OPTIONAL_WORKLOADS = ("service",)  # only when named: it starts `paged-kv serve`
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -27,8 +28,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--trace", type=Path, default=None,
                        help="replay this trace (JSON lines, as written to OUT/trace.jsonl) "
                             "instead of generating one")
-    bench.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
-                       help="which workloads to run (default: all)")
+    bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
+                       default=list(WORKLOADS),
+                       help="which workloads to run ('service' runs only when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "
@@ -99,7 +101,7 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run_workload(key: str, scale, trace, device):
-    from .workloads import allocator, kernels, memory, serving, step_cost
+    from .workloads import allocator, kernels, memory, service, serving, step_cost
 
     if key == "allocator":
         return allocator.run(scale, trace)
@@ -109,4 +111,6 @@ def _run_workload(key: str, scale, trace, device):
         return step_cost.run(scale)
     if key == "memory":
         return memory.run(scale, trace)
+    if key == "service":
+        return service.run(scale)
     return serving.run(scale, trace)

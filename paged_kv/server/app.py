@@ -185,8 +185,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
                 if choice.finish_reason and body.return_token_ids:
                     extra = {"prompt_token_ids": generation.prompt_token_ids,
                              "token_ids": choice.token_ids}
-                if delta or choice.finish_reason:
-                    yield chunk(choice.index, delta, choice.finish_reason, extra)
+                # one chunk per token, text or not, so clients can time every token
+                yield chunk(choice.index, delta, choice.finish_reason, extra)
             _observe(generation)
             if body.stream_options and body.stream_options.get("include_usage"):
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': generation.usage()})}\n\n"  # noqa: E501
