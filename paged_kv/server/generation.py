@@ -45,7 +45,7 @@ class Generation:
         event_loop = asyncio.get_running_loop()
 
         def on_output(out: StepOutput) -> None:  # on the engine's thread
-            event_loop.call_soon_threadsafe(self._queue.put_nowait, out)
+            self._loop.post(event_loop, self._queue.put_nowait, out)
 
         future = self._loop.submit(lambda: self._loop.engine.add_request(
             self.prompt_token_ids, self.params, salt=self.salt, on_output=on_output))

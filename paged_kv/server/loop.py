@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -31,6 +33,8 @@ class EngineLoop:
         self._inbox: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = \
             queue.Queue()
         self._stopping = threading.Event()
+        # replies of one step, handed to each event loop in one wake-up rather than one a token
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
         self._thread = threading.Thread(target=self._run, name="paged-kv-engine", daemon=True)
 
     def start(self) -> None:
@@ -59,15 +63,28 @@ class EngineLoop:
         self._inbox.put((fn, future))
         return future
 
+    def post(self, event_loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any],
+             arg: Any) -> None:
+        """From the engine's thread: run ``fn(arg)`` on `event_loop` once this step is done."""
+        self._outbox.setdefault(event_loop, []).append((fn, arg))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for event_loop, calls in outbox.items():
+            with contextlib.suppress(RuntimeError):  # that loop has closed: nobody listens
+                event_loop.call_soon_threadsafe(_run_all, calls)
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._drain(block=not self.engine.has_unfinished_requests)
+            self._flush()
             if self.engine.has_unfinished_requests and not self._stopping.is_set():
                 try:
                     self.engine.step()
                 except Exception:  # a model error fails the running requests, not the server
                     logger.exception("engine step failed; aborting the running requests")
                     self._abort_all()
+                self._flush()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -92,3 +109,8 @@ class EngineLoop:
                (*scheduler.running, *scheduler.waiting, *scheduler.swapped)}
         for request_id in ids:
             self.engine.abort(request_id)
+
+
+def _run_all(calls: list[tuple[Callable[[Any], Any], Any]]) -> None:
+    for fn, arg in calls:
+        fn(arg)
