@@ -235,7 +235,19 @@ BAD_INPUTS = [
     pytest.param({"prompt": [VOCAB + 5]}, 400, id="token-id-out-of-vocab"),
     pytest.param({"prompt": "x", "max_tokens": 10**6}, 400, id="beyond-max-position"),
     pytest.param({"prompt": "x", "n": 1000}, 400, id="n-beyond-max-num-seqs"),
+    pytest.param({"prompt": "x", "seed": 10**24}, 400, id="seed-beyond-int64"),
+    pytest.param({"prompt": [[1, 2]]}, 400, id="batched-prompts"),
+    pytest.param([1, 2], 400, id="body-not-an-object"),
+    pytest.param({"prompt": "x", "stream_options": 5}, 400, id="stream-options-wrong-type"),
 ]
+
+
+def test_tiny_top_p_still_samples(server):
+    response = httpx.post(f"{server}/v1/completions", timeout=60, json={
+        "prompt": "x", "top_p": 1e-300, "temperature": 0.5, "max_tokens": 3,
+        "ignore_eos": True})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(("body", "status"), BAD_INPUTS)

@@ -124,7 +124,10 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
                             param="prompt")
         params, stops = sampling(body, prompt, max_tokens)
         generation = Generation(loop, tokenizer, prompt, params, stops, salt)
-        await generation.start()
+        try:
+            await generation.start()
+        except (TypeError, ValueError) as exc:  # what check_request could not foresee
+            raise _ApiError(400, str(exc)) from None
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(_stream(generation, body, kind, response_id),

@@ -17,7 +17,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 2**16)  # torch's range
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None

@@ -68,5 +68,6 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the ones before it already reach top_p (the first always stays)
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop[0] = False  # the likeliest always stays, even for a top_p float32 rounds to 0
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
