@@ -212,6 +212,18 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert metric(server, "paged_kv_running_requests") == 0
 
 
+def test_disconnect_while_waiting_for_a_whole_completion_frees_the_blocks(server):
+    body = {"prompt": make_prompt(40, seed=5), "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.5)
+    for _ in range(200):  # bounded: the server notices the closed connection within 0.25 s
+        if metric(server, "paged_kv_running_requests") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(server, "paged_kv_running_requests") == 0
+    assert metric(server, "paged_kv_blocks", '{state="live"}') == 0
+
+
 def test_models_health_and_metrics_histograms(server):
     models = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0).models.list()
     assert [m.id for m in models.data] == ["paged-kv-tiny-llama"]

@@ -118,7 +118,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
         return params, body.stop_strings
 
     async def run(body, prompt: list[int], max_tokens: int | None, salt: str | None,
-                  kind: str) -> Response:
+                  kind: str, http_request: Request) -> Response:
         if not prompt:
             raise _ApiError(400, "prompt: empty; give at least one token or character",
                             param="prompt")
@@ -132,11 +132,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
         if body.stream:
             return StreamingResponse(_stream(generation, body, kind, response_id),
                                      media_type="text/event-stream")
-        try:
-            async for _ in generation.updates():
-                pass
-        finally:
-            generation.abort()  # a no-op once finished; frees blocks if we were cancelled
+        if not await _until_done_or_gone(generation, http_request):
+            return Response(status_code=499)  # nobody is listening any more
         _observe(generation)
         return JSONResponse(_final_body(generation, body, kind, response_id))
 
@@ -201,7 +198,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
     async def completions(body: CompletionRequest, request: Request) -> Response:
         salt = tenant(request)
         prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        return await run(body, prompt, body.max_tokens, salt, "text")
+        return await run(body, prompt, body.max_tokens, salt, "text", request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -211,7 +208,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
         except ValueError as exc:
             raise _ApiError(400, str(exc), param="messages") from None
         return await run(body, prompt, body.max_completion_tokens or body.max_tokens, salt,
-                         "chat")
+                         "chat", request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -237,6 +234,26 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _until_done_or_gone(generation: Generation, request: Request) -> bool:
+    """Collect the whole generation; False (and the request aborted) if the client left."""
+
+    async def consume() -> None:
+        async for _ in generation.updates():
+            pass
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return False
+        task.result()
+        return True
+    finally:
+        generation.abort()  # a no-op once finished; frees the blocks otherwise
 
 
 def _lifespan(loop: EngineLoop):
