@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +17,7 @@ from ..serving import SamplingParams
 from .generation import Generation
 from .loop import EngineLoop
 from .protocol import ChatCompletionRequest, CompletionRequest, error_response
+from .responses import final_body, stream_events
 
 logger = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -130,12 +129,13 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
             raise _ApiError(400, str(exc)) from None
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(_stream(generation, body, kind, response_id),
+            return StreamingResponse(stream_events(generation, body, kind, response_id,
+                                                   model_name, _observe),
                                      media_type="text/event-stream")
         if not await _until_done_or_gone(generation, http_request):
             return Response(status_code=499)  # nobody is listening any more
         _observe(generation)
-        return JSONResponse(_final_body(generation, body, kind, response_id))
+        return JSONResponse(final_body(generation, body, kind, response_id, model_name))
 
     def _observe(generation: Generation) -> None:
         if generation.output is None:
@@ -143,56 +143,6 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
         metrics.ttft.observe(generation.output.time_to_first_token)
         for gap in generation.output.token_latencies:
             metrics.itl.observe(gap)
-
-    def _final_body(generation: Generation, body, kind: str, response_id: str) -> dict:
-        choices = []
-        for c in generation.choices:
-            choice = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": None}
-            if kind == "chat":
-                choice["message"] = {"role": "assistant", "content": c.text}
-            else:
-                choice["text"] = c.text
-            if body.return_token_ids:
-                choice.update(prompt_token_ids=generation.prompt_token_ids,
-                              token_ids=c.token_ids)
-            choices.append(choice)
-        return {"id": response_id, "object": "chat.completion" if kind == "chat"
-                else "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": generation.usage()}
-
-    async def _stream(generation: Generation, body, kind: str, response_id: str
-                      ) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        head = {"id": response_id, "object": obj, "created": int(time.time()),
-                "model": model_name}
-
-        def chunk(index: int, delta: str, reason: str | None, extra: dict) -> str:
-            if kind == "chat":
-                choice = {"index": index, "delta": {"content": delta} if delta else {},
-                          "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": index, "text": delta, "finish_reason": reason,
-                          "logprobs": None}
-            choice.update(extra)
-            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-
-        try:
-            if kind == "chat":
-                for c in generation.choices:
-                    yield f"data: {json.dumps({**head, 'choices': [{'index': c.index, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"  # noqa: E501
-            async for choice, delta, _ in generation.updates():
-                extra = {}
-                if choice.finish_reason and body.return_token_ids:
-                    extra = {"prompt_token_ids": generation.prompt_token_ids,
-                             "token_ids": choice.token_ids}
-                # one chunk per token, text or not, so clients can time every token
-                yield chunk(choice.index, delta, choice.finish_reason, extra)
-            _observe(generation)
-            if body.stream_options and body.stream_options.get("include_usage"):
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': generation.usage()})}\n\n"  # noqa: E501
-            yield "data: [DONE]\n\n"
-        finally:
-            generation.abort()  # the client left mid-stream: free the request's blocks
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
