@@ -36,6 +36,33 @@ class _ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=registry)
 
 
+class _CountRequests:
+    """Counts responses by endpoint and status: plain ASGI, so streams and client
+    disconnects pass through untouched (Starlette's BaseHTTPMiddleware wraps both)."""
+
+    _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                        "/metrics"})
+
+    def __init__(self, app, counter: Counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = ["500"]
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:  # unknown paths share one label, so a scanner cannot grow the registry
+            path = scope["path"] if scope["path"] in self._PATHS else "other"
+            self.counter.labels(endpoint=path, status=status[0]).inc()
+
+
 class _ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -81,12 +108,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
         return error_response(exc.status_code, str(exc.detail), type_="not_found_error"
                               if exc.status_code == 404 else "invalid_request_error")
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(endpoint=request.url.path, status=str(response.status_code)
-                                ).inc()
-        return response
+    app.add_middleware(_CountRequests, counter=metrics.requests)
 
     def tenant(request: Request) -> str | None:
         if api_keys is None:
