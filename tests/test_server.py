@@ -71,9 +71,15 @@ def running_server(*flags: str, log: Path):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(log=tmp_path_factory.mktemp("serve") / "log") as (_, url):
-        yield url
+def server_and_log(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "log"
+    with running_server(log=log) as (_, url):
+        yield url, log
+
+
+@pytest.fixture(scope="module")
+def server(server_and_log):
+    return server_and_log[0]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +230,12 @@ def test_disconnect_while_waiting_for_a_whole_completion_frees_the_blocks(server
     assert metric(server, "paged_kv_blocks", '{state="live"}') == 0
     assert metric(server, "paged_kv_http_requests_total",
                   '{endpoint="/v1/completions",status="499"}') == 1, "ended as an abort"
+
+
+def test_start_up_log_says_single_tenant(server_and_log):
+    url, log = server_and_log
+    assert "single tenant" in log.read_text()
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200, "no auth needed"
 
 
 def test_models_health_and_metrics_histograms(server):
