@@ -1,4 +1,4 @@
-"""The ``paged-kv`` command line: ``paged-kv demo`` (the main job)."""
+"""The ``paged-kv`` command line: ``demo`` (the main job), ``serve`` (HTTP), ``bench``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -46,7 +47,19 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"{name:<{width}}  {value}")
 
 
+def _check_memory(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    """Reject a --memory-mib too small for two blocks of the embedded model's K/V."""
+    bytes_per_block = CacheConfig(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                                  head_dim=args.head_dim, block_size=args.block_size,
+                                  num_blocks=2, dtype=dtype).bytes_per_block
+    if args.memory_mib * 2**20 < 2 * bytes_per_block:
+        raise ValueError(f"argument --memory-mib: {args.memory_mib} MiB holds fewer than 2 "
+                         f"KV blocks of {bytes_per_block} bytes; raise it")
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if args.model is None:
+        _check_memory(args, DTYPES[args.dtype] if args.synthetic else torch.float32)
     if args.synthetic:
         if args.memory_fraction is not None:
             print("paged-kv demo: --memory-fraction sizes a model's pool; --synthetic has no "
@@ -71,7 +84,8 @@ def _demo(args: argparse.Namespace) -> int:
                       seed=args.seed,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      progress=not args.json, kv_cache_dtype=args.kv_cache_dtype,
+                      progress=not args.json and sys.stderr.isatty(),
+                      kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
@@ -106,46 +120,128 @@ def _stats_dict(stats: CacheStats) -> dict:
             "prefix_hit_rate": stats.prefix_hit_rate, "num_sequences": len(stats.sequences)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``paged-kv`` argument parser (``demo``, ``bench``)."""
-    parser = argparse.ArgumentParser(prog="paged-kv", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="serve a workload on the embedded model and report throughput, latency "
-                     "and memory accounting")
-    demo.add_argument("--num-requests", type=int, default=64)
-    demo.add_argument("--block-size", type=int, default=16)
-    memory = demo.add_mutually_exclusive_group()
-    memory.add_argument("--memory-mib", type=float, default=16.0, help="KV pool budget")
-    memory.add_argument("--memory-fraction", type=float, default=None,
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line naming it (no usage block), exit status 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(kind: Callable[[str], float], low: float, strict: bool = False):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"expected {'>' if strict else '>='} {low}, got {text}")
+        return value
+    return parse
+
+
+def _model_dir(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory (a local Hugging Face "
+                                         "checkpoint: config.json and weights)")
+    return text
+
+
+def _api_keys(text: str) -> dict[str, str]:
+    from .server.main import read_api_keys
+
+    try:
+        return read_api_keys(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    """Cache and engine flags shared by ``demo`` and ``serve`` (one parent, so a flag added
+    here applies to both)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    positive = _at_least(int, 1)
+    parent.add_argument("--block-size", type=positive, default=16, help="tokens per KV block")
+    memory = parent.add_mutually_exclusive_group()
+    memory.add_argument("--memory-mib", type=_at_least(float, 0, strict=True), default=16.0,
+                        help="KV pool budget in MiB")
+    memory.add_argument("--memory-fraction", type=_at_least(float, 0, strict=True),
+                        default=None,
                         help="size the KV pool as this share, in (0, 1], of the memory free "
                              "on the device (vLLM's --gpu-memory-utilization; not with "
                              "--synthetic)")
-    demo.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    demo.add_argument("--max-num-seqs", type=int, default=64)
-    demo.add_argument("--max-num-batched-tokens", type=int, default=512)
-    demo.add_argument("--num-layers", type=int, default=4)
-    demo.add_argument("--hidden-size", type=int, default=256)
-    demo.add_argument("--num-heads", type=int, default=8)
-    demo.add_argument("--num-kv-heads", type=int, default=2)
-    demo.add_argument("--head-dim", type=int, default=32)
-    demo.add_argument("--vocab-size", type=int, default=2048)
+    parent.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
+                        help="how pages store K/V: auto (the model's dtype) or 8 bits with a "
+                             "scale per token and head (about twice the tokens per MiB)")
+    parent.add_argument("--tensor-parallel-size", type=positive, default=1,
+                        help="split the model and the KV pool over N processes "
+                             "(torch.distributed; under torchrun, its ranks)")
+    parent.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                        help="what happens to a sequence when blocks run out")
+    parent.add_argument("--max-num-seqs", type=positive, default=64,
+                        help="sequences running at once")
+    parent.add_argument("--max-num-batched-tokens", type=positive, default=512,
+                        help="tokens per engine step (prefill chunks and decodes)")
+    parent.add_argument("--model", metavar="PATH", type=_model_dir, default=None,
+                        help="serve a Hugging Face causal LM from this local directory "
+                             "(needs the hf extra) instead of the embedded TinyLlama")
+    return parent
+
+
+def _add_demo_parser(commands: argparse._SubParsersAction,
+                     parent: argparse.ArgumentParser) -> None:
+    demo = commands.add_parser(
+        "demo", parents=[parent], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="serve a workload on the embedded model and report throughput, latency "
+             "and memory accounting")
+    positive = _at_least(int, 1)
+    demo.add_argument("--num-requests", type=positive, default=64)
+    demo.add_argument("--num-layers", type=positive, default=4)
+    demo.add_argument("--hidden-size", type=positive, default=256)
+    demo.add_argument("--num-heads", type=positive, default=8)
+    demo.add_argument("--num-kv-heads", type=positive, default=2)
+    demo.add_argument("--head-dim", type=positive, default=32)
+    demo.add_argument("--vocab-size", type=positive, default=2048)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
                       help="pool dtype of --synthetic (the model runs in float32)")
-    demo.add_argument("--tensor-parallel-size", type=int, default=1,
-                      help="split the model and the KV pool over N processes "
-                           "(torch.distributed; under torchrun, its ranks)")
-    demo.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
-                      help="how pages store K/V: auto (the pool dtype) or 8 bits with a scale "
-                           "per token and head (about twice the tokens per MiB)")
-    demo.add_argument("--model", metavar="PATH", default=None,
-                      help="serve a Hugging Face causal LM from this local directory "
-                           "(needs the hf extra) instead of the embedded TinyLlama")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--synthetic", action="store_true",
                       help="drive the cache alone (no model) through a synthetic workload")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(run=_demo)
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction,
+                      parent: argparse.ArgumentParser) -> None:
+    serve = commands.add_parser(
+        "serve", parents=[parent], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+             "/metrics) over the engine; needs the serve extra")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_at_least(int, 0), default=8000)
+    serve.add_argument("--api-keys", metavar="FILE", dest="api_keys_map", type=_api_keys,
+                       default=None, help="'KEY TENANT' per line: require Bearer auth and "
+                                          "keep a prefix cache per tenant")
+    serve.add_argument("--max-waiting", type=_at_least(int, 0), default=256,
+                       help="queued requests beyond this get 429 with Retry-After")
+    serve.add_argument("--drain-timeout", type=_at_least(float, 0), default=30.0,
+                       help="seconds running requests get to finish after SIGTERM")
+    serve.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server.main import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``paged-kv`` argument parser (``demo``, ``serve``, ``bench``)."""
+    parser = _Parser(prog="paged-kv", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    parent = _engine_flags()
+    _add_demo_parser(commands, parent)
+    _add_serve_parser(commands, parent)
     add_bench_parser(commands)
     return parser
 
@@ -159,7 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun_worker()
         return 0
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as exc:  # a flag value only the run can judge
+        print(f"paged-kv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ from pathlib import Path
 
 WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised", "peers",
              "tensor_parallel")
+OPTIONAL_WORKLOADS = ("service",)  # only when named: it starts `paged-kv serve`
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``bench`` on the ``paged-kv`` subcommands (its ``run`` returns an exit code)."""
     bench = commands.add_parser(
         "bench", help="run the benchmark suite and write a report with plots",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=__doc__.splitlines()[0].strip("`: ").split(": ", 1)[-1])
     bench.add_argument("--quick", action="store_true",
                        help="small sizes and fewer repeats (under a minute on 2 cores)")
@@ -27,15 +29,26 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--trace", type=Path, default=None,
                        help="replay this trace (JSON lines, as written to OUT/trace.jsonl) "
                             "instead of generating one")
-    bench.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
-                       help="which workloads to run (default: all)")
+    bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
+                       default=list(WORKLOADS),
+                       help="which workloads to run ('service' runs only when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
-    bench.add_argument("--threads", type=int, default=None,
+    bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "
                             "sane on a shared machine; torch's default otherwise)")
     bench.add_argument("--device", default=None,
                        help="device of the kernel workload (default: cuda when available)")
     bench.set_defaults(run=run_bench)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected >= 1, got {text}")
+    return value
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -98,6 +111,7 @@ def _run_workload(key: str, scale, trace, device):
         memory,
         peers,
         quantised,
+        service,
         serving,
         step_cost,
         tensor_parallel,
@@ -111,6 +125,8 @@ def _run_workload(key: str, scale, trace, device):
         return step_cost.run(scale)
     if key == "memory":
         return memory.run(scale, trace)
+    if key == "service":
+        return service.run(scale)
     if key == "tensor_parallel":
         return tensor_parallel.run(scale)
     if key == "quantised":

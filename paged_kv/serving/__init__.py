@@ -3,9 +3,9 @@
 Needs the ``serve`` extra (prometheus-client, tqdm).
 """
 
-from .engine import CompletionOutput, Engine, RequestOutput
+from .engine import CompletionOutput, Engine, RequestOutput, StepOutput
 from .model import TinyLlama, TinyLlamaConfig
 from .sampling import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "TinyLlama",
-           "TinyLlamaConfig"]
+__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "StepOutput",
+           "TinyLlama", "TinyLlamaConfig"]

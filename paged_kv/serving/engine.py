@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -61,6 +62,23 @@ class RequestOutput:
     time_to_first_token: float
     token_latencies: list[float]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one step gave one sample of a request, for streaming.
+
+    ``new_token_ids`` is the token this step appended (empty when the sample only finished,
+    e.g. aborted); ``finish_reason`` is set once the sample is done ("stop", "length",
+    "abort"); ``output`` is the whole `RequestOutput` on the request's last step output,
+    with ``prefix_hit_tokens`` (the cached prompt tokens) for usage.
+    """
+
+    request_id: int
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None
+    output: RequestOutput | None = None
 
 
 class Engine:
@@ -147,22 +165,67 @@ class Engine:
         for rank, nbytes in enumerate(self.pool_bytes_per_rank()):
             self.metrics.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._next_id = 0
+        self._requests: dict[int, Request] = {}  # unfinished, by id
         self._seed_source = torch.Generator().manual_seed(0)
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError, naming the problem, for a
-        request that can never run; the engine is then unchanged."""
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
+                    *, salt: str | None = None,
+                    on_output: Callable[[StepOutput], None] | None = None) -> int:
+        """Queue a request; returns its id.
+
+        Parameters
+        ----------
+        prompt_token_ids : sequence of int
+        params : SamplingParams, optional
+        salt : str, optional
+            Prefix-cache salt: only requests with the same salt share cached blocks.
+        on_output : callable, optional
+            Called on the engine's thread with a `StepOutput` for every token of every
+            sample as it is generated, and once more per sample when it finishes.
+
+        Raises
+        ------
+        ValueError
+            Naming the problem, for a request that can never run; the engine is unchanged.
+        """
         params = params or SamplingParams()
         prompt = self._validate(prompt_token_ids, params)
-        request = Request(self._next_id, prompt, params, time.perf_counter())
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"salt: expected str or None, got {type(salt).__name__}")
+        request = Request(self._next_id, prompt, params, time.perf_counter(), salt=salt,
+                          on_output=on_output)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         first = Sequence(request, 0, list(prompt), _generator(params, seed, 0))
         request.samples.append(first)
         self.scheduler.waiting.append(first)
+        self._requests[request.request_id] = request
         self._next_id += 1
         return request.request_id
+
+    def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise what `add_request` would for this request, changing nothing (it reads only
+        fixed configuration, so any thread may call it)."""
+        self._validate(prompt_token_ids, params)
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now: its samples finish with reason "abort" and their blocks are
+        freed before the next step. Returns False when the request is unknown or done."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.samples:
+            if seq.finish_reason is None:
+                self.scheduler.abort(seq)
+                self._emit(seq, [])
+        request.finish_time = time.perf_counter()
+        return True
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Sequences waiting to be admitted (a request's samples count once until forked)."""
+        return len(self.scheduler.waiting)
 
     def _validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
@@ -260,6 +323,7 @@ class Engine:
         finished = []
         for (row, target), token in zip(targets, tokens, strict=True):
             self._append_token(target, token, logits, row)
+            self._emit(target, target.token_ids[-1:])
         for seq in sampled:
             if seq.request.is_finished and seq.request.finish_time is None:
                 finished.append(self._finish_request(seq.request))
@@ -314,8 +378,26 @@ class Engine:
         elif len(seq.output_token_ids) >= params.max_tokens:
             self.scheduler.finish(seq, "length")
 
+    def _emit(self, seq: Sequence, new_token_ids: list[int]) -> None:
+        """Tell the request's listener about `seq`'s step; the request's last step output
+        (all samples finished, or aborted) carries the whole `RequestOutput`."""
+        request = seq.request
+        if request.on_output is None:
+            return
+        done = all(s.finish_reason for s in request.samples) and (
+            len(request.samples) == request.params.n or seq.finish_reason == "abort")
+        request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
+                                     seq.finish_reason,
+                                     self._request_output(request) if done else None))
+
     def _finish_request(self, request: Request) -> RequestOutput:
+        self._requests.pop(request.request_id, None)
         request.finish_time = time.perf_counter()
+        return self._request_output(request)
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        end = request.finish_time or time.perf_counter()
+        first = request.first_token_time or end
         latencies = [b - a for s in request.samples
                      for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
         return RequestOutput(
@@ -325,7 +407,7 @@ class Engine:
             finished=True,
             prefix_hit_tokens=request.prefix_hit_tokens or 0,
             num_preemptions=sum(s.num_preemptions for s in request.samples),
-            time_to_first_token=request.first_token_time - request.arrival_time,
+            time_to_first_token=first - request.arrival_time,
             token_latencies=latencies,
             prompt_logprobs=(list(request.prompt_logprobs)
                              if request.params.prompt_logprobs is not None else None),

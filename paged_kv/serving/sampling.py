@@ -105,6 +105,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = sorted_x.softmax(-1)
         # drop a token when the ones before it already reach top_p (the first always stays)
         drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
+        drop[:, 0] = False  # the likeliest always stays, even for a top_p float32 rounds to 0
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = x.softmax(-1)
     for row, i in enumerate(hot):

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import StepOutput
 
 
 @dataclasses.dataclass(eq=False)
@@ -32,6 +37,8 @@ class Request:
     prefix_hit_tokens: int | None = None
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
         default_factory=lambda: [None])  # the first prompt token has none
+    salt: str | None = None  # the prefix-cache salt of every sample (tenant isolation)
+    on_output: Callable[[StepOutput], None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -148,13 +155,15 @@ class Scheduler:
             if self._num_slots() + slots > self.max_num_seqs:
                 return
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
-            hit = self.cache.match_prefix(seq.token_ids) if reuse else 0
+            hit = (self.cache.match_prefix(seq.token_ids, salt=seq.request.salt) if reuse
+                   else 0)
             num_new = min(len(seq.token_ids) - hit, budget[0])
             # counts the hit blocks as new: exact when they are cached, safe when live
             need = self.cache.config.blocks_for(hit + num_new)
             if need > self._available(self._reserved):
                 return
-            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids if reuse else None)
+            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids if reuse else None,
+                                          salt=seq.request.salt)
             self.waiting.popleft()
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = hit
@@ -195,3 +204,12 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.status, seq.finish_reason = "finished", reason
+
+    def abort(self, seq: Sequence) -> None:
+        """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.seq_id in self.cache:
+            self.cache.free(seq.seq_id)
+        seq.status, seq.finish_reason = "finished", "abort"

@@ -1,0 +1,196 @@
+"""Workload 6 (``--workloads service``): `paged-kv serve` over loopback against the engine
+in-process, on the same requests arriving at the same times.
+
+A load generator streams every request (open loop: Poisson arrivals, no waiting on earlier
+replies) at three rates, the last all at once (saturation). The baseline serves the same
+requests with the same arrival times through `Engine` in this process, so the ratio is what
+the HTTP layer (FastAPI, SSE, the engine thread, the client) costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..results import Plot, Series, WorkloadResult
+from ..scale import Scale
+from ..timing import Figure, Stat, percentile
+
+RATE_FRACTIONS = (0.25, 0.5, None)  # of the in-process saturated request rate; None = at once
+OUTPUT_LEN = 32
+DESCRIPTION = (
+    "paged-kv serve (embedded TinyLlama(), default engine flags) on 127.0.0.1, driven by an "
+    "httpx load generator in this process: {num_requests} requests with token-id prompts of "
+    "16-128 tokens, {output_len} greedy tokens each (ignore_eos), streamed; open-loop Poisson "
+    "arrivals at {rates} requests/s and all at once. Baseline: the same requests with the same "
+    "arrival times through Engine in this process. Time to first token counts from arrival; "
+    "inter-token latency is the gap between a request's consecutive tokens (SSE chunks over "
+    "HTTP).")
+
+
+def _requests(num_requests: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, int(rng.integers(16, 129))).tolist()
+            for _ in range(num_requests)]
+
+
+def _arrivals(num_requests: int, rate: float | None, seed: int = 1) -> list[float]:
+    if rate is None:
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1 / rate, num_requests)
+    return np.cumsum(gaps).tolist()
+
+
+def _summary(start: float, arrivals: list[float], times: list[list[float]]) -> dict:
+    """Throughput and latencies from each request's token arrival times (absolute)."""
+    tokens = sum(len(t) for t in times)
+    end = max(t[-1] for t in times)
+    return {"throughput": tokens / (end - start),
+            "ttft": [t[0] - (start + a) for t, a in zip(times, arrivals, strict=True)],
+            "itl": [b - a for t in times for a, b in itertools.pairwise(t)]}
+
+
+def in_process(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
+    """Serve `prompts` arriving at `arrivals` (seconds from start) through `engine`."""
+    from ...serving import SamplingParams
+
+    params = SamplingParams(max_tokens=OUTPUT_LEN)
+    times: list[list[float]] = [[] for _ in prompts]
+    start, next_request = time.perf_counter(), 0
+    while next_request < len(prompts) or engine.has_unfinished_requests:
+        now = time.perf_counter() - start
+        while next_request < len(prompts) and arrivals[next_request] <= now:
+            i = next_request
+            engine.add_request(prompts[i], params,
+                               on_output=lambda out, i=i: out.new_token_ids and times[i].append(
+                                   time.perf_counter()))
+            next_request += 1
+        if engine.has_unfinished_requests:
+            engine.step()
+        else:
+            time.sleep(max(0.0, arrivals[next_request] - now))
+    return _summary(start, arrivals, times)
+
+
+async def _stream_one(client, url: str, prompt: list[int], delay: float,
+                      times: list[float]) -> None:
+    await asyncio.sleep(delay)
+    body = {"prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+
+
+def over_http(url: str, prompts: list[list[int]], arrivals: list[float]) -> dict:
+    """The same requests, streamed from the server with open-loop arrivals."""
+    import httpx
+
+    times: list[list[float]] = [[] for _ in prompts]
+
+    async def run() -> float:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            start = time.perf_counter()
+            await asyncio.gather(*(_stream_one(client, url, p, a, t)
+                                   for p, a, t in zip(prompts, arrivals, times, strict=True)))
+            return start
+
+    start = asyncio.run(run())
+    return _summary(start, arrivals, times)
+
+
+@contextlib.contextmanager
+def _server(threads: int):
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-m", "paged_kv.cli", "serve", "--port",
+                             str(port), "--max-waiting", "100000"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(480):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"paged-kv serve exited with {proc.returncode}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def run(scale: Scale) -> WorkloadResult:
+    """Three arrival rates over HTTP against the engine in-process."""
+    import torch
+
+    from ...server.main import build_engine
+    from ...serving import TinyLlama
+
+    num_requests = 24 if scale.name == "quick" else 96
+    model = TinyLlama()
+    prompts = _requests(num_requests, model.config.vocab_size)
+
+    def engine():
+        return build_engine(model, memory_mib=16.0, block_size=16, max_num_seqs=64,
+                            max_num_batched_tokens=512, preemption="recompute")
+
+    in_process(engine(), prompts[:4], [0.0] * 4)  # warm-up
+    saturated = in_process(engine(), prompts, [0.0] * num_requests)
+    request_rate = saturated["throughput"] / OUTPUT_LEN
+    rates = [None if f is None else f * request_rate for f in RATE_FRACTIONS]
+    results: list[tuple[str, dict, dict]] = []
+    with _server(torch.get_num_threads()) as url:
+        over_http(url, prompts[:4], [0.0] * 4)  # warm-up
+        for rate in rates:
+            arrivals = _arrivals(num_requests, rate)
+            label = "all at once" if rate is None else f"{rate:.1f} req/s"
+            base = saturated if rate is None else in_process(engine(), prompts, arrivals)
+            results.append((label, over_http(url, prompts, arrivals), base))
+    return _result(results, num_requests, rates)
+
+
+def _result(results: Sequence[tuple[str, dict, dict]], num_requests: int,
+            rates: list[float | None]) -> WorkloadResult:
+    figures = []
+    for label, http, base in results:
+        figures.append(Figure(f"{label}: throughput", Stat((http["throughput"],), "tokens/s"),
+                              "engine in-process", Stat((base["throughput"],), "tokens/s"),
+                              True))
+        for key, name in (("ttft", "time to first token"), ("itl", "inter-token latency")):
+            for q in (50, 99):
+                figures.append(Figure(
+                    f"{label}: {name}, p{q}", Stat((1e3 * percentile(http[key], q),), "ms"),
+                    "engine in-process", Stat((1e3 * percentile(base[key], q),), "ms"), False))
+    plot = Plot("throughput by arrival rate", "", "generated tokens/s", (
+        Series("HTTP (paged-kv serve)", tuple(r[0] for r in results),
+               tuple(r[1]["throughput"] for r in results)),
+        Series("engine in-process", tuple(r[0] for r in results),
+               tuple(r[2]["throughput"] for r in results))), kind="bar")
+    rate_text = ", ".join(f"{r:.1f}" for r in rates if r is not None)
+    return WorkloadResult(
+        key="service", title="6. Service: paged-kv serve over HTTP against the engine in-process",
+        description=DESCRIPTION.format(num_requests=num_requests, output_len=OUTPUT_LEN,
+                                       rates=rate_text),
+        figures=figures, info={"requests": num_requests, "tokens per request": OUTPUT_LEN,
+                               "HTTP overhead at saturation (throughput ratio)":
+                                   round(results[-1][1]["throughput"]
+                                         / results[-1][2]["throughput"], 3)},
+        plots=[plot])

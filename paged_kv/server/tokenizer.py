@@ -1,0 +1,70 @@
+"""Tokenizers of the server: bytes for the embedded model, transformers' for a checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+_ROLES = {"user": 258, "assistant": 259, "system": 260}
+
+
+class ByteTokenizer:
+    """The embedded model's tokenizer: one id per byte (0-255) plus a few specials.
+
+    ``<|bos|>`` = 256, ``<|eos|>`` = 257, ``<|user|>`` = 258, ``<|assistant|>`` = 259,
+    ``<|system|>`` = 260 — all within `TinyLlama`'s default vocabulary of 2048.
+
+    Examples
+    --------
+    >>> tok = ByteTokenizer()
+    >>> tok.encode("hi")
+    [104, 105]
+    >>> tok.decode([104, 105, 257])
+    'hi'
+    """
+
+    bos_token_id = 256
+    eos_token_id = 257
+    vocab_size = 261
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of `text` as ids."""
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """UTF-8 text of the byte ids (specials and ids past 255 are skipped)."""
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        """``<|bos|>`` then each message as ``<|role|>content\\n``, then ``<|assistant|>``."""
+        ids = [self.bos_token_id]
+        for message in messages:
+            ids += [_ROLES[message["role"]], *self.encode(message["content"] + "\n")]
+        return [*ids, _ROLES["assistant"]]
+
+
+class HFTokenizer:
+    """A checkpoint's own transformers tokenizer and chat template (needs the hf extra)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.eos_token_id = self._tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the tokenizer's own special tokens (e.g. BOS)."""
+        return list(self._tokenizer(text)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`, special tokens skipped."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        """The chat template's prompt for `messages`, ending where the assistant speaks."""
+        if not self._tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; "
+                             "use /v1/completions")
+        text = self._tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                   add_generation_prompt=True)
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
