@@ -7,17 +7,13 @@ Three owners, composed by `PagedKVCache`:
 - `KVPool` owns the tensors: one ``[layers, 2, blocks, block_size, heads, head_dim]`` buffer.
 """
 
-from ._threads import prefer_passive_waiting
-
-prefer_passive_waiting()  # before torch loads: see _threads.py
-
-from .accounting import CacheStats, SequenceStats  # noqa: E402
-from .allocator import BlockAllocator, BlockEvent  # noqa: E402
-from .cache import PagedKVCache  # noqa: E402
-from .config import CacheConfig  # noqa: E402
-from .errors import InvariantError, OutOfBlocksError, PagedKVError  # noqa: E402
-from .page_table import PageTables, StepBatch  # noqa: E402
-from .pool import KVPool  # noqa: E402
+from .accounting import CacheStats, SequenceStats
+from .allocator import BlockAllocator, BlockEvent
+from .cache import PagedKVCache
+from .config import CacheConfig
+from .errors import InvariantError, OutOfBlocksError, PagedKVError
+from .page_table import PageTables, StepBatch
+from .pool import KVPool
 
 __all__ = [
     "BlockAllocator",

@@ -1,42 +1,68 @@
-"""CPU thread policy of the engine's steps (see paged_kv/_threads.py): passive OpenMP waiting
-when paged_kv loads before torch, one thread per step when it cannot be, and an explicit
-``num_threads`` always honoured and restored after the step."""
+"""CPU thread policy of the engine's steps (see paged_kv/_threads.py): all of torch's threads
+while the machine's cores are free, fewer while other processes use them, an explicit
+``num_threads`` always honoured, and torch's setting restored after every step."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from paged_kv._threads import engine_threads, intra_op_threads
+from paged_kv import _threads
+from paged_kv._threads import ThreadGovernor, intra_op_threads
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
-PROBE = ("import os, {first}, {second}; from paged_kv import _threads; "
-         "print(os.environ.get('OMP_WAIT_POLICY'), _threads.engine_threads(None, 'cpu'))")
+
+class FakeMachine:
+    """/proc/stat, the clocks and the core count of a machine whose other processes use
+    `others` cores while this process uses `own`."""
+
+    def __init__(self, monkeypatch, cores: int = 2) -> None:
+        self.wall = self.own = 0.0
+        self.busy = 0  # ticks of 1/100 s
+        self.others, self.own_rate = 0.0, 1.0
+        monkeypatch.setattr(_threads, "_busy_ticks", lambda: (self.busy, 10**9))
+        monkeypatch.setattr(_threads.time, "monotonic", lambda: self.wall)
+        monkeypatch.setattr(_threads.time, "process_time", lambda: self.own)
+        monkeypatch.setattr(_threads.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(_threads.os, "sysconf", lambda name: 100)
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.own += self.own_rate * seconds
+        self.busy += round(100 * (self.others + self.own_rate) * seconds)
 
 
-@pytest.mark.parametrize(("order", "env", "expected"), [
-    (("paged_kv", "torch"), {}, "PASSIVE None"),        # passive waiting: torch's threads
-    (("torch", "paged_kv"), {}, "None 1"),              # too late for the policy: one thread
-    (("paged_kv", "torch"), {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE 1"),  # the user's choice
-])
-def test_policy_depends_on_import_order(order, env, expected):
-    environment = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    environment.update(env)
-    result = subprocess.run([sys.executable, "-c", PROBE.format(first=order[0], second=order[1])],
-                            env=environment, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == expected.split()
+def test_the_governor_follows_the_cores_other_processes_leave(monkeypatch):
+    machine = FakeMachine(monkeypatch)
+    governor = ThreadGovernor(max_threads=2)
+    assert governor.step_threads() == 2
+    machine.others = 1.0            # another process takes a core
+    machine.advance(0.2)
+    assert governor.step_threads() == 2, "re-measured at most every PERIOD_S"
+    machine.advance(0.4)
+    assert governor.step_threads() == 1
+    machine.others = 0.0            # it left
+    machine.advance(0.6)
+    assert governor.step_threads() == 2
+    machine.others = 3.0            # more load than cores: still one thread
+    machine.advance(0.6)
+    assert governor.step_threads() == 1
+
+
+def test_without_proc_stat_torch_keeps_its_count(monkeypatch):
+    machine = FakeMachine(monkeypatch)
+    monkeypatch.setattr(_threads, "_busy_ticks", lambda: None)
+    governor = ThreadGovernor(max_threads=2)
+    machine.others = 1.0
+    machine.advance(1.0)
+    assert governor.step_threads() == 2
 
 
 def test_explicit_threads_win_and_bad_values_are_named():
-    assert engine_threads(3, "cpu") == 3 and engine_threads(2, "cuda") == 2
-    assert engine_threads(None, "cuda") is None
+    assert ThreadGovernor(3).step_threads() == 3
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="num_threads"):
-            engine_threads(bad, "cpu")
+            ThreadGovernor(bad)
 
 
 def test_threads_are_set_for_the_block_and_restored():

@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from .._threads import engine_threads, intra_op_threads
+from .._threads import ThreadGovernor, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import InvariantError
@@ -110,9 +110,9 @@ class Engine:
         with ``from_pretrained``; `cache_config` is the whole model's.
     num_threads : int, optional
         torch intra-op threads while the engine runs a step (restored after each step).
-        Default: torch's own count, except on the CPU when torch's OpenMP threads spin at
-        barriers (torch imported before paged_kv), where 1 keeps a busy core from stalling
-        every step; see `paged_kv._threads`.
+        Default on the CPU: torch's count while the cores are free, fewer (at least one)
+        while other processes use them, re-measured every half second, so a busy core
+        cannot stall every step; see `paged_kv._threads`.
 
     Examples
     --------
@@ -142,7 +142,9 @@ class Engine:
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
                 raise ValueError(f"{name}: expected >= 1, got {value}")
-        self._threads = engine_threads(num_threads, cache_config.device.type)
+        # CPU steps run on the cores other processes leave free (see paged_kv._threads)
+        self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
+                         or num_threads is not None else None)
         self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
         self._tp: TensorParallelGroup | None = None
         if tensor_parallel_size != 1:
@@ -281,7 +283,8 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the requests that finished."""
-        with intra_op_threads(self._threads):  # the whole step: sampling runs torch ops too
+        threads = None if self._threads is None else self._threads.step_threads()
+        with intra_op_threads(threads):  # the whole step: sampling runs torch ops too
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
