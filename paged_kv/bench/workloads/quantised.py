@@ -10,7 +10,6 @@ float32 cache.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
@@ -23,7 +22,7 @@ from ..scale import Scale
 from ..timing import Figure, Stat, time_interleaved
 from ..trace import TraceRequest, scale_trace
 from .kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PagedSetup
-from .serving import ServingRun
+from .serving import ServingRun, run_to_completion
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 SERVED = ("int8", "fp8_e4m3")  # e5m2 serves like e4m3 (same bytes); its accuracy is below
@@ -75,19 +74,12 @@ def capacity_figures(model_shape: dict) -> tuple[list[Figure], dict]:
 def serve(model, requests: Sequence[TraceRequest], num_blocks: int,
           kv_cache_dtype: str) -> tuple[ServingRun, list[list[int]]]:
     """Serve `requests` greedily on a fresh engine; the run and each request's tokens."""
-    from ...serving import Engine, SamplingParams  # the serve extra: imported when used
+    from ...serving import Engine  # the serve extra: imported when used
 
     config = model.cache_config(num_blocks=num_blocks, block_size=16,
                                 kv_cache_dtype=kv_cache_dtype)
     engine = Engine(model, config, max_num_seqs=256)
-    for r in requests:
-        engine.add_request(list(r.prompt_token_ids), SamplingParams(max_tokens=r.output_len))
-    outputs, running = [], []
-    start = time.perf_counter()
-    while engine.has_unfinished_requests:
-        outputs += engine.step()
-        running.append(len(engine.scheduler.running))
-    elapsed = time.perf_counter() - start
+    outputs, running, elapsed = run_to_completion(engine, requests)
     outputs.sort(key=lambda out: out.request_id)
     generated = sum(len(out.outputs[0].token_ids) for out in outputs)
     prompts = sum(len(r.prompt_token_ids) for r in requests)

@@ -59,7 +59,7 @@ class ServingRun:
 def serve(model, requests: Sequence[TraceRequest], *, paged: bool,
           budget_tokens: int, max_len: int) -> ServingRun:
     """Serve `requests` (greedy, their output lengths) on a fresh engine."""
-    from ...serving import Engine, SamplingParams  # the serve extra: imported when used
+    from ...serving import Engine  # the serve extra: imported when used
 
     if paged:
         config = model.cache_config(num_blocks=budget_tokens // BLOCK_SIZE + 1,
@@ -68,14 +68,7 @@ def serve(model, requests: Sequence[TraceRequest], *, paged: bool,
         config = model.cache_config(num_blocks=budget_tokens // max_len + 1,
                                     block_size=max_len, enable_prefix_caching=False)
     engine = Engine(model, config, max_num_seqs=256)
-    for r in requests:
-        engine.add_request(list(r.prompt_token_ids), SamplingParams(max_tokens=r.output_len))
-    outputs, running = [], []
-    start = time.perf_counter()
-    while engine.has_unfinished_requests:
-        outputs += engine.step()
-        running.append(len(engine.scheduler.running))
-    elapsed = time.perf_counter() - start
+    outputs, running, elapsed = run_to_completion(engine, requests)
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     prompts = sum(len(r.prompt_token_ids) for r in requests)
     return ServingRun(generated / elapsed, (generated + prompts) / elapsed, tuple(running),
@@ -83,6 +76,21 @@ def serve(model, requests: Sequence[TraceRequest], *, paged: bool,
                       tuple(x for out in outputs for x in out.token_latencies),
                       engine.scheduler.num_preemptions,
                       sum(out.prefix_hit_tokens for out in outputs))
+
+
+def run_to_completion(engine, requests: Sequence[TraceRequest]) -> tuple[list, list[int], float]:
+    """Queue `requests` on `engine` and step until all finish: the outputs (in finishing
+    order), the sequences running at each step, and the seconds the steps took."""
+    from ...serving import SamplingParams  # the serve extra: imported when used
+
+    for r in requests:
+        engine.add_request(list(r.prompt_token_ids), SamplingParams(max_tokens=r.output_len))
+    outputs, running = [], []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests:
+        outputs += engine.step()
+        running.append(len(engine.scheduler.running))
+    return outputs, running, time.perf_counter() - start
 
 
 def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
