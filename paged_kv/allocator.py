@@ -58,6 +58,14 @@ def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
     return hashlib.sha256(parent_hash + token_ids).digest()
 
 
+def split_blocks(token_ids: bytes, num_blocks: int) -> list[bytes]:
+    """`token_ids` (the encoding of `num_blocks` whole blocks) cut into one piece a block."""
+    if not num_blocks:
+        return []
+    width = len(token_ids) // num_blocks
+    return [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
+
+
 def root_hash(salt: str | None = None) -> bytes:
     """Key that the first block of a sequence chains from; a salt isolates tenants."""
     if salt is not None and not isinstance(salt, str):
@@ -251,14 +259,10 @@ class BlockAllocator:
         One call per step: the hashes in one comprehension and the index updated in bulk,
         so the per-block work is a hash and a few C-level dict stores.
         """
-        if not block_ids:
-            return []
-        width = len(token_ids) // len(block_ids)
-        pieces = [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
-        sha256 = hashlib.sha256
-        keys = [sha256(parent + piece).digest()
-                for parent, piece in zip(parent_keys, pieces, strict=True)]
-        if self.enable_prefix_caching:
+        keys = [hash_block(parent, piece)
+                for parent, piece in zip(parent_keys, split_blocks(token_ids, len(block_ids)),
+                                         strict=True)]
+        if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, token_ids)
         return keys
 
@@ -267,15 +271,11 @@ class BlockAllocator:
         """Key and index consecutive full blocks of one sequence: ``block_ids[0]`` chains
         from `parent_key`, each next one from the key before it; ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32). Returns the keys."""
-        if not block_ids:
-            return []
-        width = len(token_ids) // len(block_ids)
-        pieces = [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
-        sha256, keys, key = hashlib.sha256, [], parent_key
-        for piece in pieces:  # serial: each key chains the one before
-            key = sha256(key + piece).digest()
+        keys, key = [], parent_key
+        for piece in split_blocks(token_ids, len(block_ids)):  # serial: each chains the last
+            key = hash_block(key, piece)
             keys.append(key)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, token_ids)
         return keys
 
@@ -284,7 +284,7 @@ class BlockAllocator:
         before (or twice here) keeps its first block."""
         index = self._index
         if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
-            width = len(token_ids) // len(keys)
+            pieces = split_blocks(token_ids, len(keys))
             first: dict[bytes, int] = {}
             for i, key in enumerate(keys):
                 if key not in index:
@@ -292,7 +292,7 @@ class BlockAllocator:
             chosen = list(first.values())
             keys = [keys[i] for i in chosen]
             block_ids = [block_ids[i] for i in chosen]
-            token_ids = b"".join(token_ids[i * width:(i + 1) * width] for i in chosen)
+            token_ids = b"".join(pieces[i] for i in chosen)
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))

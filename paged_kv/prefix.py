@@ -6,11 +6,9 @@ cache calls them from `add_sequence` and `prepare`.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
-from .allocator import TOKEN_BYTES, BlockAllocator, encode_tokens
+from .allocator import BlockAllocator, encode_tokens, hash_block, split_blocks
 from .page_table import PageTables
 
 
@@ -24,11 +22,10 @@ def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
     num_full = (len(tokens) - 1) // block_size
     if num_full <= 0:
         return chain, hits
-    data, width = encode_tokens(tokens[: num_full * block_size]), TOKEN_BYTES * block_size
-    lookup, sha256 = allocator.lookup, hashlib.sha256
-    for start in range(0, len(data), width):  # one pass over the chained keys
-        block_tokens = data[start:start + width]
-        key = sha256(chain + block_tokens).digest()
+    lookup = allocator.lookup
+    # one pass over the chained keys of one byte string
+    for block_tokens in split_blocks(encode_tokens(tokens[: num_full * block_size]), num_full):
+        key = hash_block(chain, block_tokens)
         block_id = lookup(key, block_tokens)
         if block_id is None:
             break
