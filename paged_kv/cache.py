@@ -207,11 +207,9 @@ class PagedKVCache(TensorOps):
     def _lookup(self, tokens: np.ndarray | None, salt: str | None) -> tuple[bytes | None,
                                                                             list[int]]:
         """The salted chain after the longest cached prefix of `tokens`, and its blocks."""
+        chain = root_hash(salt)  # also the salt's check, with prefix caching off too
         if not self.config.enable_prefix_caching:
-            if salt is not None and not isinstance(salt, str):
-                raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
             return None, []
-        chain = root_hash(salt)
         if tokens is None or not len(tokens):
             return chain, []
         return lookup_prefix(self._allocator, chain, tokens, self.config.block_size)
@@ -333,7 +331,7 @@ class PagedKVCache(TensorOps):
         new_len = old_len + count
         have, need = int(tables.num_blocks[row]), -(-new_len // block_size)
         copy = old_len % block_size != 0 and bool(
-            allocator.protected[tables.block_ids[row, have - 1]])
+            self._must_copy(tables.block_ids[row, have - 1]))
         requested = need - have + copy
         if requested > allocator.num_obtainable_blocks:
             raise OutOfBlocksError(requested, allocator.num_obtainable_blocks)
