@@ -43,12 +43,11 @@ def _commit_decode(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, 
                    block_size, slots, row_blocks, seq_lens, filled):
     """Append one token per row (a new block where the row's last one is full), recording
     its id unless `token_ids` is empty (ids unknown); fills the step's slots, per-row block
-    counts and lengths, and the positions of rows that just filled a block. Returns
-    ``(number of filled rows, widest row in blocks)``."""
+    counts and lengths, and the positions of rows that just filled a block. Returns how
+    many rows filled one."""
     known = token_ids.size > 0
     opened = 0
     num_filled = 0
-    width = 0
     for i in range(rows.size):
         row = rows[i]
         length = num_tokens[row]
@@ -63,11 +62,10 @@ def _commit_decode(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, 
         num_tokens[row] = length + 1
         seq_lens[i] = length + 1
         row_blocks[i] = num_blocks[row]
-        width = max(width, num_blocks[row])
         if offset == block_size - 1:
             filled[num_filled] = i
             num_filled += 1
-    return num_filled, width
+    return num_filled
 
 
 def _find_bad_row(rows, resident, seen, stamp):

@@ -382,8 +382,7 @@ class PageTables:
         -------
         slots, num_blocks, seq_lens, filled : np.ndarray
             ``[B]`` int64 slot of each new token, ``[B]`` blocks and (int32) tokens of each
-            row now,
-            and the positions in `rows` of the rows whose last block just became full.
+            row now, and the positions in `rows` of the rows whose last block just filled.
         """
         size = rows.size
         if self._compiled:
@@ -391,7 +390,7 @@ class PageTables:
             num_blocks = np.empty(size, dtype=np.int64)
             seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
             filled = np.empty(size, dtype=np.int64)
-            num_filled, _ = _compiled.commit_decode(
+            num_filled = _compiled.commit_decode(
                 rows, _NO_TOKENS if token_ids is None else token_ids, block_ids,
                 self._num_tokens, self._num_blocks,
                 self._block_ids, self._token_ids, self.block_size, slots, num_blocks,
