@@ -321,10 +321,10 @@ class Engine:
         targets = [(row, target) for row, seq in enumerate(sampled)
                    for target in self._fork_samples(seq)]
         rows = [row for row, _ in targets]
-        tokens = sample_rows(logits[rows], [t.request.params for _, t in targets],
+        picked = sample_rows(logits[rows], [t.request.params for _, t in targets],
                              [t.generator for _, t in targets]) if targets else []
         finished = []
-        for (row, target), token in zip(targets, tokens, strict=True):
+        for (row, target), token in zip(targets, picked, strict=True):
             self._append_token(target, token, logits, row)
             self._emit(target, target.token_ids[-1:])
         for seq in sampled:

@@ -303,6 +303,13 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float =
         dist.destroy_process_group()
 
 
+def _send_command(command: int) -> None:
+    """Broadcast a header that carries a command and no step plan."""
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0] = command
+    dist.broadcast(header, 0)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -377,7 +384,7 @@ class TensorParallelGroup:
     def gather_info(self, mine: tuple[int, int]) -> list[tuple[int, int]]:
         self.check_alive()
         out: list = [None] * self.world_size
-        self._collective(lambda: (dist.broadcast(torch.tensor([CMD_INFO] + [0] * 7), 0),
+        self._collective(lambda: (_send_command(CMD_INFO),
                                   dist.all_gather_object(out, mine)))
         return out
 
@@ -385,7 +392,7 @@ class TensorParallelGroup:
         """Every rank's K/V pool (for tests and debugging: copies the whole pools)."""
         self.check_alive()
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._collective(lambda: (dist.broadcast(torch.tensor([CMD_POOL] + [0] * 7), 0),
+        self._collective(lambda: (_send_command(CMD_POOL),
                                   dist.gather(mine, out, dst=0)))
         return out
 
@@ -396,7 +403,7 @@ class TensorParallelGroup:
         self.closed = True
         if not self.failed:  # a dead peer would fail it: the processes are stopped below
             with contextlib.suppress(Exception):
-                dist.broadcast(torch.tensor([CMD_STOP] + [0] * 7), 0)
+                _send_command(CMD_STOP)
         self._finalizer()
         if dist.is_initialized():
             dist.destroy_process_group()
