@@ -24,3 +24,16 @@ def assert_same_snapshot(before: tuple, after: tuple, what: str = "") -> None:
                 assert (x is None and y is None) or torch.equal(x, y), f"{what}: pool changed"
         else:
             assert a == b, f"{what}: part {i} of the state changed"
+
+
+def tiny_llama_config(**overrides):
+    """A transformers `LlamaConfig` small enough for CPU tests; the wide init keeps logits
+    apart, so greedy choices are not decided by rounding. Needs the hf extra."""
+    import transformers
+
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.3)
+    fields.update(overrides)
+    return transformers.LlamaConfig(**fields)
+

@@ -13,6 +13,8 @@ from paged_kv.cli import main  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams  # noqa: E402
 from paged_kv.serving.hf import HFCausalLM  # noqa: E402
 
+from .conftest import tiny_llama_config  # noqa: E402
+
 PROMPT_LENGTHS = [1, 15, 16, 17, 33]
 
 
@@ -20,11 +22,7 @@ PROMPT_LENGTHS = [1, 15, 16, 17, 33]
 def checkpoint(tmp_path_factory):
     """A tiny Llama with seeded random weights, saved with save_pretrained (no download)."""
     torch.manual_seed(0)
-    # a wide init keeps the logits apart, so greedy choices are not decided by rounding
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=512,
-                                      initializer_range=0.3)
+    config = tiny_llama_config(max_position_embeddings=512)
     path = tmp_path_factory.mktemp("tiny-llama")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -13,6 +13,8 @@ from paged_kv.cli import main
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig, sizing
 from paged_kv.serving.sampling import token_logprobs
 
+from .conftest import tiny_llama_config
+
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=96,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position=256)
 PROMPT_LENGTHS = [1, 9, 17, 30]
@@ -148,10 +150,7 @@ def llama_greedy(tmp_path_factory):
     """A tiny seeded Llama, a prompt, and the 10 greedy tokens after it (no EOS set)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.3, eos_token_id=None)
+    config = tiny_llama_config(eos_token_id=None)
     model = transformers.LlamaForCausalLM(config).eval()
     prompt = list(range(3, 20))
     ids = list(prompt)

@@ -20,6 +20,8 @@ import torch
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving.parallel import TensorParallelError, kv_heads_of_rank
 
+from .conftest import tiny_llama_config
+
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=100,
                          num_heads=4, num_kv_heads=2, head_dim=16)
 SYSTEM = list(range(1, 21))
@@ -126,11 +128,7 @@ def test_a_local_llama_checkpoint_through_hf(tmp_path):
     from paged_kv.serving.hf import HFCausalLM
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.3)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path)
     runner = HFCausalLM.from_pretrained(tmp_path)
     cache_config = runner.cache_config(num_blocks=48)
     params = SamplingParams(max_tokens=8)
