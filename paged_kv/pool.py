@@ -14,6 +14,10 @@ from .kernels.quant import raw
 logger = logging.getLogger(__name__)
 
 
+# kinds of pool operation in the log `KVPool.record_ops` keeps
+OP_COPY, OP_SWAP_OUT, OP_SWAP_IN = 1, 2, 3
+
+
 class KVPool:
     """Owns the tensors; never allocates or frees blocks (the allocator decides which ids).
 
@@ -85,7 +89,8 @@ class KVPool:
 
     def record_ops(self) -> None:
         """From now on keep a log of `copy` / `swap_out` / `swap_in` (``(kind, src, dst)``,
-        kind 1 / 2 / 3) for `take_ops`: tensor-parallel rank 0 replays them on every rank."""
+        kind `OP_COPY` / `OP_SWAP_OUT` / `OP_SWAP_IN`) for `take_ops`: tensor-parallel rank 0
+        replays them on every rank."""
         self._ops = []
 
     def take_ops(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -99,7 +104,7 @@ class KVPool:
 
     def copy(self, src_block_ids: np.ndarray, dst_block_ids: np.ndarray) -> None:
         """Copy whole blocks (all layers, K and V) inside the device pool."""
-        self._log(1, src_block_ids, dst_block_ids)
+        self._log(OP_COPY, src_block_ids, dst_block_ids)
         src, dst = self._ids(src_block_ids, self.kv.device), self._ids(dst_block_ids,
                                                                        self.kv.device)
         for plane in self._planes():
@@ -108,7 +113,7 @@ class KVPool:
     def swap_out(self, block_ids: np.ndarray, host_block_ids: np.ndarray) -> None:
         """Copy device blocks to host blocks."""
         assert self.host is not None, "swap_out without a host pool"
-        self._log(2, block_ids, host_block_ids)
+        self._log(OP_SWAP_OUT, block_ids, host_block_ids)
         src, dst = self._ids(block_ids, self.kv.device), self._ids(host_block_ids,
                                                                    self.host.device)
         for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
@@ -118,7 +123,7 @@ class KVPool:
     def swap_in(self, host_block_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """Copy host blocks back into device blocks."""
         assert self.host is not None, "swap_in without a host pool"
-        self._log(3, host_block_ids, block_ids)
+        self._log(OP_SWAP_IN, host_block_ids, block_ids)
         src, dst = self._ids(host_block_ids, self.host.device), self._ids(block_ids,
                                                                           self.kv.device)
         for device_plane, host_plane in zip(self._planes(), self._planes(host=True),

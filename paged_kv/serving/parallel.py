@@ -38,11 +38,11 @@ import torch.distributed as dist
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..page_table import StepBatch
+from ..pool import OP_COPY, OP_SWAP_OUT
 from .model import TinyLlama, TinyLlamaConfig
 
 HEADER = 8  # cmd, payload length, tokens, batch size, block-table width, logits rows, ops
 CMD_STEP, CMD_STOP, CMD_INFO, CMD_POOL = 1, 2, 3, 4
-OP_COPY, OP_SWAP_OUT, OP_SWAP_IN = 1, 2, 3
 
 
 class TensorParallelError(RuntimeError):
