@@ -194,9 +194,8 @@ class PagedKVCache(TensorOps):
             count = min(count, max_tokens)
         requested = -(-(num_hit + count) // block_size) - len(hits)
         # cached hits leave the evictable set when this sequence takes them
-        obtainable = allocator.num_obtainable_blocks - int(
-            np.count_nonzero(allocator.refcount[hits] == 0)) if hits else \
-            allocator.num_obtainable_blocks
+        revived = int(np.count_nonzero(allocator.refcount[hits] == 0)) if hits else 0
+        obtainable = allocator.num_obtainable_blocks - revived
         if requested > obtainable:
             raise OutOfBlocksError(requested, obtainable, "admit()")
         row = self._add(seq_id, tokens, salt, chain, hits)
