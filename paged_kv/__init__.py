@@ -9,10 +9,11 @@ Three owners, composed by `PagedKVCache`:
 
 from .accounting import CacheStats, SequenceStats
 from .allocator import BlockAllocator, BlockEvent
+from .batch import StepBatch
 from .cache import PagedKVCache
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
-from .page_table import PageTables, StepBatch
+from .page_table import PageTables
 from .pool import KVPool
 
 __all__ = [

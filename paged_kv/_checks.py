@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -38,3 +38,26 @@ def read_only(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+# sequence checks over `PageTables` (its ``row_of`` and ``swapped``), shared by the cache's
+# lifecycle methods and its tensor methods
+def require_known(tables, what: str, seq_id: object) -> None:
+    """KeyError naming `what` unless `seq_id` has a row."""
+    if seq_id not in tables:
+        raise KeyError(f"{what}: unknown sequence {seq_id!r}")
+
+
+def require_resident(tables, what: str, seq_id: object) -> None:
+    """`require_known`, and ValueError when its blocks are swapped out."""
+    require_known(tables, what, seq_id)
+    if tables.swapped[tables.row_of[seq_id]]:
+        raise ValueError(f"{what}: sequence {seq_id!r} is swapped out; swap_in() it first")
+
+
+def require_new(tables, what: str, seq_id: object) -> None:
+    """TypeError / ValueError naming `what` unless `seq_id` is hashable and has no row."""
+    if not isinstance(seq_id, Hashable):
+        raise TypeError(f"{what}: seq_id must be hashable, got {type(seq_id).__name__}")
+    if seq_id in tables:
+        raise ValueError(f"{what}: sequence {seq_id!r} already exists")

@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 from . import kernels
-from ._checks import check_tensor
+from ._checks import check_tensor, require_resident
+from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .kernels.quant import scale_kwargs
-from .page_table import PageTables, SeqId, StepBatch
+from .page_table import PageTables
 from .pool import KVPool
 
 BatchOrSeqIds = StepBatch | Sequence[SeqId]
@@ -29,9 +30,6 @@ class TensorOps:
     _pool: KVPool
     _tables: PageTables
     _workspace: torch.Tensor
-
-    def _require_resident(self, what: str, seq_id: SeqId) -> None:
-        raise NotImplementedError  # PagedKVCache's
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               batch: StepBatch) -> None:
@@ -182,7 +180,7 @@ class TensorOps:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"{what}: duplicate sequence ids in {list(seq_ids)!r}")
         for seq_id in seq_ids:
-            self._require_resident(what, seq_id)
+            require_resident(self._tables, what, seq_id)
         rows = np.array([self._tables.row_of[s] for s in seq_ids], dtype=np.int64)
         lengths = self._tables.num_tokens[rows]
         width = max(int(self._tables.num_blocks[rows].max()) if rows.size else 0, 1)

@@ -9,7 +9,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .page_table import PageTables, SeqId
+from .batch import SeqId
+from .page_table import PageTables
 
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -40,13 +41,14 @@ class Step:
     rows: np.ndarray                # [B] int64
     counts: np.ndarray              # [B] int64 new tokens per sequence
     has_ids: np.ndarray             # [B] bool, token ids given (not just a count)
-    token_ids: np.ndarray | None    # [sum(counts[has_ids])] int32
+    token_ids: np.ndarray           # [sum(counts[has_ids])] int32
 
     @property
     def is_decode(self) -> bool:
-        """One known token per sequence."""
-        return self.token_ids is not None and self.token_ids.size == self.rows.size \
-            and bool(self.has_ids.all())
+        """One token per sequence, the ids of all known or of none."""
+        if self.token_ids.size == self.rows.size:
+            return bool(self.has_ids.all())
+        return self.token_ids.size == 0 and bool((self.counts == 1).all())
 
     @property
     def token_rows(self) -> np.ndarray:

@@ -12,7 +12,8 @@ import dataclasses
 import numpy as np
 
 from .allocator import BlockAllocator
-from .page_table import PageTables, SeqId
+from .batch import SeqId
+from .page_table import PageTables
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,8 +58,9 @@ class CacheStats:
         blocks.
     prefix_query_tokens, prefix_hit_tokens : int
         Prompt tokens looked up in the prefix index, and those found cached (cumulative).
-    num_preemptions : int
-        Sequences swapped out (cumulative; an engine's recompute preemptions add their own).
+    num_swap_outs : int
+        Sequences moved to the host pool (cumulative). An engine's preemptions are its own
+        count (``Scheduler.num_preemptions``): a recompute preemption is a `free` here.
     num_swapped_blocks : int
         Host-pool blocks holding swapped-out sequences.
     sequences : tuple of SequenceStats
@@ -78,7 +80,7 @@ class CacheStats:
     bytes_saved_by_sharing: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    num_preemptions: int
+    num_swap_outs: int
     num_swapped_blocks: int
     sequences: tuple[SequenceStats, ...]
 
@@ -101,8 +103,7 @@ class CacheStats:
 
 
 def compute_stats(*, allocator: BlockAllocator, tables: PageTables, block_size: int,
-                  bytes_per_block: int, total_bytes: int, prefix_query_tokens: int,
-                  prefix_hit_tokens: int, num_preemptions: int) -> CacheStats:
+                  bytes_per_block: int, total_bytes: int, num_swap_outs: int) -> CacheStats:
     """Assemble `CacheStats` from the owners' read-only views."""
     refcount = allocator.refcount
     rows = tables.rows()
@@ -132,9 +133,9 @@ def compute_stats(*, allocator: BlockAllocator, tables: PageTables, block_size: 
         num_live_tokens=num_live * block_size - num_empty_slots,
         num_empty_slots=num_empty_slots,
         bytes_saved_by_sharing=int(np.maximum(refcount - 1, 0).sum()) * bytes_per_block,
-        prefix_query_tokens=prefix_query_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        num_preemptions=num_preemptions,
+        prefix_query_tokens=allocator.prefix_query_tokens,
+        prefix_hit_tokens=allocator.prefix_hit_tokens,
+        num_swap_outs=num_swap_outs,
         num_swapped_blocks=int(tables.num_blocks[rows[tables.swapped[rows]]].sum()),
         sequences=tuple(sequences),
     )

@@ -117,6 +117,7 @@ class BlockAllocator:
         self._views = tuple(read_only(a) for a in (self._refcount, self._indexed,
                                                    self._protected))
         self._index: dict[bytes, int] = {}
+        self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
         # bounded, so a user who never drains events does not leak memory
         self._events: collections.deque[BlockEvent] = collections.deque(maxlen=max_events)
 
@@ -156,6 +157,21 @@ class BlockAllocator:
     def num_live_blocks(self) -> int:
         """Blocks with at least one owner."""
         return self.num_blocks - 1 - len(self._free) - len(self._cached)
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        """Prompt tokens whose prefix was looked up by a sequence that was then added."""
+        return self._prefix_tokens[0]
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Of those, tokens found cached."""
+        return self._prefix_tokens[1]
+
+    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted prompt of `num_tokens`, `num_hit` of them found cached."""
+        self._prefix_tokens[0] += num_tokens
+        self._prefix_tokens[1] += num_hit
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `allocate(num_blocks)` would succeed now."""
@@ -329,7 +345,7 @@ class BlockAllocator:
         """Comparable copy of the whole state (for tests of rejected calls)."""
         return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
                 tuple(sorted(self._index.items())),
-                self._tokens[self._indexed].tobytes())
+                self._tokens[self._indexed].tobytes(), tuple(self._prefix_tokens))
 
     def check_invariants(self, owners: np.ndarray | None = None) -> None:
         """Raise `InvariantError` if the block states do not partition the pool.

@@ -1,4 +1,4 @@
-"""`PageTables` (per-sequence block ids and token counts as numpy rows) and `StepBatch`.
+"""`PageTables`: per-sequence block ids, token counts and prefix keys as numpy rows.
 
 Row r of the preallocated arrays belongs to one sequence::
 
@@ -12,150 +12,31 @@ Python loop over tokens. Rows and columns grow by doubling when a sequence needs
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Hashable, Sequence
-
 import numpy as np
-import torch
 
-from . import _compiled
 from ._checks import read_only
+from ._decode import decode_ops
+from .batch import SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
 from .errors import ensure
 
-SeqId = Hashable
-_NO_TOKENS = np.empty(0, dtype=np.int32)  # the compiled decode step's "ids unknown"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepBatch:
-    """Everything kernels need for one step, built once by `prepare` and reused by every layer.
-
-    Attributes
-    ----------
-    seq_ids : tuple
-        ``B`` sequences, in the order of their rows and tokens.
-    slot_mapping : torch.Tensor
-        ``[num_tokens]`` int64 slot of each new token (-1 = skip).
-    block_tables : torch.Tensor
-        ``[B, max_blocks]`` int32 block ids; padding entries are the null block 0.
-    seq_lens : torch.Tensor
-        ``[B]`` int32 tokens per sequence after this step.
-    query_start_loc : torch.Tensor
-        ``[B + 1]`` int32 offsets of each sequence's new tokens.
-    num_tokens, max_seq_len, max_query_len : int
-        Totals, kept as Python ints so no kernel launch needs a device sync.
-    kv_indptr, kv_indices, kv_last_page_len : torch.Tensor
-        FlashInfer's CSR page table: ``[B + 1]``, ``[sum of blocks]``, ``[B]`` int32; built
-        on first access (most steps never need them, and they cost a pass over all blocks).
-    """
-
-    seq_ids: tuple[SeqId, ...]
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    num_tokens: int
-    max_seq_len: int
-    max_query_len: int
-    block_size: int
-    _host: tuple[np.ndarray, np.ndarray, np.ndarray]  # block tables, num blocks, seq lens
-    _csr: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
-
-    @property
-    def batch_size(self) -> int:
-        """Sequences in the step."""
-        return len(self.seq_ids)
-
-    @property
-    def kv_indptr(self) -> torch.Tensor:
-        """``[B + 1]`` int32 offsets of each sequence's blocks in `kv_indices`."""
-        return self._flashinfer_form()["kv_indptr"]
-
-    @property
-    def kv_indices(self) -> torch.Tensor:
-        """``[sum of blocks]`` int32 block ids of all sequences, concatenated."""
-        return self._flashinfer_form()["kv_indices"]
-
-    @property
-    def kv_last_page_len(self) -> torch.Tensor:
-        """``[B]`` int32 tokens in each sequence's last block."""
-        return self._flashinfer_form()["kv_last_page_len"]
-
-    def _flashinfer_form(self) -> dict[str, torch.Tensor]:
-        if not self._csr:
-            block_tables, num_blocks, seq_lens = self._host
-            kv_indptr = np.zeros(len(num_blocks) + 1, dtype=np.int32)
-            np.cumsum(num_blocks, out=kv_indptr[1:])
-            in_use = np.arange(block_tables.shape[1]) < num_blocks[:, None]
-            last_page_len = (seq_lens - 1) % self.block_size + 1
-            device = self.block_tables.device
-            for name, array in (("kv_indptr", kv_indptr), ("kv_indices", block_tables[in_use]),
-                                ("kv_last_page_len", last_page_len)):
-                self._csr[name] = torch.from_numpy(array.astype(np.int32)).to(device)
-        return self._csr
-
-    @classmethod
-    def from_arrays(cls, seq_ids: Sequence[SeqId], block_tables: np.ndarray,
-                    num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
-                    block_size: int, device: torch.device) -> StepBatch:
-        """Build a batch from plain arrays (host side), then ship it to `device` once.
-
-        Parameters
-        ----------
-        block_tables : np.ndarray
-            ``[B, max_blocks]`` int32, zero past each row's `num_blocks`.
-        num_blocks, seq_lens, query_lens : np.ndarray
-            ``[B]`` blocks, tokens after the step, and new tokens of each sequence.
-        """
-        batch_size = len(seq_ids)
-        num_tokens = int(query_lens.sum())
-        if num_tokens == batch_size:  # pure decode: one token per sequence
-            query_start_loc = np.arange(batch_size + 1)
-            token_row, positions = query_start_loc[:-1], seq_lens - 1
-        else:
-            query_start_loc = np.zeros(batch_size + 1, dtype=np.int64)
-            np.cumsum(query_lens, out=query_start_loc[1:])
-            # position of a token: its sequence's old length plus its rank in the step
-            token_row = np.repeat(np.arange(batch_size), query_lens)
-            positions = (np.arange(num_tokens) - query_start_loc[token_row]
-                         + (seq_lens - query_lens)[token_row])
-        slot_mapping = block_tables[token_row, positions // block_size] * block_size
-        slot_mapping += positions % block_size
-        return cls.from_host(seq_ids, block_tables, num_blocks, seq_lens, query_start_loc,
-                             slot_mapping, num_tokens, int(query_lens.max()), block_size,
-                             device)
-
-    @classmethod
-    def from_host(cls, seq_ids: tuple[SeqId, ...], block_tables: np.ndarray,
-                  num_blocks: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                  slot_mapping: np.ndarray, num_tokens: int, max_query_len: int,
-                  block_size: int, device: torch.device) -> StepBatch:
-        """Wrap finished host arrays (no copy on the CPU) and ship them to `device` once."""
-        on_cpu = device.type == "cpu"
-
-        def ship(array: np.ndarray, dtype: type) -> torch.Tensor:
-            tensor = torch.from_numpy(array.astype(dtype, copy=False))
-            return tensor if on_cpu else tensor.to(device, non_blocking=True)
-
-        return cls(
-            seq_ids=tuple(seq_ids),
-            slot_mapping=ship(slot_mapping, np.int64),
-            block_tables=ship(block_tables, np.int32),
-            seq_lens=ship(seq_lens, np.int32),
-            query_start_loc=ship(query_start_loc, np.int32),
-            num_tokens=num_tokens,
-            max_seq_len=int(seq_lens.max()),
-            max_query_len=max_query_len,
-            block_size=block_size,
-            _host=(block_tables, num_blocks, seq_lens),
-        )
+_NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
 
 
 class PageTables:
-    """Owns each sequence's row: block ids, token count, known token ids, prefix-key chain.
+    """Owns each sequence's row: block ids, token count, known token ids, prefix keys (the
+    salted root it chains from, and the key of its last indexed block).
 
     The only writer of those rows; it never frees a block (the allocator does) and never
     touches a tensor.
+
+    Parameters
+    ----------
+    block_size : int
+    max_num_seqs, max_blocks : int
+        Initial rows and columns (both grow by doubling).
+    compiled : bool, optional
+        Run the decode step's bookkeeping compiled (numba) or in numpy; default
+        ``paged_kv._decode.default_compiled()`` (the ``PAGED_KV_NUMBA`` variable).
 
     Examples
     --------
@@ -167,7 +48,8 @@ class PageTables:
     ([7, 3], 5)
     """
 
-    def __init__(self, block_size: int, max_num_seqs: int = 256, max_blocks: int = 16) -> None:
+    def __init__(self, block_size: int, max_num_seqs: int = 256, max_blocks: int = 16, *,
+                 compiled: bool | None = None) -> None:
         self.block_size = block_size
         self._row_of: dict[SeqId, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -176,11 +58,12 @@ class PageTables:
         self._num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self._token_ids = np.zeros((max_num_seqs, max_blocks * block_size), dtype=np.int32)
         self._chain: list[bytes | None] = [None] * max_num_seqs
+        self._root: list[bytes | None] = [None] * max_num_seqs  # salted root key per row
         self._swapped = np.zeros(max_num_seqs, dtype=bool)
         self._resident = np.zeros(max_num_seqs, dtype=bool)  # has a row, blocks on the device
         self._seq_of_row: list[SeqId | None] = [None] * max_num_seqs
         self._version = 0  # bumped whenever the seq_id -> row mapping or residency changes
-        self._compiled = _compiled.enabled()
+        self._compiled, self._decode = decode_ops(compiled)
         self._seen = np.zeros(max_num_seqs, dtype=np.int64)  # compiled row check's stamps
         self._stamp = 0
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
@@ -196,6 +79,11 @@ class PageTables:
         self.swapped = read_only(self._swapped)         # [rows] bool
 
     # -- queries --------------------------------------------------------------------------
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step's bookkeeping runs compiled (numba) here."""
+        return self._compiled
+
     @property
     def seq_ids(self) -> tuple[SeqId, ...]:
         """Sequences with a row, in insertion order."""
@@ -235,15 +123,11 @@ class PageTables:
         if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
             raise TypeError(f"{what}: rows must be a non-empty 1-d int array (from rows_of()), "
                             f"got dtype {array.dtype} and shape {array.shape}")
-        array = array.astype(np.int64, copy=False)
+        # one array type for the compiled variant (it specialises on writability)
+        array = read_only(array.astype(np.int64, copy=False))
         num_rows = self._resident.shape[0]
-        if self._compiled:
-            array = _compiled.read_only(array)
-            self._stamp += 1
-            fine = _compiled.find_bad_row(array, self._resident, self._seen, self._stamp) < 0
-        else:
-            fine = False
-        if not fine:
+        self._stamp += 1
+        if self._decode.find_bad_row(array, self._resident, self._seen, self._stamp) >= 0:
             if array.min() < 0 or array.max() >= num_rows or not self._resident[array].all():
                 bad = [int(r) for r in array if not 0 <= r < num_rows or not self._resident[r]]
                 raise ValueError(f"{what}: rows {bad[:5]} are not resident sequences (freed, "
@@ -275,6 +159,10 @@ class PageTables:
     def chain(self, row: int) -> bytes | None:
         """Prefix key of the row's last full block (None: its tokens cannot be indexed)."""
         return self._chain[row]
+
+    def root(self, row: int) -> bytes | None:
+        """The salted key the row's first block chains from (None: no prefix caching)."""
+        return self._root[row]
 
     def rows(self) -> np.ndarray:
         """``[num_seqs]`` int64 rows in use, in insertion order."""
@@ -310,8 +198,9 @@ class PageTables:
         return np.bincount(self._block_ids[rows][in_use], minlength=num_pool_blocks)
 
     # -- mutators -------------------------------------------------------------------------
-    def add(self, seq_id: SeqId, chain: bytes | None = None) -> int:
-        """Give `seq_id` an empty row and return it."""
+    def add(self, seq_id: SeqId, chain: bytes | None = None, root: bytes | None = None) -> int:
+        """Give `seq_id` an empty row and return it; `chain` is the key its next full
+        block chains from, `root` its salted root key."""
         if not self._free_rows:
             self._grow_rows()
         row = self._free_rows.pop()
@@ -319,7 +208,7 @@ class PageTables:
         self._seq_of_row[row] = seq_id
         self._resident[row] = True
         self._version += 1
-        self._chain[row] = chain
+        self._chain[row], self._root[row] = chain, root
         return row
 
     def remove(self, seq_id: SeqId) -> np.ndarray:
@@ -332,7 +221,7 @@ class PageTables:
         self._swapped[row] = False
         self._resident[row] = False
         self._seq_of_row[row] = None
-        self._chain[row] = None
+        self._chain[row] = self._root[row] = None
         self._free_rows.append(row)
         return blocks
 
@@ -353,20 +242,8 @@ class PageTables:
 
         Grows the columns so `commit_decode` cannot run out of them (no visible change).
         """
-        if self._compiled:
-            num_open, columns = _compiled.plan_decode(rows, self._num_tokens, self._num_blocks,
-                                                      self._block_ids, protected,
-                                                      self.block_size)
-        else:
-            old_lens = self._num_tokens[rows]
-            in_place = old_lens % self.block_size != 0
-            # column -1 of an empty row is read but never used: its offset is 0
-            last = self._block_ids[rows, (old_lens - 1) // self.block_size]
-            if (protected[last] & in_place).any():
-                return -1
-            opening = ~in_place
-            num_open = int(np.count_nonzero(opening))
-            columns = int(self._num_blocks[rows[opening]].max()) + 1 if num_open else 0
+        num_open, columns = self._decode.plan(rows, self._num_tokens, self._num_blocks,
+                                              self._block_ids, protected, self.block_size)
         if columns > self._block_ids.shape[1]:
             self._grow_columns(columns)
         return num_open
@@ -385,35 +262,15 @@ class PageTables:
             row now, and the positions in `rows` of the rows whose last block just filled.
         """
         size = rows.size
-        if self._compiled:
-            slots = np.empty(size, dtype=np.int64)
-            num_blocks = np.empty(size, dtype=np.int64)
-            seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
-            filled = np.empty(size, dtype=np.int64)
-            num_filled = _compiled.commit_decode(
-                rows, _NO_TOKENS if token_ids is None else token_ids, block_ids,
-                self._num_tokens, self._num_blocks,
-                self._block_ids, self._token_ids, self.block_size, slots, num_blocks,
-                seq_lens, filled)
-            return slots, num_blocks, seq_lens, filled[:num_filled]
-        old_lens = self._num_tokens[rows]
-        offsets = old_lens % self.block_size
-        opening = offsets == 0
-        if block_ids.size:
-            opened = rows[opening]
-            columns = self._num_blocks[opened]
-            self._block_ids[opened, columns] = block_ids
-            self._num_blocks[opened] = columns + 1
-        slots = self._block_ids[rows, old_lens // self.block_size].astype(np.int64)
-        slots *= self.block_size
-        slots += offsets
-        if token_ids is not None:
-            self._token_ids[rows, old_lens] = token_ids
-        seq_lens = old_lens + 1
-        self._num_tokens[rows] = seq_lens
-        seq_lens = seq_lens.astype(np.int32)
-        filled = np.flatnonzero(offsets == self.block_size - 1)
-        return slots, self._num_blocks[rows], seq_lens, filled
+        slots = np.empty(size, dtype=np.int64)
+        num_blocks = np.empty(size, dtype=np.int64)
+        seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
+        filled = np.empty(size, dtype=np.int64)
+        num_filled = self._decode.commit(
+            rows, _NO_TOKENS if token_ids is None else token_ids, block_ids,
+            self._num_tokens, self._num_blocks, self._block_ids, self._token_ids,
+            self.block_size, slots, num_blocks, seq_lens, filled)
+        return slots, num_blocks, seq_lens, filled[:num_filled]
 
     def extend_row(self, row: int, old_len: int, new_len: int, block_ids: np.ndarray,
                    token_ids: np.ndarray | None) -> None:
@@ -468,7 +325,7 @@ class PageTables:
     def fork(self, parent: SeqId, child: SeqId) -> int:
         """Give `child` a copy of `parent`'s row; returns the child's row."""
         src = self._row_of[parent]
-        row = self.add(child, self._chain[src])
+        row = self.add(child, self._chain[src], self._root[src])
         self._block_ids[row] = self._block_ids[src]
         self._num_blocks[row] = self._num_blocks[src]
         self._num_tokens[row] = self._num_tokens[src]
@@ -479,7 +336,8 @@ class PageTables:
         """Comparable copy of the whole state (for tests of rejected calls)."""
         return (tuple(self._row_of.items()), tuple(self._free_rows), self._block_ids.tobytes(),
                 self._num_blocks.tobytes(), self._num_tokens.tobytes(),
-                self._token_ids.tobytes(), tuple(self._chain), self._swapped.tobytes())
+                self._token_ids.tobytes(), tuple(self._chain), tuple(self._root),
+                self._swapped.tobytes())
 
     # -- growth ---------------------------------------------------------------------------
     def _grow_rows(self) -> None:
@@ -494,6 +352,7 @@ class PageTables:
         self._seq_of_row += [None] * old
         self._version += 1
         self._chain += [None] * old
+        self._root += [None] * old
         self._free_rows = list(range(2 * old - 1, old - 1, -1)) + self._free_rows
         self._refresh_views()
 

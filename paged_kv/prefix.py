@@ -1,14 +1,18 @@
 """Prefix-cache keys: finding a prompt's cached blocks, and indexing blocks as they fill.
 
 Functions over the two owners involved (the allocator's index, the page tables' rows); the
-cache calls them from `add_sequence` and `prepare`.
+cache calls them at admission, the step commit as blocks fill, and a scheduler
+(`match_prefix`) to size a request before admitting it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from .allocator import BlockAllocator, encode_tokens, hash_block, split_blocks
+from ._tokens import tokens_to_array
+from .allocator import BlockAllocator, encode_tokens, hash_block, root_hash, split_blocks
 from .page_table import PageTables
 
 
@@ -32,6 +36,23 @@ def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
         hits.append(block_id)
         chain = key
     return chain, hits
+
+
+def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarray,
+                 block_size: int, *, salt: str | None = None) -> int:
+    """Tokens of a prompt that adding it now would find cached; changes nothing (no
+    counters either), so a scheduler can size a request before admitting it.
+
+    Examples
+    --------
+    >>> match_prefix(BlockAllocator(8), [1, 2, 3, 4, 5], block_size=4)
+    0
+    """
+    chain = root_hash(salt)  # also the salt's check
+    tokens = tokens_to_array("match_prefix(): token_ids", token_ids)
+    if not allocator.enable_prefix_caching or not len(tokens):
+        return 0
+    return len(lookup_prefix(allocator, chain, tokens, block_size)[1]) * block_size
 
 
 def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,

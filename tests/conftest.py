@@ -16,7 +16,7 @@ def tiny_config(**overrides) -> CacheConfig:
 
 
 def assert_same_snapshot(before: tuple, after: tuple, what: str = "") -> None:
-    """Compare two `PagedKVCache.snapshot()` values, tensors by exact equality."""
+    """Compare two `paged_kv.cache.snapshot(cache)` values, tensors by exact equality."""
     assert len(before) == len(after)
     for i, (a, b) in enumerate(zip(before, after, strict=True)):
         if isinstance(a, tuple) and any(isinstance(x, torch.Tensor) for x in a):

@@ -91,10 +91,10 @@ def test_eviction_takes_tails_first_and_prefix_outlives_them():
     cache.add_sequence("a", prompt)
     cache.prepare({"a": [*prompt, 99]})  # 4 blocks, 3 full and indexed
     cache.free("a")
-    cache.take_events()
+    cache.allocator.take_events()
     cache.add_sequence("b")
     cache.prepare({"b": 3 * 4})  # needs 3: the 2 free + 1 cached, evicted
-    evicted = [e for e in cache.take_events() if e.kind == "evicted"]
+    evicted = [e for e in cache.allocator.take_events() if e.kind == "evicted"]
     assert [e.block_ids for e in evicted] == [(3,)], "the tail block goes first"
     assert cache.add_sequence("c", [*prompt, 5]) == 8, "the prefix survived eviction"
     cache.check()
@@ -106,7 +106,7 @@ def test_swapped_blocks_are_accounted_in_the_host_pool():
     cache.prepare({"a": 7})
     cache.swap_out("a")
     s = cache.stats()
-    assert s.num_live_blocks == 0 and s.num_swapped_blocks == 2 and s.num_preemptions == 1
+    assert s.num_live_blocks == 0 and s.num_swapped_blocks == 2 and s.num_swap_outs == 1
     assert s.sequences[0].is_swapped
     cache.swap_in("a")
     assert cache.stats().num_live_blocks == 2 and cache.stats().num_swapped_blocks == 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paged_kv import CacheConfig, OutOfBlocksError, PagedKVCache
+from paged_kv.cache import snapshot
 
 from .conftest import assert_same_snapshot, tiny_config
 
@@ -131,10 +132,10 @@ BAD_STEP_CALLS = [
 @pytest.mark.parametrize(("call", "error", "pattern"), [pytest.param(*c[1:], id=c[0])
                                                          for c in BAD_CALLS])
 def test_bad_call_raises_and_changes_nothing(cache, call, error, pattern):
-    before = cache.snapshot()
+    before = snapshot(cache)
     with pytest.raises(error, match=re.escape(pattern)):
         call(cache)
-    assert_same_snapshot(before, cache.snapshot(), pattern)
+    assert_same_snapshot(before, snapshot(cache), pattern)
     cache.check()
 
 
@@ -142,10 +143,10 @@ def test_bad_call_raises_and_changes_nothing(cache, call, error, pattern):
                                                          for c in BAD_STEP_CALLS])
 def test_bad_step_call_raises_and_changes_nothing(cache, call, error, pattern):
     batch = _batch(cache)
-    before = cache.snapshot()
+    before = snapshot(cache)
     with pytest.raises(error, match=re.escape(pattern)):
         call(cache, batch)
-    assert_same_snapshot(before, cache.snapshot(), pattern)
+    assert_same_snapshot(before, snapshot(cache), pattern)
 
 
 CONFIG_ERRORS = [
@@ -191,13 +192,13 @@ def test_out_of_blocks_is_typed_changes_nothing_and_cache_stays_usable():
     cache.add_sequence("a")
     cache.prepare({"a": list(range(12))})  # 3 blocks
     cache.add_sequence("b")
-    before = cache.snapshot()
+    before = snapshot(cache)
     with pytest.raises(OutOfBlocksError) as info:
         cache.prepare({"a": [1], "b": list(range(9))})  # 1 + 3 blocks, 2 obtainable
     assert (info.value.requested, info.value.free) == (4, 2)
     assert "requested 4" in str(info.value) and "only 2" in str(info.value)
     assert "num_blocks" in str(info.value)
-    assert_same_snapshot(before, cache.snapshot(), "out of blocks")
+    assert_same_snapshot(before, snapshot(cache), "out of blocks")
     assert not cache.can_allocate(3) and cache.can_allocate(2)
     batch = cache.prepare({"a": [1], "b": list(range(4))})  # fits: 2 blocks
     assert batch.num_tokens == 5

@@ -17,7 +17,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from paged_kv import OutOfBlocksError, PagedKVCache, _compiled
+from paged_kv import OutOfBlocksError, PagedKVCache
+from paged_kv._decode import numba
+from paged_kv.cache import snapshot
 from paged_kv.kernels.quant import dequantize_reference, quantize_reference
 
 from .conftest import assert_same_snapshot, tiny_config
@@ -36,15 +38,21 @@ def kv_for(prefix: tuple) -> torch.Tensor:
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
     kv_cache_dtype = "auto"
+    compiled: bool | None = None  # the default variant (compiled where numba imports)
 
     def __init__(self) -> None:
         super().__init__()
         self.cache = PagedKVCache(tiny_config(num_blocks=20, num_host_blocks=10,
-                                              kv_cache_dtype=self.kv_cache_dtype))
+                                              kv_cache_dtype=self.kv_cache_dtype),
+                                  compiled=self.compiled)
         self.tokens: dict[str, list] = {}     # seq -> token ids so far (None = unknown)
         self.kv: dict[str, list] = {}         # seq -> per token [layers, 2, H, D]
         self.pending: dict[str, list] = {}    # seq -> prompt tokens not yet prepared
+        self.swapped: set[str] = set()       # seqs whose blocks are in the host pool
         self.counter = 0
+
+    def _is_swapped(self, seq_id: str) -> bool:
+        return seq_id in self.swapped
 
     def _new_id(self) -> str:
         self.counter += 1
@@ -65,7 +73,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def step(self, data):
-        resident = [s for s in self.tokens if not self.cache.is_swapped(s)]
+        resident = [s for s in self.tokens if not self._is_swapped(s)]
         if not resident:
             return
         chosen = data.draw(st.lists(st.sampled_from(resident), min_size=1, unique=True))
@@ -79,12 +87,12 @@ class CacheMachine(RuleBasedStateMachine):
                 new = self.pending[seq_id][:size] or data.draw(
                     st.lists(st.integers(0, 5), min_size=1, max_size=size))
                 request[seq_id] = new
-        before = self.cache.snapshot()
+        before = snapshot(self.cache)
         try:
             batch = self.cache.prepare(request)
         except OutOfBlocksError as exc:
             assert exc.requested > exc.free
-            assert_same_snapshot(before, self.cache.snapshot(), "prepare() out of blocks")
+            assert_same_snapshot(before, snapshot(self.cache), "prepare() out of blocks")
             return
         keys, values = [], []
         for seq_id, new in request.items():
@@ -104,19 +112,19 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def decode(self, data):
         """One token for each of some resident sequences through the array API."""
-        resident = [s for s in self.tokens if not self.cache.is_swapped(s)]
+        resident = [s for s in self.tokens if not self._is_swapped(s)]
         if not resident:
             return
         chosen = data.draw(st.lists(st.sampled_from(resident), min_size=1, unique=True))
         new = data.draw(st.lists(st.integers(0, 5), min_size=len(chosen),
                                  max_size=len(chosen)))
         rows = self.cache.rows_of(chosen)
-        before = self.cache.snapshot()
+        before = snapshot(self.cache)
         try:
             batch = self.cache.prepare_decode(rows, np.array(new))
         except OutOfBlocksError as exc:
             assert exc.requested > exc.free
-            assert_same_snapshot(before, self.cache.snapshot(), "prepare_decode() out of blocks")
+            assert_same_snapshot(before, snapshot(self.cache), "prepare_decode() out of blocks")
             return
         assert batch.seq_ids == tuple(chosen)
         kvs = []
@@ -131,7 +139,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(parent=seqs)
     def fork(self, parent):
-        if parent not in self.tokens or self.cache.is_swapped(parent):
+        if parent not in self.tokens or self._is_swapped(parent):
             return
         child = self._new_id()
         self.cache.fork(parent, child)
@@ -153,18 +161,20 @@ class CacheMachine(RuleBasedStateMachine):
     def swap(self, seq_id):
         if seq_id not in self.tokens:
             return
-        before = self.cache.snapshot()
+        before = snapshot(self.cache)
         try:
-            if self.cache.is_swapped(seq_id):
+            if self._is_swapped(seq_id):
                 self.cache.swap_in(seq_id)
+                self.swapped.discard(seq_id)
             else:
                 self.cache.swap_out(seq_id)
+                self.swapped.add(seq_id)
         except OutOfBlocksError:
-            assert_same_snapshot(before, self.cache.snapshot(), "swap out of blocks")
+            assert_same_snapshot(before, snapshot(self.cache), "swap out of blocks")
 
     @rule(seq_id=seqs, keep=st.floats(0, 1))
     def truncate(self, seq_id, keep):
-        if seq_id not in self.tokens or self.cache.is_swapped(seq_id):
+        if seq_id not in self.tokens or self._is_swapped(seq_id):
             return
         num_tokens = int(len(self.tokens[seq_id]) * keep)
         self.cache.truncate(seq_id, num_tokens)
@@ -184,7 +194,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert (stats.num_live_blocks + stats.num_cached_blocks + stats.num_free_blocks
                 == stats.num_blocks - 1)
         assert set(self.cache.seq_ids) == set(self.tokens)
-        resident = [s for s in self.tokens if not self.cache.is_swapped(s)]
+        resident = [s for s in self.tokens if not self._is_swapped(s)]
         for seq_id in resident:
             assert self.cache.seq_len(seq_id) == len(self.tokens[seq_id])
         if not resident:
@@ -224,17 +234,11 @@ class NumpyCacheMachine(CacheMachine):
     """The same programs with the numpy page-table path (numba, when installed, is the
     default for decode steps)."""
 
+    compiled = False
+
     def __init__(self) -> None:
-        previous = os.environ.get("PAGED_KV_NUMBA")
-        os.environ["PAGED_KV_NUMBA"] = "0"
-        try:
-            super().__init__()
-        finally:
-            if previous is None:
-                del os.environ["PAGED_KV_NUMBA"]
-            else:
-                os.environ["PAGED_KV_NUMBA"] = previous
-        assert not self.cache.tables._compiled
+        super().__init__()
+        assert not self.cache.tables.compiled
 
 
 TestCacheMachine = CacheMachine.TestCase
@@ -259,7 +263,7 @@ settings.register_profile("paged_kv_numpy", max_examples=60, stateful_step_count
                           deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestNumpyCacheMachine.settings = settings.get_profile(
     "paged_kv_interpreter" if os.environ.get("PAGED_KV_HYPOTHESIS_PROFILE") else "paged_kv_numpy")
-if _compiled.numba is None:  # the main machine already runs the numpy path
+if numba is None:  # the main machine already runs the numpy path
     TestNumpyCacheMachine = pytest.mark.skip("numba not installed")(TestNumpyCacheMachine)
 # the int8 rerun: fewer programs, the same rules (the float run finds the block-level bugs)
 TestInt8CacheMachine.settings = settings(TestCacheMachine.settings,

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from paged_kv import OutOfBlocksError, PagedKVCache, _compiled
+from paged_kv import OutOfBlocksError, PagedKVCache
+from paged_kv._decode import numba
+from paged_kv.cache import snapshot
 
 from .conftest import assert_same_snapshot, tiny_config
 
@@ -31,14 +33,12 @@ def _same_batch(a, b) -> None:
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_arrays_equal_mapping(block_size, caching, seed, monkeypatch):
+def test_decode_arrays_equal_mapping(block_size, caching, seed):
     rng = np.random.default_rng(seed)
-    apis = ["mapping", "arrays"] + (["arrays"] if _compiled.numba is not None else [])
-    caches = []
-    for i in range(len(apis)):
-        monkeypatch.setenv("PAGED_KV_NUMBA", "1" if i == 2 else "0")
-        caches.append(PagedKVCache(tiny_config(block_size=block_size, num_blocks=64,
-                                               enable_prefix_caching=caching)))
+    apis = ["mapping", "arrays"] + (["arrays"] if numba is not None else [])
+    caches = [PagedKVCache(tiny_config(block_size=block_size, num_blocks=64,
+                                       enable_prefix_caching=caching), compiled=i == 2)
+              for i in range(len(apis))]
     live: list[str] = []
     for step in range(60):
         action = rng.random()
@@ -70,7 +70,7 @@ def test_decode_arrays_equal_mapping(block_size, caching, seed, monkeypatch):
             unknown = rng.random() < 0.2  # ids unknown: a count of 1 / token_ids=None
             results = []
             for api, cache in zip(apis, caches, strict=True):
-                before = cache.snapshot()
+                before = snapshot(cache)
                 try:
                     if api == "mapping":
                         results.append(cache.prepare(
@@ -80,7 +80,7 @@ def test_decode_arrays_equal_mapping(block_size, caching, seed, monkeypatch):
                         results.append(cache.prepare_decode(cache.rows_of(chosen),
                                                             None if unknown else tokens))
                 except OutOfBlocksError:
-                    assert_same_snapshot(before, cache.snapshot(), f"{api} out of blocks")
+                    assert_same_snapshot(before, snapshot(cache), f"{api} out of blocks")
                     results.append(None)
             assert len({result is None for result in results}) == 1
             if results[0] is not None:
@@ -93,7 +93,7 @@ def test_decode_arrays_equal_mapping(block_size, caching, seed, monkeypatch):
         for cache in caches:
             cache.check()
         for other in caches[1:]:
-            assert_same_snapshot(caches[0].snapshot(), other.snapshot(), f"step {step}")
+            assert_same_snapshot(snapshot(caches[0]), snapshot(other), f"step {step}")
 
 
 def test_rows_of_handle_is_reused_until_the_set_changes():
@@ -184,7 +184,7 @@ def test_admit_equals_add_sequence_then_prepare(caching, max_tokens):
             for cache in caches:
                 cache.free(i - 1)
         caches[1].check()
-        assert_same_snapshot(caches[0].snapshot(), caches[1].snapshot(), f"request {i}")
+        assert_same_snapshot(snapshot(caches[0]), snapshot(caches[1]), f"request {i}")
 
 
 def test_admit_out_of_blocks_adds_nothing():
@@ -192,13 +192,13 @@ def test_admit_out_of_blocks_adds_nothing():
     cache.admit("a", list(range(12)))  # 3 blocks, indexed
     cache.free("a")                    # ... now cached: evictable
     cache.admit("b", [9, 9, 9, 9, 9])  # 2 blocks; 3 cached + 0 free left
-    before = cache.snapshot()
+    before = snapshot(cache)
     # hits 2 cached blocks (they stop being evictable), then needs 3 more: only 1 is left
     with pytest.raises(OutOfBlocksError) as info:
         cache.admit("c", list(range(8)) + [7] * 9)
     assert info.value.requested == 3 and info.value.free == 1
     assert "c" not in cache
-    assert_same_snapshot(before, cache.snapshot(), "admit() out of blocks")
+    assert_same_snapshot(before, snapshot(cache), "admit() out of blocks")
     cache.check()
 
 
@@ -212,7 +212,7 @@ def test_admit_out_of_blocks_adds_nothing():
 def test_admit_rejects_bad_input_unchanged(call, error, pattern):
     cache = PagedKVCache(tiny_config())
     cache.admit("a", [1, 2, 3])
-    before = cache.snapshot()
+    before = snapshot(cache)
     with pytest.raises(error, match=pattern):
         call(cache)
-    assert_same_snapshot(before, cache.snapshot(), "rejected admit()")
+    assert_same_snapshot(before, snapshot(cache), "rejected admit()")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_kv import CacheConfig, PagedKVCache
+from paged_kv.cache import snapshot
 from paged_kv.kernels import gather_kv, gather_kv_packed, write_kv
 from paged_kv.kernels.quant import FORMATS, dequantize_reference, quantize_reference
 
@@ -268,11 +269,11 @@ def test_write_of_the_wrong_dtype_changes_nothing() -> None:
     cache = PagedKVCache(tiny_config(kv_cache_dtype="fp8_e4m3"))
     cache.add_sequence("a")
     batch = cache.prepare({"a": 2})
-    before = cache.snapshot()
+    before = snapshot(cache)
     with pytest.raises(TypeError, match=r"write\(\): key: expected dtype torch\.float32"):
         cache.write(0, torch.ones(2, 2, 4, dtype=torch.float8_e4m3fn),
                     torch.ones(2, 2, 4), batch)
-    after = cache.snapshot()
+    after = snapshot(cache)
     assert all(torch.equal(a, b) for a, b in zip(before[-1], after[-1], strict=True)
                if a is not None)
 

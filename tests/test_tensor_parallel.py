@@ -54,7 +54,7 @@ def test_two_ranks_equal_one_process(model, case, num_blocks, block_size, preemp
             outputs = engine.generate(PROMPTS, PARAMS)
             engine.check()
             preempted = engine.scheduler.num_preemptions
-            hits = engine.cache.prefix_counters[1]
+            hits = engine.cache.allocator.prefix_hit_tokens
         return _tokens(outputs), preempted, hits
 
     start = time.monotonic()

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paged_kv import OutOfBlocksError  # noqa: E402
+from paged_kv.cache import snapshot  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
 from .conftest import assert_same_snapshot  # noqa: E402
@@ -173,7 +174,7 @@ def test_out_of_blocks_leaves_the_cache_unchanged(model, num_blocks, requested, 
     update = cache.update
 
     def update_with_snapshot(*args, **kwargs):
-        before[:] = [(cache.kv_cache.snapshot(), cache.stats(), cache.num_used_blocks,
+        before[:] = [(snapshot(cache.kv_cache), cache.stats(), cache.num_used_blocks,
                       cache.seq_ids, cache.get_seq_length())]
         return update(*args, **kwargs)
 
@@ -181,8 +182,8 @@ def test_out_of_blocks_leaves_the_cache_unchanged(model, num_blocks, requested, 
     with pytest.raises(OutOfBlocksError) as error:
         model.generate(prompt(20), cache=cache, **dict(GREEDY, max_new_tokens=40))
     assert (error.value.requested, error.value.free) == (requested, free)
-    snapshot, stats, num_used_blocks, seq_ids, seq_length = before[0]
-    assert_same_snapshot(snapshot, cache.kv_cache.snapshot(), "failing update")
+    state, stats, num_used_blocks, seq_ids, seq_length = before[0]
+    assert_same_snapshot(state, snapshot(cache.kv_cache), "failing update")
     assert cache.stats() == stats
     assert (cache.num_used_blocks, cache.seq_ids) == (num_used_blocks, seq_ids)
     assert cache.get_seq_length() == seq_length
@@ -231,7 +232,7 @@ def test_crop_to_a_positive_length_keeps_that_many_tokens(model):
 def test_bad_update_leaves_the_cache_unchanged(model):
     cache = paged(model)
     cache.update(torch.randn(2, 2, 20, 16), torch.randn(2, 2, 20, 16), 0)
-    before = cache.kv_cache.snapshot()
+    before = snapshot(cache.kv_cache)
     bad_calls = [
         (torch.randn(2, 2, 1, 16, dtype=torch.float64), 0, TypeError),  # dtype
         (torch.randn(3, 2, 1, 16), 0, ValueError),   # batch size differs from the rows
@@ -241,7 +242,7 @@ def test_bad_update_leaves_the_cache_unchanged(model):
     for states, layer, error in bad_calls:
         with pytest.raises(error):
             cache.update(states, states, layer)
-        assert_same_snapshot(before, cache.kv_cache.snapshot(), f"{tuple(states.shape)}")
+        assert_same_snapshot(before, snapshot(cache.kv_cache), f"{tuple(states.shape)}")
 
 
 def test_rejects_models_with_windowed_layers():

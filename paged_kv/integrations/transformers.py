@@ -32,10 +32,10 @@ except ImportError as exc:  # optional dependency: say which extra brings it
 
 from .._checks import check_tensor
 from ..accounting import CacheStats
+from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import OutOfBlocksError
-from ..page_table import StepBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -46,7 +46,8 @@ class EngineMetrics:
                                                      allocator.num_cached_blocks,
                                                      allocator.num_free_blocks), strict=True):
             gauge.set(value)
-        totals = (*cache.prefix_counters, scheduler.num_preemptions)
+        totals = (allocator.prefix_query_tokens, allocator.prefix_hit_tokens,
+                  scheduler.num_preemptions)
         for counter, total, seen in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
                                         totals, self._seen, strict=True):
             counter.inc(total - seen)

@@ -17,6 +17,7 @@ import torch
 
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
+from ..prefix import match_prefix
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -155,8 +156,8 @@ class Scheduler:
             if self._num_slots() + slots > self.max_num_seqs:
                 return
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
-            hit = (self.cache.match_prefix(seq.token_ids, salt=seq.request.salt) if reuse
-                   else 0)
+            hit = match_prefix(self.cache.allocator, seq.token_ids, self.cache.config.block_size,
+                               salt=seq.request.salt) if reuse else 0
             num_new = min(len(seq.token_ids) - hit, budget[0])
             # counts the hit blocks as new: exact when they are cached, safe when live
             need = self.cache.config.blocks_for(hit + num_new)

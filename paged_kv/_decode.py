@@ -1,0 +1,163 @@
+"""The decode step's page-table bookkeeping, in two variants with one signature each.
+
+A decode step of B sequences is ~20 small numpy calls (2-10 us each on a small CPU); one
+pass per phase in compiled code (numba, the optional ``fast`` extra) does the same work in
+a few microseconds. The numpy variant is the reference and the fallback; `decode_ops`
+binds one of the two once per `PageTables`, and the tests run both against each other.
+
+Every function works in place on the page tables' own arrays:
+
+- ``plan(rows, num_tokens, num_blocks, block_ids, protected, block_size)`` ->
+  ``(blocks to open, columns needed)``, or ``(-1, 0)`` when a row would write into a
+  protected (shared or indexed) block: copy-on-write, left to the general path.
+- ``commit(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
+  block_size, slots, row_blocks, seq_lens, filled)`` -> rows that filled a block.
+- ``find_bad_row(rows, resident, seen, stamp)`` -> index of the first bad row or -1.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # the `fast` extra is not installed: numpy variant
+    numba = None
+
+
+class DecodeOps(NamedTuple):
+    """One variant's three functions (see the module docstring)."""
+
+    plan: object
+    commit: object
+    find_bad_row: object
+
+
+def default_compiled() -> bool:
+    """The variant page tables take unless told: compiled when numba imports and
+    ``PAGED_KV_NUMBA`` is not ``0``."""
+    return numba is not None and os.environ.get("PAGED_KV_NUMBA", "1") != "0"
+
+
+def decode_ops(compiled: bool | None = None) -> tuple[bool, DecodeOps]:
+    """``(compiled, ops)``: the variant asked for (None: `default_compiled`)."""
+    if compiled is None:
+        compiled = default_compiled()
+    if compiled and numba is None:
+        raise ValueError("compiled=True needs numba (pip install -e '.[fast]')")
+    return bool(compiled), (_COMPILED if compiled else NUMPY)
+
+
+# -- the numpy variant ------------------------------------------------------------------
+def _plan_numpy(rows, num_tokens, num_blocks, block_ids, protected, block_size):
+    old_lens = num_tokens[rows]
+    in_place = old_lens % block_size != 0
+    # column -1 of an empty row is read but never used: its offset is 0
+    last = block_ids[rows, (old_lens - 1) // block_size]
+    if (protected[last] & in_place).any():
+        return -1, 0
+    opening = ~in_place
+    num_open = int(np.count_nonzero(opening))
+    return num_open, int(num_blocks[rows[opening]].max()) + 1 if num_open else 0
+
+
+def _commit_numpy(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
+                  block_size, slots, row_blocks, seq_lens, filled):
+    old_lens = num_tokens[rows]
+    offsets = old_lens % block_size
+    if new_ids.size:
+        opened = rows[offsets == 0]
+        columns = num_blocks[opened]
+        block_ids[opened, columns] = new_ids
+        num_blocks[opened] = columns + 1
+    np.multiply(block_ids[rows, old_lens // block_size], block_size, out=slots)
+    slots += offsets
+    if token_ids.size:
+        token_table[rows, old_lens] = token_ids
+    num_tokens[rows] = old_lens + 1
+    seq_lens[:] = old_lens + 1
+    row_blocks[:] = num_blocks[rows]
+    just_filled = np.flatnonzero(offsets == block_size - 1)
+    filled[: just_filled.size] = just_filled
+    return just_filled.size
+
+
+def _find_bad_row_numpy(rows, resident, seen, stamp):
+    in_range = (rows >= 0) & (rows < resident.size)
+    bad = ~in_range
+    bad[in_range] |= ~resident[rows[in_range]]
+    if not bad.any():  # repeated rows: the first repeat is bad
+        _, first = np.unique(rows, return_index=True)
+        if first.size == rows.size:
+            return -1
+        bad[np.setdiff1d(np.arange(rows.size), first)] = True
+    return int(bad.argmax())
+
+
+NUMPY = DecodeOps(_plan_numpy, _commit_numpy, _find_bad_row_numpy)
+
+
+# -- the compiled variant: the same contracts as plain loops ----------------------------
+def _plan_loop(rows, num_tokens, num_blocks, block_ids, protected, block_size):
+    """``(blocks to open, columns needed)``, or ``(-1, 0)`` when a row would write into a
+    protected (shared or indexed) block: copy-on-write, left to the general path."""
+    num_open = 0
+    columns = 0
+    for i in range(rows.size):
+        row = rows[i]
+        length = num_tokens[row]
+        if length % block_size == 0:
+            num_open += 1
+            columns = max(columns, num_blocks[row] + 1)
+        elif protected[block_ids[row, (length - 1) // block_size]]:
+            return -1, 0
+    return num_open, columns
+
+
+def _commit_loop(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
+                   block_size, slots, row_blocks, seq_lens, filled):
+    """Append one token per row (a new block where the row's last one is full), recording
+    its id unless `token_ids` is empty (ids unknown); fills the step's slots, per-row block
+    counts and lengths, and the positions of rows that just filled a block. Returns how
+    many rows filled one."""
+    known = token_ids.size > 0
+    opened = 0
+    num_filled = 0
+    for i in range(rows.size):
+        row = rows[i]
+        length = num_tokens[row]
+        offset = length % block_size
+        if offset == 0:
+            block_ids[row, num_blocks[row]] = new_ids[opened]
+            num_blocks[row] += 1
+            opened += 1
+        slots[i] = np.int64(block_ids[row, length // block_size]) * block_size + offset
+        if known:
+            token_table[row, length] = token_ids[i]
+        num_tokens[row] = length + 1
+        seq_lens[i] = length + 1
+        row_blocks[i] = num_blocks[row]
+        if offset == block_size - 1:
+            filled[num_filled] = i
+            num_filled += 1
+    return num_filled
+
+
+def _find_bad_row_loop(rows, resident, seen, stamp):
+    """Index of the first entry of `rows` that is out of range, not resident, or repeated;
+    -1 when all are fine. `seen` remembers the stamp of the call that last saw each row, so
+    no clearing pass is needed between calls."""
+    for i in range(rows.size):
+        row = rows[i]
+        if row < 0 or row >= resident.size or not resident[row] or seen[row] == stamp:
+            return i
+        seen[row] = stamp
+    return -1
+
+
+_COMPILED = (DecodeOps(*(numba.njit(cache=True, nogil=True)(f)
+                         for f in (_plan_loop, _commit_loop, _find_bad_row_loop)))
+             if numba is not None else None)

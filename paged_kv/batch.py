@@ -1,0 +1,140 @@
+"""`StepBatch`: one step's page table in the forms kernels read, built once per step.
+
+Built by the cache's step commit from host arrays and shipped to the device once; every
+layer's write, gather and attention reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+SeqId = Hashable
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Everything kernels need for one step, built once by `prepare` and reused by every layer.
+
+    Attributes
+    ----------
+    seq_ids : tuple
+        ``B`` sequences, in the order of their rows and tokens.
+    slot_mapping : torch.Tensor
+        ``[num_tokens]`` int64 slot of each new token (-1 = skip).
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32 block ids; padding entries are the null block 0.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 tokens per sequence after this step.
+    query_start_loc : torch.Tensor
+        ``[B + 1]`` int32 offsets of each sequence's new tokens.
+    num_tokens, max_seq_len, max_query_len : int
+        Totals, kept as Python ints so no kernel launch needs a device sync.
+    kv_indptr, kv_indices, kv_last_page_len : torch.Tensor
+        FlashInfer's CSR page table: ``[B + 1]``, ``[sum of blocks]``, ``[B]`` int32; built
+        on first access (most steps never need them, and they cost a pass over all blocks).
+    """
+
+    seq_ids: tuple[SeqId, ...]
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_tokens: int
+    max_seq_len: int
+    max_query_len: int
+    block_size: int
+    _host: tuple[np.ndarray, np.ndarray, np.ndarray]  # block tables, num blocks, seq lens
+    _csr: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the step."""
+        return len(self.seq_ids)
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        """``[B + 1]`` int32 offsets of each sequence's blocks in `kv_indices`."""
+        return self._flashinfer_form()["kv_indptr"]
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        """``[sum of blocks]`` int32 block ids of all sequences, concatenated."""
+        return self._flashinfer_form()["kv_indices"]
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        """``[B]`` int32 tokens in each sequence's last block."""
+        return self._flashinfer_form()["kv_last_page_len"]
+
+    def _flashinfer_form(self) -> dict[str, torch.Tensor]:
+        if not self._csr:
+            block_tables, num_blocks, seq_lens = self._host
+            kv_indptr = np.zeros(len(num_blocks) + 1, dtype=np.int32)
+            np.cumsum(num_blocks, out=kv_indptr[1:])
+            in_use = np.arange(block_tables.shape[1]) < num_blocks[:, None]
+            last_page_len = (seq_lens - 1) % self.block_size + 1
+            device = self.block_tables.device
+            for name, array in (("kv_indptr", kv_indptr), ("kv_indices", block_tables[in_use]),
+                                ("kv_last_page_len", last_page_len)):
+                self._csr[name] = torch.from_numpy(array.astype(np.int32)).to(device)
+        return self._csr
+
+    @classmethod
+    def from_arrays(cls, seq_ids: Sequence[SeqId], block_tables: np.ndarray,
+                    num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                    block_size: int, device: torch.device) -> StepBatch:
+        """Build a batch from plain arrays (host side), then ship it to `device` once.
+
+        Parameters
+        ----------
+        block_tables : np.ndarray
+            ``[B, max_blocks]`` int32, zero past each row's `num_blocks`.
+        num_blocks, seq_lens, query_lens : np.ndarray
+            ``[B]`` blocks, tokens after the step, and new tokens of each sequence.
+        """
+        batch_size = len(seq_ids)
+        num_tokens = int(query_lens.sum())
+        if num_tokens == batch_size:  # pure decode: one token per sequence
+            query_start_loc = np.arange(batch_size + 1)
+            token_row, positions = query_start_loc[:-1], seq_lens - 1
+        else:
+            query_start_loc = np.zeros(batch_size + 1, dtype=np.int64)
+            np.cumsum(query_lens, out=query_start_loc[1:])
+            # position of a token: its sequence's old length plus its rank in the step
+            token_row = np.repeat(np.arange(batch_size), query_lens)
+            positions = (np.arange(num_tokens) - query_start_loc[token_row]
+                         + (seq_lens - query_lens)[token_row])
+        slot_mapping = block_tables[token_row, positions // block_size] * block_size
+        slot_mapping += positions % block_size
+        return cls.from_host(seq_ids, block_tables, num_blocks, seq_lens, query_start_loc,
+                             slot_mapping, num_tokens, int(query_lens.max()), block_size,
+                             device)
+
+    @classmethod
+    def from_host(cls, seq_ids: tuple[SeqId, ...], block_tables: np.ndarray,
+                  num_blocks: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
+                  slot_mapping: np.ndarray, num_tokens: int, max_query_len: int,
+                  block_size: int, device: torch.device) -> StepBatch:
+        """Wrap finished host arrays (no copy on the CPU) and ship them to `device` once."""
+        on_cpu = device.type == "cpu"
+
+        def ship(array: np.ndarray, dtype: type) -> torch.Tensor:
+            tensor = torch.from_numpy(array.astype(dtype, copy=False))
+            return tensor if on_cpu else tensor.to(device, non_blocking=True)
+
+        return cls(
+            seq_ids=tuple(seq_ids),
+            slot_mapping=ship(slot_mapping, np.int64),
+            block_tables=ship(block_tables, np.int32),
+            seq_lens=ship(seq_lens, np.int32),
+            query_start_loc=ship(query_start_loc, np.int32),
+            num_tokens=num_tokens,
+            max_seq_len=int(seq_lens.max()),
+            max_query_len=max_query_len,
+            block_size=block_size,
+            _host=(block_tables, num_blocks, seq_lens),
+        )
