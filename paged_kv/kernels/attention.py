@@ -195,6 +195,22 @@ if triton is not None:
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+def _token_strides(name: str, tensor: torch.Tensor) -> dict[str, int]:
+    """``{name}_stride_token / _head / _dim`` of a ``[tokens, heads, D]`` tensor."""
+    return dict(zip((f"{name}_stride_token", f"{name}_stride_head", f"{name}_stride_dim"),
+                    tensor.stride(), strict=True))
+
+
+def _check_launch(num_q_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    num_kv_heads = key_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: expected num_q_heads divisible by num_kv_heads "
+                         f"({num_kv_heads}), got {num_q_heads}")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"value_cache: expected key_cache's strides {key_cache.stride()}, "
+                         f"got {value_cache.stride()}")
+
+
 def paged_attention_triton(
     query: torch.Tensor,            # [num_tokens, num_q_heads, D]
     key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, D]
@@ -211,33 +227,22 @@ def paged_attention_triton(
     """Triton implementation of `paged_attention` (the CUDA path); same contract."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"query: expected num_q_heads divisible by num_kv_heads "
-                         f"({num_kv_heads}), got {num_q_heads}")
-    if key_cache.stride() != value_cache.stride():
-        raise ValueError(f"value_cache: expected key_cache's strides {key_cache.stride()}, "
-                         f"got {value_cache.stride()}")
+    _check_launch(num_q_heads, key_cache, value_cache)
     out = query.new_empty(query.shape) if out is None else out
     if num_tokens == 0:
         return out
-    if key_scales is None:  # unread by the kernel; any pointer of the pages' strides will do
-        key_scales = value_scales = key_cache[..., 0]
+    scales, strides = quant.page_strides(key_cache, key_scales)
     group_size = num_q_heads // num_kv_heads
     # a program per (token, kv head), so the kv head's query heads share each K/V tile; 64 keys
     # per step spans blocks of any size and keeps a [64, D] tile (16 KiB bf16 at D=128) in flight
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
         query_ptr=query, key_cache_ptr=quant.raw(key_cache),
-        value_cache_ptr=quant.raw(value_cache), key_scales_ptr=key_scales,
-        value_scales_ptr=value_scales, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        value_cache_ptr=quant.raw(value_cache), key_scales_ptr=scales,
+        value_scales_ptr=scales if value_scales is None else value_scales,
+        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc, out_ptr=out,
-        query_stride_token=query.stride(0), query_stride_head=query.stride(1),
-        query_stride_dim=query.stride(2),
-        out_stride_token=out.stride(0), out_stride_head=out.stride(1),
-        out_stride_dim=out.stride(2),
-        cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
-        cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
-        scale_stride_block=key_scales.stride(0), scale_stride_offset=key_scales.stride(1),
-        scale_stride_head=key_scales.stride(2), block_tables_stride=block_tables.stride(0),
+        **_token_strides("query", query), **_token_strides("out", out),
+        **strides, block_tables_stride=block_tables.stride(0),
         num_seqs=seq_lens.shape[0], block_size=key_cache.shape[1], group_size=group_size,
         head_dim=head_dim, scale=head_dim ** -0.5 if scale is None else scale,
         BLOCK_B=triton.next_power_of_2(seq_lens.shape[0]),

@@ -47,7 +47,6 @@ def gather_kv_reference(
                                                       zero_padding=zero),
             key_cache, value_cache, key_scales, value_scales, out, out_dtype)
     batch_size = seq_lens.shape[0]
-    block_size = key_cache.shape[1]
     longest = int(seq_lens.max()) if batch_size else 0
     length = longest if pad_to is None else pad_to
     if length < longest:
@@ -55,16 +54,7 @@ def gather_kv_reference(
     if out is None:
         shape = (batch_size, length, *key_cache.shape[2:])
         out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    device = key_cache.device
-    positions = torch.arange(length, device=device)
-    seq_index = torch.arange(batch_size, device=device)[:, None]
-    if length % block_size == 0:
-        columns = torch.arange(length // block_size, device=device)
-        rows = _slots(block_tables, seq_index, columns[None, :] * block_size, block_size)
-        rows, row_shape = rows.flatten() // block_size, (-1, block_size, *key_cache.shape[2:])
-    else:
-        rows = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
-        row_shape = (-1, *key_cache.shape[2:])
+    rows, row_shape = _source_rows(block_tables, batch_size, length, key_cache.shape)
     for cache, dst in zip((key_cache, value_cache), out, strict=True):
         torch.index_select(cache.view(row_shape), 0, rows, out=dst.view(row_shape))
         if zero_padding:
@@ -73,6 +63,21 @@ def gather_kv_reference(
                 if start < length:
                     dst[row, start:].zero_()
     return out
+
+
+def _source_rows(block_tables: torch.Tensor, batch_size: int, length: int,
+                 page_shape: torch.Size) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The rows of the pages to copy into a ``[B, length]`` output, and the row shape:
+    whole blocks when `length` is a multiple of the block size, else single tokens."""
+    device, block_size = block_tables.device, page_shape[1]
+    seq_index = torch.arange(batch_size, device=device)[:, None]
+    if length % block_size == 0:
+        columns = torch.arange(length // block_size, device=device)
+        rows = _slots(block_tables, seq_index, columns[None, :] * block_size, block_size)
+        return rows.flatten() // block_size, (-1, block_size, *page_shape[2:])
+    positions = torch.arange(length, device=device)
+    rows = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
+    return rows, (-1, *page_shape[2:])
 
 
 if triton is not None:
@@ -158,9 +163,8 @@ def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
                    ) -> None:
     """Launch `_gather_kv_kernel` into `out`: packed when `cu_seqlens` is given, else padded."""
     code = quant.format_of(key_cache)[0]
-    key_scales, value_scales = scales
-    if key_scales is None:  # unread by the kernel; any pointer of the pages' strides will do
-        key_scales = value_scales = key_cache[..., 0]
+    key_scales, strides = quant.page_strides(key_cache, scales[0])
+    value_scales = key_scales if scales[1] is None else scales[1]
     for name, tensor, like in (("value_cache", value_cache, key_cache),
                                ("value out", out[1], out[0]),
                                ("value_scales", value_scales, key_scales)):
@@ -182,11 +186,7 @@ def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
         key_scales_ptr=key_scales, value_scales_ptr=value_scales,
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         cu_seqlens_ptr=cu_seqlens if is_packed else seq_lens,
-        block_tables_stride=block_tables.stride(0),
-        cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
-        cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
-        scale_stride_block=key_scales.stride(0), scale_stride_offset=key_scales.stride(1),
-        scale_stride_head=key_scales.stride(2),
+        block_tables_stride=block_tables.stride(0), **strides,
         out_stride_seq=0 if is_packed else out[0].stride(0),
         out_stride_token=out[0].stride(-3), out_stride_head=out[0].stride(-2),
         out_stride_dim=out[0].stride(-1),

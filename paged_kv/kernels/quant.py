@@ -197,3 +197,16 @@ if triton is not None:
         """Per-row scale of ``x [rows, D]`` float32, rounded up to bfloat16 -> ``[rows]``."""
         bits = (tl.max(tl.abs(x), axis=1) / QMAX).to(tl.int32, bitcast=True)
         return ((bits + 0xFFFF) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+def page_strides(key_cache: torch.Tensor, key_scales: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, dict[str, int]]:
+    """The scales a Triton kernel reads (the pages themselves, unread, for float pages: any
+    pointer of the pages' strides will do) and the stride arguments of pages and scales,
+    as every paged kernel names them."""
+    scales = key_cache[..., 0] if key_scales is None else key_scales
+    return scales, dict(
+        cache_stride_block=key_cache.stride(0), cache_stride_offset=key_cache.stride(1),
+        cache_stride_head=key_cache.stride(2), cache_stride_dim=key_cache.stride(3),
+        scale_stride_block=scales.stride(0), scale_stride_offset=scales.stride(1),
+        scale_stride_head=scales.stride(2))
