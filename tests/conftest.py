@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from paged_kv import CacheConfig
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository, for subprocesses run from it
 
 
 def tiny_config(**overrides) -> CacheConfig:

@@ -137,11 +137,11 @@ class _Replay:
 
 
 def paged_block_ops(cache) -> Callable[[], int]:
-    """Counter of blocks allocated, revived, cached or freed, from ``cache.take_events()``."""
+    """Counter of blocks allocated, revived, cached or freed, from ``cache.allocator.take_events()``."""
     kinds = {"allocated", "hit", "cached", "freed"}
 
     def count() -> int:
-        return sum(len(e.block_ids) for e in cache.take_events() if e.kind in kinds)
+        return sum(len(e.block_ids) for e in cache.allocator.take_events() if e.kind in kinds)
 
     return count
 

@@ -25,6 +25,8 @@ from paged_kv.kernels import (
     write_kv_reference,
 )
 
+from .conftest import cdiv
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK_SIZES = [1, 16, 5]
 HEAD_DIMS = [8, 64, 24]
@@ -58,15 +60,7 @@ COPY_IMPLS = [pytest.param(copy_blocks, id="public"),
               pytest.param(copy_blocks_reference, id="ref")]
 
 
-@pytest.fixture(autouse=True)
-def torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the plain-torch kernels and a fixed seed."""
-    monkeypatch.setenv("PAGED_KV_BACKEND", "torch")
-    torch.manual_seed(0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 def describe(block_size: int, num_heads: int, head_dim: int, dtype: torch.dtype,

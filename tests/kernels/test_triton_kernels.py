@@ -23,6 +23,8 @@ interpreter = pytest.importorskip("triton.runtime.interpreter")
 
 from paged_kv.kernels import attention, backend, copy, gather, write  # noqa: E402
 
+from .conftest import TOLERANCES, cdiv  # noqa: E402
+
 KERNELS = [(write, "_write_kv_kernel"), (gather, "_gather_kv_kernel"),
            (copy, "_copy_blocks_kernel"), (attention, "_paged_attention_kernel")]
 
@@ -38,11 +40,6 @@ BATCHES = [
     pytest.param([1, 15, 16, 17, 33], id="ragged"),
     pytest.param([33, 0, 2], id="with-empty"),
 ]
-TOLERANCES = {
-    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-}
 DECODE = [1, 15, 16, 17, 33]
 # (block_size, num_q_heads, num_kv_heads, head_dim, dtype, seq_lens, query_lens)
 ATTENTION_CASES = [
@@ -69,10 +66,6 @@ def interpreted_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         function = getattr(module, name)
         if not isinstance(function, interpreter.InterpretedFunction):
             monkeypatch.setattr(module, name, interpreter.InterpretedFunction(function.fn))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def make_block_tables(seq_lens: list[int], block_size: int,

@@ -30,7 +30,8 @@ pytest.importorskip("uvicorn")
 from paged_kv.server import ByteTokenizer  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams, TinyLlama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from ..conftest import ROOT  # noqa: E402
+
 VOCAB = 2048  # TinyLlama()'s default
 
 

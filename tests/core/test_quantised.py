@@ -16,7 +16,7 @@ from paged_kv.cache import snapshot
 from paged_kv.kernels import gather_kv, gather_kv_packed, write_kv
 from paged_kv.kernels.quant import FORMATS, dequantize_reference, quantize_reference
 
-from .conftest import tiny_config
+from ..conftest import tiny_config
 
 KV_CACHE_DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 PAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,

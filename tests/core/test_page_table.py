@@ -8,7 +8,7 @@ import torch
 
 from paged_kv import PagedKVCache, PageTables
 
-from .conftest import tiny_config
+from ..conftest import tiny_config
 
 CASES = [
     pytest.param(4, [(0, 5), (3, 1), (4, 4), (7, 9)], id="mixed-bs4"),

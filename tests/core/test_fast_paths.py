@@ -17,7 +17,7 @@ from paged_kv import OutOfBlocksError, PagedKVCache
 from paged_kv._decode import numba
 from paged_kv.cache import snapshot
 
-from .conftest import assert_same_snapshot, tiny_config
+from ..conftest import assert_same_snapshot, tiny_config
 
 
 def _same_batch(a, b) -> None:

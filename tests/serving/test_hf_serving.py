@@ -13,7 +13,7 @@ from paged_kv.cli import main  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams  # noqa: E402
 from paged_kv.serving.hf import HFCausalLM  # noqa: E402
 
-from .conftest import tiny_llama_config  # noqa: E402
+from ..conftest import tiny_llama_config  # noqa: E402
 
 PROMPT_LENGTHS = [1, 15, 16, 17, 33]
 

@@ -22,7 +22,7 @@ from paged_kv._decode import numba
 from paged_kv.cache import snapshot
 from paged_kv.kernels.quant import dequantize_reference, quantize_reference
 
-from .conftest import assert_same_snapshot, tiny_config
+from ..conftest import assert_same_snapshot, tiny_config
 
 SYSTEM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 13)
 

@@ -11,7 +11,7 @@ import torch
 from paged_kv import CacheConfig, OutOfBlocksError, PagedKVCache
 from paged_kv.cache import snapshot
 
-from .conftest import assert_same_snapshot, tiny_config
+from ..conftest import assert_same_snapshot, tiny_config
 
 
 @pytest.fixture

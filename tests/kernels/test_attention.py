@@ -15,15 +15,12 @@ import torch.nn.functional as F
 
 from paged_kv.kernels import paged_attention, paged_attention_reference
 
+from .conftest import TOLERANCES, cdiv
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK_SIZES = [16, 5]
 HEAD_DIMS = [8, 64]
 # both sides compute in float32 and cast, so outputs differ by float32 noise plus one rounding
-TOLERANCES = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
-    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
-}
 RAGGED = [1, 15, 16, 17, 33]
 # (block_size, num_q_heads, num_kv_heads, head_dim, dtype, seq_lens, query_lens, scale)
 CASES = [
@@ -49,15 +46,7 @@ IMPLS = [pytest.param(paged_attention, id="public"),
          pytest.param(paged_attention_reference, id="ref")]
 
 
-@pytest.fixture(autouse=True)
-def torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the plain-torch kernels and a fixed seed."""
-    monkeypatch.setenv("PAGED_KV_BACKEND", "torch")
-    torch.manual_seed(0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from paged_kv import PagedKVCache
 
-from .conftest import tiny_config
+from ..conftest import tiny_config
 
 
 def _partition_holds(cache: PagedKVCache) -> None:

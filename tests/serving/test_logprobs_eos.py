@@ -13,7 +13,7 @@ from paged_kv.cli import main
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig, sizing
 from paged_kv.serving.sampling import token_logprobs
 
-from .conftest import tiny_llama_config
+from ..conftest import tiny_llama_config
 
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=96,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position=256)

@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving.parallel import TensorParallelError, kv_heads_of_rank
 
-from .conftest import tiny_llama_config
+from ..conftest import ROOT, tiny_llama_config
 
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=100,
                          num_heads=4, num_kv_heads=2, head_dim=16)
@@ -151,9 +150,8 @@ def test_the_same_workers_run_under_torchrun():
     command = ["torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(port), "-m", "paged_kv.cli", "demo",
                "--num-requests", "3", "--tensor-parallel-size", "2", "--json"]
-    root = str(Path(__file__).resolve().parent.parent)
     result = subprocess.run(command, capture_output=True, text=True, timeout=180,
-                            env={**os.environ, "PYTHONPATH": root})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout[result.stdout.index("{"):])
     assert report["tensor parallel"]["ranks"] == 2

@@ -17,7 +17,7 @@ from paged_kv import OutOfBlocksError  # noqa: E402
 from paged_kv.cache import snapshot  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
-from .conftest import assert_same_snapshot  # noqa: E402
+from ..conftest import assert_same_snapshot  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_NEW_TOKENS = 20
