@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,9 +33,9 @@ def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
     return array.astype(np.int32)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Step:
-    """A validated `prepare` request: rows, counts, and the known token ids flattened."""
+class Step(NamedTuple):
+    """A validated `prepare` request: rows, counts, and the known token ids flattened (a
+    tuple: a decode step builds one per call, and a tuple is the cheapest to build)."""
 
     seq_ids: tuple[SeqId, ...]
     rows: np.ndarray                # [B] int64

@@ -16,7 +16,7 @@ arrays); they agree by construction, and the tests compare them.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,9 +33,9 @@ _NONE = np.empty(0, dtype=np.int64)
 _NO_COPIES = (_NONE, _NONE, _NONE)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepPlan:
-    """What a step will take, decided before anything changes.
+class StepPlan(NamedTuple):
+    """What a step will take, decided before anything changes (a tuple, cheap to build
+    on every decode step).
 
     Attributes
     ----------
@@ -62,7 +62,7 @@ class StepPlan:
 
     def bind(self, step: Step) -> StepPlan:
         """This plan for `step` (an admission's, once its row exists)."""
-        return dataclasses.replace(self, step=step)
+        return self._replace(step=step)
 
     def per_sequence(self) -> np.ndarray:
         """``[B]`` int64 blocks each sequence takes (a copy counted for the one making it)."""

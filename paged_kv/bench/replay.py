@@ -137,7 +137,7 @@ class _Replay:
 
 
 def paged_block_ops(cache) -> Callable[[], int]:
-    """Counter of blocks allocated, revived, cached or freed, from ``cache.allocator.take_events()``."""
+    """Counter of blocks allocated, revived, cached or freed, from the allocator's events."""
     kinds = {"allocated", "hit", "cached", "freed"}
 
     def count() -> int:
