@@ -1,0 +1,152 @@
+"""The shape of the package, checked from its source: module and function sizes, the import
+graph, the facade's surface, and owners' privacy (see docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+from paged_kv import PagedKVCache
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "paged_kv"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+MAX_MODULE_LINES, MAX_KERNEL_MODULE_LINES = 400, 420
+MAX_FUNCTION_CODE_LINES = 40
+# the serving, server and bench reshape of issue 16 lands these; drop the marks with it
+PENDING = pytest.mark.xfail(reason="issue 16: serving/server/bench reshape in progress",
+                            strict=False)
+
+
+def _name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _is_triton_kernel(node: ast.FunctionDef) -> bool:
+    return any("jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def _code_lines(node: ast.AST, source: list[str]) -> int:
+    """Lines of a function that are neither blank, comments nor its docstring."""
+    body = node.body
+    first = body[0]
+    skip = set()
+    if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+            and isinstance(first.value.value, str):
+        skip = set(range(first.lineno, first.end_lineno + 1))
+    lines = range(node.lineno, node.end_lineno + 1)
+    return sum(1 for n in lines if n not in skip and source[n - 1].strip()
+               and not source[n - 1].strip().startswith("#"))
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=PENDING) if _name(p) in (
+    "paged_kv.serving.engine", "paged_kv.serving.parallel") else p for p in MODULES],
+    ids=lambda p: _name(p))
+def test_module_size(path):
+    limit = MAX_KERNEL_MODULE_LINES if "kernels" in path.parts else MAX_MODULE_LINES
+    lines = len(path.read_text().splitlines())
+    assert lines <= limit, f"{_name(path)} has {lines} lines (limit {limit}): split it"
+
+
+@PENDING
+def test_function_size():
+    too_long = []
+    for path in MODULES:
+        source = path.read_text().splitlines()
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) \
+                    and not _is_triton_kernel(node):
+                size = _code_lines(node, source)
+                if size > MAX_FUNCTION_CODE_LINES:
+                    too_long.append(f"{_name(path)}:{node.lineno} {node.name} ({size})")
+    assert not too_long, f"functions over {MAX_FUNCTION_CODE_LINES} code lines: {too_long}"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """paged_kv modules `path` imports, counting imports under TYPE_CHECKING and inside
+    functions; a package's ``__init__`` re-exports are followed to the module named."""
+    here = _name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}")
+                found.add(module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    known = {_name(p) for p in MODULES}
+    return {m for m in found if m in known and m != _name(path)}
+
+
+@PENDING
+def test_no_import_cycle():
+    graph = {_name(p): _imports(p) for p in MODULES}
+    # an edge into a package's __init__ is a re-export, not a dependency of its own
+    packages = {_name(p) for p in MODULES if p.name == "__init__.py"}
+    graph = {m: {d for d in deps if d not in packages} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for dep in graph[module]:
+            if state.get(dep) == 1:
+                cycle = [*trail[trail.index(dep):], dep]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, [*trail, dep])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_facade_surface():
+    public = [n for n, _ in inspect.getmembers(PagedKVCache) if not n.startswith("_")]
+    assert len(public) <= 24, f"PagedKVCache has {len(public)} public names: {public}"
+
+
+# other libraries' names with no public spelling: transformers' attributes the integration
+# reads, and argparse's subparsers type in annotations
+FOREIGN_PRIVATE = {"_attn_implementation", "_cached_continuous_batching_manager",
+                   "_SubParsersAction"}
+
+
+@PENDING
+def test_no_private_reach_in():
+    """No module reads a ``_private`` attribute that no class of its own defines: owners
+    talk through public names (a module's helpers may read its own classes' state)."""
+    bad = []
+    for path in MODULES:
+        tree = _tree(path)
+        own = _private_names(tree) | FOREIGN_PRIVATE
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and node.attr not in own:
+                bad.append(f"{_name(path)}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, f"reads of another module's private attributes: {bad}"
+
+
+def _private_names(tree: ast.Module) -> set[str]:
+    """Private methods and attributes the classes of a module define."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign | ast.Assign):  # dataclass fields, class attrs
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if n.startswith("_")}
