@@ -30,7 +30,7 @@ from .host import HostTier
 from .kernels.quant import raw
 from .page_table import PageTables
 from .pool import KVPool
-from .step import StepPlan, StepPlanner
+from .step import StepPlan, StepPlanner, decode_columns
 
 
 class PagedKVCache(TensorOps):
@@ -324,9 +324,10 @@ class PagedKVCache(TensorOps):
             if tokens.shape != rows.shape:
                 raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
                                  f"(one per row), got {tokens.shape}")
-        step = Step(seq_ids, rows, np.ones(rows.size, dtype=np.int64),
-                    np.full(rows.size, known), tokens)
-        return self._commit(self._plan(step, "prepare_decode()"))
+        step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
+        plan = self._steps.plan(step, decode=True)
+        self._steps.check(plan, "prepare_decode()")
+        return self._commit(plan)
 
     def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int], *,
                           per_sequence: bool = False) -> int | np.ndarray:

@@ -16,10 +16,12 @@ arrays); they agree by construction, and the tests compare them.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
+from ._checks import read_only
 from ._tokens import Step
 from .allocator import BlockAllocator, root_hash
 from .batch import SeqId, StepBatch
@@ -31,6 +33,13 @@ from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lo
 
 _NONE = np.empty(0, dtype=np.int64)
 _NO_COPIES = (_NONE, _NONE, _NONE)
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_columns(size: int, known: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A decode step's ``counts`` (ones) and ``has_ids`` for `size` rows, read-only and
+    made once per batch size: a decode step should not allocate them every call."""
+    return read_only(np.ones(size, dtype=np.int64)), read_only(np.full(size, known))
 
 
 class StepPlan(NamedTuple):
@@ -112,9 +121,10 @@ class StepPlanner:
         return row
 
     # -- plan (no visible change) -----------------------------------------------------------
-    def plan(self, step: Step, *, fast: bool = True) -> StepPlan:
-        """The plan of a parsed step; ``fast=False`` always gives per-row block counts."""
-        if fast and step.is_decode:
+    def plan(self, step: Step, *, fast: bool = True, decode: bool | None = None) -> StepPlan:
+        """The plan of a parsed step; ``fast=False`` always gives per-row block counts,
+        ``decode=True`` says the step is one token a row (skipping the test)."""
+        if fast and (step.is_decode if decode is None else decode):
             requested = self._tables.plan_decode(step.rows, self._allocator.protected)
             if requested >= 0:  # else a last block must be copied: the general plan
                 return StepPlan(step, requested, None)
