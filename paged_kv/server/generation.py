@@ -12,13 +12,20 @@ from .loop import EngineLoop
 
 @dataclasses.dataclass
 class Choice:
-    """One sample as the client sees it: tokens, the text sent so far, how it ended."""
+    """One sample as the client sees it: tokens, the text decoded so far, how it ended.
+
+    ``text`` grows only by appending (incremental detokenization), so the text a client
+    gets streamed and the text of the whole response are the same string.
+    """
 
     index: int
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of `text` already streamed
     finish_reason: str | None = None
+    # incremental detokenization (vLLM's offsets): tokens[prefix:read] were decoded last
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 class Generation:
@@ -26,7 +33,8 @@ class Generation:
 
     Stop strings are the server's (the engine knows tokens): when one appears, the text is cut
     before it, the choice finishes with "stop", and once every choice has finished the
-    request is aborted in the engine, freeing its blocks.
+    request is aborted in the engine, freeing its blocks. A choice the engine could not
+    finish ends with "error" and `error` says why.
     """
 
     def __init__(self, loop: EngineLoop, tokenizer, prompt_token_ids: list[int],
@@ -37,6 +45,7 @@ class Generation:
         self.choices = [Choice(i) for i in range(params.n)]
         self.output: RequestOutput | None = None
         self.request_id: int | None = None
+        self.error: str | None = None
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._holdback = max((len(s) for s in stops), default=1) - 1
 
@@ -56,9 +65,14 @@ class Generation:
         """Whether every choice has finished (the engine may still be winding down)."""
         return all(c.finish_reason for c in self.choices)
 
+    @property
+    def failed(self) -> bool:
+        """Whether the engine failed this request (an error, never a success)."""
+        return self.error is not None or any(c.finish_reason == "error" for c in self.choices)
+
     def abort(self) -> None:
         """Free the request's blocks in the engine (idempotent; does not wait)."""
-        if self.request_id is not None and self.output is None:
+        if self.request_id is not None and self.output is None and self._loop.is_alive:
             request_id = self.request_id
             self._loop.submit(lambda: self._loop.engine.abort(request_id))
 
@@ -68,30 +82,43 @@ class Generation:
             out = await self._queue.get()
             if out.output is not None:
                 self.output = out.output
+                self.error = self.error or getattr(out.output, "error", None)
             choice = self.choices[out.index]
             if choice.finish_reason is not None:
                 continue  # already stopped by a stop string; the engine is catching up
-            new = self._accept(choice, out)
-            if new is not None:
-                yield choice, *new
+            yield choice, self._accept(choice, out), out.new_token_ids
             if self.is_finished and self.output is None:
                 self.abort()  # stop strings ended every choice before the engine did
 
-    def _accept(self, choice: Choice, out: StepOutput) -> tuple[str, list[int]] | None:
+    def _accept(self, choice: Choice, out: StepOutput) -> str:
+        """Append the step's tokens and text; returns the text that may be streamed now."""
         choice.token_ids += out.new_token_ids
-        text = self._tokenizer.decode(choice.token_ids)
         reason = out.finish_reason
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        start = max(len(choice.text) - self._holdback - 1, 0)
+        choice.text += self._decode_new(choice, final=reason is not None)
+        cut = min((i for i in (choice.text.find(s, start) for s in self.stops) if i >= 0),
+                  default=-1)
         if cut >= 0:
-            text, reason = text[:cut], "stop"
+            choice.text, reason = choice.text[:cut], "stop"
         choice.finish_reason = reason
-        # hold back a partial UTF-8 character and a possible start of a stop string
-        stable = text if reason else text.rstrip("\ufffd")
-        if not reason and self._holdback:
-            stable = stable[:max(len(stable) - self._holdback, choice.sent)]
-        delta = stable[choice.sent:] if stable.startswith(choice.text[:choice.sent]) else ""
-        choice.text, choice.sent = text, choice.sent + len(delta)
-        return delta, out.new_token_ids
+        # hold back a possible start of a stop string until it is decided
+        stable = len(choice.text) if reason else max(len(choice.text) - self._holdback,
+                                                     choice.sent)
+        delta = choice.text[choice.sent:stable]
+        choice.sent += len(delta)
+        return delta
+
+    def _decode_new(self, choice: Choice, final: bool) -> str:
+        """Text the tokens since the last decode add (vLLM's incremental detokenization):
+        decoding a window that starts at already-emitted tokens keeps their context (spaces,
+        clean-up rules), and a trailing U+FFFD (a partial character) waits for more tokens."""
+        tokens, decode = choice.token_ids, self._tokenizer.decode
+        prefix = decode(tokens[choice.prefix_offset:choice.read_offset])
+        full = decode(tokens[choice.prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            choice.prefix_offset, choice.read_offset = choice.read_offset, len(tokens)
+            return full[len(prefix):]
+        return ""
 
     def usage(self) -> dict:
         """OpenAI's usage, with the prompt tokens the prefix cache served."""

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..serving import Engine
+from ..serving import Engine, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,12 @@ class EngineLoop:
         # replies of one step, handed to each event loop in one wake-up rather than one a token
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
         self._thread = threading.Thread(target=self._run, name="paged-kv-engine", daemon=True)
+        self.dead: str | None = None  # why the engine cannot step any more (health: 503)
 
     def start(self) -> None:
-        """Start stepping."""
-        self._thread.start()
+        """Start stepping (once; later calls do nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current step (running requests are dropped, not finished)."""
@@ -49,18 +51,24 @@ class EngineLoop:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the stepping thread runs."""
-        return self._thread.is_alive()
+        """Whether the engine can serve: the stepping thread runs and the engine is not dead."""
+        return self._thread.is_alive() and self.dead is None
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted: queued for the engine plus waiting inside it."""
-        return self._inbox.qsize() + self.engine.num_waiting_requests
+        """Requests that would wait for a running slot: those queued for the engine and
+        waiting inside it, less the slots free now (so an idle server has none)."""
+        scheduler = self.engine.scheduler
+        free = scheduler.max_num_seqs - len(scheduler.running)
+        return self._inbox.qsize() + self.engine.num_waiting_requests - free
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the engine's thread before its next step; returns its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((fn, future))
+        if self.dead is not None:
+            future.set_exception(EngineDeadError(self.dead))
+        else:
+            self._inbox.put((fn, future))
         return future
 
     def post(self, event_loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any],
@@ -75,16 +83,32 @@ class EngineLoop:
                 event_loop.call_soon_threadsafe(_run_all, calls)
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished_requests)
-            self._flush()
-            if self.engine.has_unfinished_requests and not self._stopping.is_set():
-                try:
-                    self.engine.step()
-                except Exception:  # a model error fails the running requests, not the server
-                    logger.exception("engine step failed; aborting the running requests")
-                    self._abort_all()
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests)
                 self._flush()
+                if self.engine.has_unfinished_requests and not self._stopping.is_set():
+                    self._step()
+                    self._flush()
+        except BaseException as exc:  # the loop itself broke: nothing can be served
+            self.dead = self.dead or f"the engine loop stopped: {exc!r}"
+            raise
+        finally:
+            if self.dead is not None:
+                self._fail_all(self.dead)
+                self._flush()
+                self._refuse_queued(self.dead)
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except EngineDeadError as exc:
+            logger.error("engine dead: %s", exc)
+            self.dead = str(exc)
+            self._stopping.set()
+        except Exception as exc:  # fails the requests it could have touched, not the server
+            logger.exception("engine step failed; failing the requests in the engine")
+            self._fail_all(f"the engine step failed: {exc!r}")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -103,12 +127,24 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _abort_all(self) -> None:
+    def _refuse_queued(self, message: str) -> None:
+        """Answer every call still queued with `EngineDeadError` (nobody will run it)."""
+        while True:
+            try:
+                _, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(message))
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every request in the engine with `message` (its clients get an error)."""
         scheduler = self.engine.scheduler
         ids = {seq.request.request_id for seq in
                (*scheduler.running, *scheduler.waiting, *scheduler.swapped)}
         for request_id in ids:
-            self.engine.abort(request_id)
+            with contextlib.suppress(Exception):  # a dead engine may fail to free too
+                self.engine.abort(request_id, error=message)
 
 
 def _run_all(calls: list[tuple[Callable[[Any], Any], Any]]) -> None:

@@ -1,38 +1,101 @@
-"""OpenAI response bodies: whole completions and server-sent event streams."""
+"""OpenAI response bodies: whole completions, server-sent event streams, errors, logprobs."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from .generation import Generation
 
+if TYPE_CHECKING:
+    from .service import Job
 
-def final_body(generation: Generation, body, kind: str, response_id: str,
-               model_name: str) -> dict:
+
+def error_body(generation: Generation) -> dict:
+    """OpenAI's error body for a request the engine failed (HTTP 500, or an SSE event)."""
+    message = generation.error or "the engine failed this request"
+    return {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": "500"}}
+
+
+def final_body(job: Job, model_name: str, tokenizer) -> dict:
     """The whole (non-streamed) response: OpenAI's completion or chat completion."""
+    generation, body, kind = job.generation, job.body, job.kind
+    outputs = generation.output.outputs if generation.output else []
     choices = []
     for c in generation.choices:
+        logprobs = outputs[c.index].logprobs if c.index < len(outputs) else None
         choice = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": None}
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": c.text}
+            if body.logprobs and logprobs is not None:
+                choice["logprobs"] = chat_logprobs(tokenizer, c.token_ids, logprobs,
+                                                   body.top_logprobs or 0)
         else:
-            choice["text"] = c.text
+            prefix = tokenizer.decode(generation.prompt_token_ids) if body.echo else ""
+            choice["text"] = prefix + c.text
+            if body.logprobs is not None and logprobs is not None:
+                choice["logprobs"] = completion_logprobs(
+                    tokenizer, generation, c.token_ids, logprobs, body.logprobs, body.echo)
         if body.return_token_ids:
             choice.update(prompt_token_ids=generation.prompt_token_ids,
                           token_ids=c.token_ids)
         choices.append(choice)
-    return {"id": response_id, "object": "chat.completion" if kind == "chat"
+    return {"id": job.response_id, "object": "chat.completion" if kind == "chat"
             else "text_completion", "created": int(time.time()), "model": model_name,
             "choices": choices, "usage": generation.usage()}
 
-async def stream_events(generation: Generation, body, kind: str, response_id: str,
-                        model_name: str, observe: Callable[[Generation], None]
+
+def _top(entries: dict[int, float], num: int) -> list[tuple[int, float]]:
+    return sorted(entries.items(), key=lambda item: -item[1])[:num]
+
+
+def completion_logprobs(tokenizer, generation: Generation, token_ids: list[int],
+                        logprobs: list[dict[int, float]], num: int, echo: bool) -> dict:
+    """OpenAI's completions ``logprobs``: tokens, their log-probabilities, the `num` likeliest
+    at each position, and each token's offset in the returned text (with `echo`, the
+    prompt's tokens first, the first of them without a log-probability)."""
+    rows: list[tuple[int, dict[int, float] | None]] = []
+    if echo:
+        prompt_rows = (generation.output.prompt_logprobs or [None]) if generation.output else []
+        rows += list(zip(generation.prompt_token_ids, prompt_rows, strict=False))
+    rows += list(zip(token_ids, logprobs, strict=False))
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, entries in rows:
+        text = tokenizer.decode([token])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if entries is None else entries[token])
+        out["top_logprobs"].append(None if entries is None else {
+            tokenizer.decode([t]): lp for t, lp in _top(entries, num)})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                  num: int) -> dict:
+    """OpenAI's chat ``logprobs``: per generated token its text, bytes, log-probability and
+    the `num` likeliest alternatives."""
+
+    def entry(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(token, entries[token]),
+                         "top_logprobs": [entry(t, lp) for t, lp in _top(entries, num)]}
+                        for token, entries in zip(token_ids, logprobs, strict=False)]}
+
+
+async def stream_events(job: Job, model_name: str, observe: Callable[[Generation], None]
                         ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token, usage if asked, then ``data: [DONE]``."""
+    """Server-sent events: one chunk per token, usage if asked, then ``data: [DONE]``; a
+    request the engine fails ends with an error event instead of a finish reason."""
+    generation, body, kind = job.generation, job.body, job.kind
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    head = {"id": response_id, "object": obj, "created": int(time.time()),
+    head = {"id": job.response_id, "object": obj, "created": int(time.time()),
             "model": model_name}
 
     def chunk(index: int, delta: str, reason: str | None, extra: dict) -> str:
@@ -52,6 +115,8 @@ async def stream_events(generation: Generation, body, kind: str, response_id: st
                         "finish_reason": None}
                 yield f"data: {json.dumps({**head, 'choices': [role]})}\n\n"
         async for choice, delta, _ in generation.updates():
+            if choice.finish_reason == "error":
+                break
             extra = {}
             if choice.finish_reason and body.return_token_ids:
                 extra = {"prompt_token_ids": generation.prompt_token_ids,
@@ -59,7 +124,9 @@ async def stream_events(generation: Generation, body, kind: str, response_id: st
             # one chunk per token, text or not, so clients can time every token
             yield chunk(choice.index, delta, choice.finish_reason, extra)
         observe(generation)
-        if body.stream_options and body.stream_options.get("include_usage"):
+        if generation.failed:
+            yield f"data: {json.dumps(error_body(generation))}\n\n"
+        elif body.stream_options and body.stream_options.get("include_usage"):
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': generation.usage()})}\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -4,8 +4,9 @@ Needs the ``serve`` extra (prometheus-client, tqdm).
 """
 
 from .engine import CompletionOutput, Engine, RequestOutput, StepOutput
+from .errors import EngineDeadError
 from .model import TinyLlama, TinyLlamaConfig
 from .sampling import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "StepOutput",
-           "TinyLlama", "TinyLlamaConfig"]
+__all__ = ["CompletionOutput", "Engine", "EngineDeadError", "RequestOutput", "SamplingParams",
+           "StepOutput", "TinyLlama", "TinyLlamaConfig"]

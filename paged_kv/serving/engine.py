@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -14,6 +15,7 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import InvariantError
 from ..page_table import StepBatch
+from .errors import EngineDeadError
 from .metrics import EngineMetrics
 from .parallel import (
     ModelSpec,
@@ -25,6 +27,8 @@ from .parallel import (
 from .sampling import SamplingParams, sample_rows, token_logprobs
 from .scheduler import Request, Scheduler, Sequence
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +42,7 @@ class CompletionOutput:
 
     index: int
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_preemptions: int
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -62,6 +66,7 @@ class RequestOutput:
     time_to_first_token: float
     token_latencies: list[float]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # why the engine failed it (finish reason "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +75,9 @@ class StepOutput:
 
     ``new_token_ids`` is the token this step appended (empty when the sample only finished,
     e.g. aborted); ``finish_reason`` is set once the sample is done ("stop", "length",
-    "abort"); ``output`` is the whole `RequestOutput` on the request's last step output,
-    with ``prefix_hit_tokens`` (the cached prompt tokens) for usage.
+    "abort", or "error" when the engine failed it); ``output`` is the whole `RequestOutput`
+    on the request's last step output, with ``prefix_hit_tokens`` (the cached prompt tokens)
+    for usage.
     """
 
     request_id: int
@@ -169,6 +175,7 @@ class Engine:
         self._next_id = 0
         self._requests: dict[int, Request] = {}  # unfinished, by id
         self._seed_source = torch.Generator().manual_seed(0)
+        self._dead: str | None = None  # why the engine cannot step any more
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
@@ -211,15 +218,17 @@ class Engine:
         fixed configuration, so any thread may call it)."""
         self._validate(prompt_token_ids, params)
 
-    def abort(self, request_id: int) -> bool:
-        """Stop a request now: its samples finish with reason "abort" and their blocks are
-        freed before the next step. Returns False when the request is unknown or done."""
+    def abort(self, request_id: int, error: str | None = None) -> bool:
+        """Stop a request now: its samples finish with reason "abort" (or "error" when an
+        `error` message is given: the engine failed it) and their blocks are freed before
+        the next step. Returns False when the request is unknown or done."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        request.error = error
         for seq in request.samples:
             if seq.finish_reason is None:
-                self.scheduler.abort(seq)
+                self.scheduler.abort(seq, "abort" if error is None else "error")
                 self._emit(seq, [])
         request.finish_time = time.perf_counter()
         return True
@@ -283,6 +292,8 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the requests that finished."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         threads = None if self._threads is None else self._threads.step_threads()
         with intra_op_threads(threads):  # the whole step: sampling runs torch ops too
             return self._step()
@@ -307,10 +318,11 @@ class Engine:
                                      torch.tensor(logits_rows + [row for _, row, _
                                                                  in prompt_rows],
                                                   dtype=torch.long))
-        except BaseException:
+        except Exception as exc:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed)
-            raise
+            self._fail_step(plan, exc)
+            return []
         for (request, _, target), row in zip(prompt_rows, logits[len(sampled):], strict=True):
             request.prompt_logprobs.append(token_logprobs(row, target,
                                                           request.params.prompt_logprobs))
@@ -333,6 +345,17 @@ class Engine:
         num_generated = len(targets)
         self.metrics.observe(self.cache, self.scheduler, num_generated)
         return finished
+
+    def _fail_step(self, plan: dict[Sequence, int], exc: Exception) -> None:
+        """A failed model call fails the requests of its step, not the others; with tensor
+        parallelism a rank is gone, so the engine is dead."""
+        if self._tp is not None:
+            self._dead = f"a tensor-parallel step failed ({exc!r}); restart the engine"
+            raise EngineDeadError(self._dead) from exc
+        message = f"the model failed on this step: {exc!r}"
+        logger.exception("model step failed; failing its %d requests", len(plan))
+        for request_id in {seq.request.request_id for seq in plan}:
+            self.abort(request_id, error=message)
 
     @staticmethod
     def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
@@ -388,7 +411,7 @@ class Engine:
         if request.on_output is None:
             return
         done = all(s.finish_reason for s in request.samples) and (
-            len(request.samples) == request.params.n or seq.finish_reason == "abort")
+            len(request.samples) == request.params.n or seq.finish_reason in ("abort", "error"))
         request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
                                      seq.finish_reason,
                                      self._request_output(request) if done else None))
@@ -414,6 +437,7 @@ class Engine:
             token_latencies=latencies,
             prompt_logprobs=(list(request.prompt_logprobs)
                              if request.params.prompt_logprobs is not None else None),
+            error=request.error,
         )
 
     def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
@@ -450,7 +474,9 @@ class Engine:
         return self._tp.gather_info((self.cache.config.num_blocks, self.cache.pool.nbytes))
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards
+        (`step` raises `EngineDeadError`)."""
+        self._dead = self._dead or "the engine was closed"
         if self._tp is not None:
             self._tp.close()
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +20,8 @@ class SamplingParams:
     max_tokens : int
         Tokens to generate at most (>= 1).
     temperature : float
-        0 means greedy.
+        0 means greedy; so does anything below ``GREEDY_BELOW`` (1e-5, vLLM's threshold),
+        where dividing the logits would overflow.
     top_k : int
         Keep the k most likely tokens (0 = all).
     top_p : float
@@ -57,8 +61,17 @@ class SamplingParams:
                 or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens: expected an int >= 1, "
                              f"got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name}: expected a finite number, "
+                                 f"got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature: expected >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            # logits / 1e-40 overflow to inf and the draw fails; vLLM's rule: this is greedy
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k: expected >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -39,6 +39,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
         default_factory=lambda: [None])  # the first prompt token has none
     salt: str | None = None  # the prefix-cache salt of every sample (tenant isolation)
+    error: str | None = None  # why the engine failed it
     on_output: Callable[[StepOutput], None] | None = None
 
     @property
@@ -206,11 +207,12 @@ class Scheduler:
         self.cache.free(seq.seq_id)
         seq.status, seq.finish_reason = "finished", reason
 
-    def abort(self, seq: Sequence) -> None:
-        """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks."""
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;
+        `reason` is "abort" (the client's) or "error" (the engine's)."""
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         if seq.seq_id in self.cache:
             self.cache.free(seq.seq_id)
-        seq.status, seq.finish_reason = "finished", "abort"
+        seq.status, seq.finish_reason = "finished", reason

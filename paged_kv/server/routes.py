@@ -1,0 +1,99 @@
+"""The HTTP routes: parse, hand over to the `OpenAIService` in ``app.state``, answer.
+
+Module level (an `APIRouter`), so the app is wired in one place and the logic lives in the
+service, testable without HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .protocol import ChatCompletionRequest, CompletionRequest, error_response
+from .responses import error_body, final_body, stream_events
+from .service import Job, OpenAIService
+
+router = APIRouter()
+
+
+def service(request: Request) -> OpenAIService:
+    """The app's service."""
+    return request.app.state.service
+
+
+def tenant(request: Request) -> str | None:
+    """The tenant the auth middleware found for this request."""
+    return getattr(request.state, "tenant", None)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    svc = service(request)
+    job = await svc.start(body, svc.completion_prompt(body), tenant(request), "text")
+    return await _answer(svc, job, request)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    svc = service(request)
+    job = await svc.start(body, svc.chat_prompt(body), tenant(request), "chat")
+    return await _answer(svc, job, request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    return service(request).models(request.app.state.created)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    loop = service(request).loop
+    if not loop.is_alive:
+        return error_response(503, f"engine cannot serve: {loop.dead or 'loop stopped'}",
+                              type_="server_error")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    svc = service(request)
+    body = await asyncio.wrap_future(svc.loop.submit(svc.metrics_text))
+    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _answer(svc: OpenAIService, job: Job, request: Request) -> Response:
+    """A stream of events, or the whole response once done (499 if the client left, 500 if
+    the engine failed the request)."""
+    model = svc.model_name
+    if job.body.stream:
+        return StreamingResponse(stream_events(job, model, svc.observe),
+                                 media_type="text/event-stream")
+    if not await _until_done_or_gone(job, request):
+        return Response(status_code=499)  # nobody is listening any more
+    svc.observe(job.generation)
+    if job.generation.failed:
+        return JSONResponse(error_body(job.generation), status_code=500)
+    return JSONResponse(final_body(job, model, svc.tokenizer))
+
+
+async def _until_done_or_gone(job: Job, request: Request) -> bool:
+    """Collect the whole generation; False (and the request aborted) if the client left."""
+
+    async def consume() -> None:
+        async for _ in job.generation.updates():
+            pass
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return False
+        task.result()
+        return True
+    finally:
+        job.generation.abort()  # a no-op once finished; frees the blocks otherwise

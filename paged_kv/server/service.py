@@ -1,0 +1,165 @@
+"""`OpenAIService`: what the routes do, without HTTP: tenants, sampling parameters, running a
+generation, and observing it. The routes (`routes.py`) only parse and hand over."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from prometheus_client import Counter, Histogram
+
+from ..serving import EngineDeadError, SamplingParams
+from .generation import Generation
+from .loop import EngineLoop
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ApiError(Exception):
+    """An answer other than success: HTTP status, OpenAI error message, the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+@dataclasses.dataclass
+class Job:
+    """A started generation and how to answer it."""
+
+    generation: Generation
+    body: CompletionRequest | ChatCompletionRequest
+    kind: str  # "text" | "chat"
+    response_id: str
+
+
+class OpenAIService:
+    """The server's logic over an `EngineLoop` and a tokenizer.
+
+    Parameters
+    ----------
+    loop : EngineLoop
+    tokenizer : ByteTokenizer or HFTokenizer
+    model_name : str
+        The id ``/v1/models`` reports.
+    api_keys : dict, optional
+        ``{key: tenant}``; the tenant is the prefix-cache salt. None: single tenant, no auth.
+    max_waiting : int
+        Requests that would wait for a running slot beyond this get 429.
+    """
+
+    def __init__(self, loop: EngineLoop, tokenizer, *, model_name: str,
+                 api_keys: dict[str, str] | None = None, max_waiting: int = 256) -> None:
+        self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+        self.api_keys, self.max_waiting = api_keys, max_waiting
+        registry = loop.engine.metrics.registry
+        self.requests = Counter("paged_kv_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=registry)
+        self.ttft = Histogram("paged_kv_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("paged_kv_inter_token_latency_seconds",
+                             "Gap between consecutive tokens of a sample",
+                             buckets=_LATENCY_BUCKETS, registry=registry)
+
+    # -- requests -------------------------------------------------------------------------
+    def tenant(self, authorization: str) -> str | None:
+        """The tenant of an ``Authorization`` header (None without api keys); 401 otherwise."""
+        if self.api_keys is None:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer KEY")
+        return self.api_keys[key.strip()]
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        """The prompt's token ids."""
+        prompt = body.prompt
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template's prompt for the messages; 400 when the model has none."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                [m.as_template_message() for m in body.messages])
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+
+    def sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int],
+                 kind: str) -> SamplingParams:
+        """The engine's parameters for `body`, checked against the engine (400) and the
+        queue (429) before anything reaches it."""
+        if not prompt:
+            raise ApiError(400, "prompt: empty; give at least one token or character",
+                           param="prompt")
+        stop_ids = list(body.stop_token_ids or [])
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if not body.ignore_eos and eos is not None:
+            stop_ids.append(eos)
+        echo_logprobs = kind == "text" and body.echo and body.logprobs is not None
+        try:
+            params = SamplingParams(
+                max_tokens=self._max_tokens(body, prompt, kind), temperature=body.temperature,
+                top_p=body.top_p, top_k=max(body.top_k, 0), n=body.n, seed=body.seed,
+                stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
+                logprobs=body.num_logprobs,
+                prompt_logprobs=body.logprobs if echo_logprobs else body.prompt_logprobs)
+            self.loop.engine.check_request(prompt, params)
+        except (TypeError, ValueError) as exc:
+            raise ApiError(400, str(exc)) from None
+        if self.loop.num_waiting >= self.max_waiting:
+            raise ApiError(429, f"server busy: {self.loop.num_waiting} requests waiting "
+                                f"(--max-waiting {self.max_waiting}); retry later",
+                           headers={"Retry-After": "1"})
+        return params
+
+    def _max_tokens(self, body, prompt: list[int], kind: str) -> int:
+        """The body's limit, or the default: OpenAI's 16 for completions; for chat, as much as
+        the context and the pool allow."""
+        asked = body.max_completion_tokens or body.max_tokens if kind == "chat" \
+            else body.max_tokens
+        if asked is not None:
+            return asked
+        if kind != "chat":
+            return 16
+        engine = self.loop.engine
+        config = engine.cache.config
+        room = min(engine.model.config.max_position,
+                   config.num_usable_blocks * config.block_size + 1) - len(prompt)
+        return max(room, 1)
+
+    async def start(self, body, prompt: list[int], salt: str | None, kind: str) -> Job:
+        """Validate and queue a generation (400 / 429 / 503 before anything runs)."""
+        if self.loop.dead is not None:
+            raise ApiError(503, f"engine dead: {self.loop.dead}")
+        params = self.sampling(body, prompt, kind)
+        generation = Generation(self.loop, self.tokenizer, prompt, params, body.stop_strings,
+                                salt)
+        try:
+            await generation.start()
+        except (TypeError, ValueError) as exc:  # what check_request could not foresee
+            raise ApiError(400, str(exc)) from None
+        except EngineDeadError as exc:
+            raise ApiError(503, f"engine dead: {exc}") from None
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        return Job(generation, body, kind, response_id)
+
+    def observe(self, generation: Generation) -> None:
+        """Latency histograms of a finished generation."""
+        if generation.output is None:
+            return
+        self.ttft.observe(generation.output.time_to_first_token)
+        for gap in generation.output.token_latencies:
+            self.itl.observe(gap)
+
+    def models(self, created: int) -> dict:
+        """``/v1/models``."""
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": created, "owned_by": "paged_kv"}]}
+
+    def metrics_text(self) -> str:
+        """Prometheus exposition, gauges as of now (run on the engine's thread)."""
+        engine = self.loop.engine
+        engine.metrics.observe(engine.cache, engine.scheduler, 0)
+        return engine.metrics_text()
