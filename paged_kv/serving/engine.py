@@ -162,6 +162,19 @@ class Engine:
             kv_heads = shard_model(model, 0, tensor_parallel_size)
             self._tp = TensorParallelGroup(spec, cache_config, tensor_parallel_size)
             cache_config = local_cache_config(cache_config, kv_heads)
+        try:
+            self._build(model, cache_config, max_num_seqs, max_num_batched_tokens, preemption)
+        except BaseException:
+            if self._tp is not None:  # no half-built engine leaves the group initialised
+                self._tp.close()
+            raise
+        self._next_id = 0
+        self._requests: dict[int, Request] = {}  # unfinished, by id
+        self._seed_source = torch.Generator().manual_seed(0)
+        self._dead: str | None = None  # why the engine cannot step any more
+
+    def _build(self, model: torch.nn.Module, cache_config: CacheConfig, max_num_seqs: int,
+               max_num_batched_tokens: int, preemption: str) -> None:
         self.model = model
         self.cache = PagedKVCache(cache_config)
         if self._tp is not None:
@@ -172,10 +185,6 @@ class Engine:
         self.metrics = EngineMetrics()
         for rank, nbytes in enumerate(self.pool_bytes_per_rank()):
             self.metrics.pool_bytes.labels(rank=str(rank)).set(nbytes)
-        self._next_id = 0
-        self._requests: dict[int, Request] = {}  # unfinished, by id
-        self._seed_source = torch.Generator().manual_seed(0)
-        self._dead: str | None = None  # why the engine cannot step any more
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
@@ -349,8 +358,10 @@ class Engine:
     def _fail_step(self, plan: dict[Sequence, int], exc: Exception) -> None:
         """A failed model call fails the requests of its step, not the others; with tensor
         parallelism a rank is gone, so the engine is dead."""
-        if self._tp is not None:
-            self._dead = f"a tensor-parallel step failed ({exc!r}); restart the engine"
+        if self._tp is not None:  # the ranks are out of step: nothing more can run
+            self._dead = f"a tensor-parallel step failed ({exc}); restart the engine"
+            if isinstance(exc, EngineDeadError):
+                raise exc
             raise EngineDeadError(self._dead) from exc
         message = f"the model failed on this step: {exc!r}"
         logger.exception("model step failed; failing its %d requests", len(plan))

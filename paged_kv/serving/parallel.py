@@ -24,9 +24,11 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -39,13 +41,14 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..page_table import StepBatch
 from ..pool import OP_COPY, OP_SWAP_OUT
+from .errors import EngineDeadError
 from .model import TinyLlama, TinyLlamaConfig
 
 HEADER = 8  # cmd, payload length, tokens, batch size, block-table width, logits rows, ops
 CMD_STEP, CMD_STOP, CMD_INFO, CMD_POOL = 1, 2, 3, 4
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineDeadError):
     """A tensor-parallel worker died, raised or timed out; the engine cannot step on."""
 
 
@@ -271,6 +274,9 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float =
     build and shard the model, then follow rank 0's plans until told to stop. Spawned
     workers and ``torchrun`` workers (``init_method="env://"``) run this same function."""
     torch.set_num_threads(threads)
+    # Ctrl-C in the terminal is rank 0's to handle (it drains, then stops the workers)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent()
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -301,6 +307,21 @@ def worker_main(rank: int, world_size: int, init_method: str, timeout_s: float =
             model(tokens, positions, cache, batch, logits)
     finally:
         dist.destroy_process_group()
+
+
+def watch_parent(interval_s: float = 0.5) -> threading.Thread:
+    """Exit this process when the one that started it dies (it is then re-parented): a
+    worker blocked in a collective would otherwise outlive a SIGKILLed rank 0."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(3)
+
+    thread = threading.Thread(target=watch, name="paged-kv-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _send_command(command: int) -> None:
@@ -335,9 +356,10 @@ class TensorParallelGroup:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             # fresh interpreters running this module: no re-import of the caller's main
             # module (multiprocessing's spawn would need an ``if __name__`` guard there)
+            # a session of their own: the terminal's Ctrl-C reaches rank 0 only
             self.processes = [subprocess.Popen(
                 [sys.executable, "-m", "paged_kv.serving._tp_worker", str(rank), str(world_size),
-                 init_method, str(timeout_s)])
+                 init_method, str(timeout_s)], start_new_session=True)
                 for rank in range(1, world_size)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
         try:
