@@ -51,6 +51,12 @@ class StepBatch:
     _csr: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host copies the batch was built from: ``[B, max_blocks]`` block tables and
+        ``[B]`` block counts and lengths (numpy; no device sync to read them)."""
+        return self._host
+
+    @property
     def batch_size(self) -> int:
         """Sequences in the step."""
         return len(self.seq_ids)

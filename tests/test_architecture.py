@@ -116,10 +116,11 @@ def test_facade_surface():
     assert len(public) <= 24, f"PagedKVCache has {len(public)} public names: {public}"
 
 
-# other libraries' names with no public spelling: transformers' attributes the integration
-# reads, and argparse's subparsers type in annotations
+# other libraries' names that start with an underscore: transformers' attributes the
+# integration reads, argparse's subparsers type in annotations, and the standard library's
+# documented os._exit and namedtuple._replace
 FOREIGN_PRIVATE = {"_attn_implementation", "_cached_continuous_batching_manager",
-                   "_SubParsersAction"}
+                   "_SubParsersAction", "_exit", "_replace"}
 
 
 @PENDING

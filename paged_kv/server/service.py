@@ -160,6 +160,4 @@ class OpenAIService:
 
     def metrics_text(self) -> str:
         """Prometheus exposition, gauges as of now (run on the engine's thread)."""
-        engine = self.loop.engine
-        engine.metrics.observe(engine.cache, engine.scheduler, 0)
-        return engine.metrics_text()
+        return self.loop.engine.metrics_text()

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..accounting import CacheStats
+from ..config import CacheConfig
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
 from .sampling import SamplingParams
@@ -55,18 +56,8 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
     """
     torch.manual_seed(seed)
     model = model if model is not None else TinyLlama(model_config, seed=seed)
-    probe = model.cache_config(num_blocks=2, block_size=block_size,
-                               kv_cache_dtype=kv_cache_dtype)
-    if memory_fraction is not None:
-        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
-                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
-        budget = num_blocks * probe.bytes_per_block
-    else:
-        budget = int(memory_mib * 2**20)
-        num_blocks = budget // probe.bytes_per_block
-    cache_config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
-                                      num_host_blocks=num_blocks if preemption == "swap" else 0,
-                                      kv_cache_dtype=kv_cache_dtype)
+    cache_config, budget = _cache_config(model, block_size, memory_mib, memory_fraction,
+                                         preemption, kv_cache_dtype)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
                     tensor_parallel_size=tensor_parallel_size)
@@ -76,18 +67,9 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
                              max_output_len=min(256, model.config.max_position // 4))
     for prompt, params in workload:
         engine.add_request(prompt, params)
-    outputs, peak, concurrency = [], engine.cache.stats(), []
     start = time.perf_counter()
-    bar = _progress(num_requests, progress)
-    while engine.has_unfinished_requests:
-        done = engine.step()
-        outputs += done
-        bar.update(len(done))
-        concurrency.append(len(engine.scheduler.running))
-        if engine.cache.allocator.num_live_blocks > peak.num_live_blocks:
-            peak = engine.cache.stats()  # the full accounting only at a new peak
+    outputs, peak, concurrency = _serve(engine, num_requests, progress)
     elapsed = time.perf_counter() - start
-    bar.close()
     engine.check()
     report = _report(workload, outputs, elapsed, peak, engine, concurrency, budget)
     if engine.tensor_parallel_size > 1:
@@ -95,6 +77,43 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
                                      "pool bytes per rank": engine.pool_bytes_per_rank()}
     engine.close()
     return report
+
+
+def _cache_config(model: torch.nn.Module, block_size: int, memory_mib: float,
+                  memory_fraction: float | None, preemption: str, kv_cache_dtype: str,
+                  ) -> tuple[CacheConfig, int]:
+    """The pool's config and byte budget: `memory_mib`, or `memory_fraction` of the free
+    memory (a host pool as large for swap)."""
+    probe = model.cache_config(num_blocks=2, block_size=block_size,
+                               kv_cache_dtype=kv_cache_dtype)
+    if memory_fraction is not None:
+        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
+                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
+        budget = num_blocks * probe.bytes_per_block
+    else:
+        budget = int(memory_mib * 2**20)
+        num_blocks = budget // probe.bytes_per_block
+    config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                num_host_blocks=num_blocks if preemption == "swap" else 0,
+                                kv_cache_dtype=kv_cache_dtype)
+    return config, budget
+
+
+def _serve(engine: Engine, num_requests: int, progress: bool,
+           ) -> tuple[list, CacheStats, list[int]]:
+    """Step until done: the outputs, the accounting at the peak, and running per step."""
+    outputs, peak, concurrency = [], engine.cache.stats(), []
+    bar = _progress(num_requests, progress)
+    while engine.has_unfinished_requests:
+        done = engine.step()
+        outputs += done
+        bar.update(len(done))
+        stats = engine.stats()
+        concurrency.append(stats.num_running)
+        if stats.num_live_blocks > peak.num_live_blocks:
+            peak = engine.cache.stats()  # the full accounting only at a new peak
+    bar.close()
+    return outputs, peak, concurrency
 
 
 def _progress(total: int, enabled: bool):
@@ -137,7 +156,7 @@ def _report(workload, outputs, elapsed: float, peak: CacheStats, engine: Engine,
         "prefix_query_tokens": final.prefix_query_tokens,
         "prefix_hit_tokens": final.prefix_hit_tokens,
         "prefix_hit_rate": final.prefix_hit_rate,
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": engine.stats().num_preemptions,
         "final_live_blocks": final.num_live_blocks,
         "final_cached_blocks": final.num_cached_blocks,
         "final_free_blocks": final.num_free_blocks,

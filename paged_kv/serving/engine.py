@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -13,78 +12,16 @@ import torch
 from .._threads import ThreadGovernor, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
-from ..errors import InvariantError
-from ..page_table import StepBatch
 from .errors import EngineDeadError
 from .metrics import EngineMetrics
-from .parallel import (
-    ModelSpec,
-    TensorParallelGroup,
-    check_splittable,
-    local_cache_config,
-    shard_model,
-)
+from .outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from .request import Request, Sequence
+from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_rows, token_logprobs
-from .scheduler import Request, Scheduler, Sequence
+from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompletionOutput:
-    """One sample of a request: vLLM's ``CompletionOutput`` fields that apply here.
-
-    ``logprobs`` (one dict per generated token, see `token_logprobs`) and
-    ``cumulative_logprob`` (the sum of the chosen tokens') are None unless
-    ``SamplingParams.logprobs`` asked for them.
-    """
-
-    index: int
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
-    num_preemptions: int
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """A finished request: its `n` samples and what serving it cost.
-
-    ``time_to_first_token`` and ``token_latencies`` (gaps between a sample's consecutive
-    tokens) are in seconds. ``prompt_logprobs`` (None for the first prompt token, then one
-    `token_logprobs` dict per token) is None unless ``SamplingParams.prompt_logprobs`` asked.
-    """
-
-    request_id: int
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    prefix_hit_tokens: int
-    num_preemptions: int
-    time_to_first_token: float
-    token_latencies: list[float]
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    error: str | None = None  # why the engine failed it (finish reason "error")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """What one step gave one sample of a request, for streaming.
-
-    ``new_token_ids`` is the token this step appended (empty when the sample only finished,
-    e.g. aborted); ``finish_reason`` is set once the sample is done ("stop", "length",
-    "abort", or "error" when the engine failed it); ``output`` is the whole `RequestOutput`
-    on the request's last step output, with ``prefix_hit_tokens`` (the cached prompt tokens)
-    for usage.
-    """
-
-    request_id: int
-    index: int
-    new_token_ids: list[int]
-    finish_reason: str | None
-    output: RequestOutput | None = None
 
 
 class Engine:
@@ -152,39 +89,27 @@ class Engine:
         self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
                          or num_threads is not None else None)
         self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
-        self._tp: TensorParallelGroup | None = None
+        group = None
         if tensor_parallel_size != 1:
-            # validated before any process starts; rank 0 shards a model of its own, so
-            # the caller's model is left whole
-            spec = ModelSpec.of(model)
-            check_splittable(*spec.shape(), tensor_parallel_size)
-            model = spec.build()
-            kv_heads = shard_model(model, 0, tensor_parallel_size)
-            self._tp = TensorParallelGroup(spec, cache_config, tensor_parallel_size)
-            cache_config = local_cache_config(cache_config, kv_heads)
+            model, cache_config, group = TensorParallelRunner.start(model, cache_config,
+                                                                    tensor_parallel_size)
         try:
-            self._build(model, cache_config, max_num_seqs, max_num_batched_tokens, preemption)
+            self.cache = PagedKVCache(cache_config)
+            self.runner = (ModelRunner(model, self.cache) if group is None
+                           else TensorParallelRunner(model, self.cache, group))
+            self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens,
+                                       preemption=preemption)
+            self.metrics = EngineMetrics(self.pool_bytes_per_rank())
         except BaseException:
-            if self._tp is not None:  # no half-built engine leaves the group initialised
-                self._tp.close()
+            if group is not None:  # no half-built engine leaves the group initialised
+                group.close()
             raise
+        self.model = model
         self._next_id = 0
         self._requests: dict[int, Request] = {}  # unfinished, by id
         self._seed_source = torch.Generator().manual_seed(0)
         self._dead: str | None = None  # why the engine cannot step any more
-
-    def _build(self, model: torch.nn.Module, cache_config: CacheConfig, max_num_seqs: int,
-               max_num_batched_tokens: int, preemption: str) -> None:
-        self.model = model
-        self.cache = PagedKVCache(cache_config)
-        if self._tp is not None:
-            self.cache.pool.record_ops()
-        self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   preemption=preemption)
-        self.metrics = EngineMetrics()
-        for rank, nbytes in enumerate(self.pool_bytes_per_rank()):
-            self.metrics.pool_bytes.labels(rank=str(rank)).set(nbytes)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
@@ -217,7 +142,7 @@ class Engine:
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         first = Sequence(request, 0, list(prompt), _generator(params, seed, 0))
         request.samples.append(first)
-        self.scheduler.waiting.append(first)
+        self.scheduler.add(first)
         self._requests[request.request_id] = request
         self._next_id += 1
         return request.request_id
@@ -311,54 +236,39 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        batch = self.cache.prepare({seq.seq_id: seq.token_ids[seq.num_computed:
-                                                              seq.num_computed + n]
-                                    for seq, n in plan.items()})
-        tokens, positions, logits_rows, sampled = [], [], [], []
-        for seq, n in plan.items():
-            tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
-            positions += range(seq.num_computed, seq.num_computed + n)
-            if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
-                logits_rows.append(len(tokens) - 1)
-                sampled.append(seq)
-        prompt_rows = self._prompt_logprob_rows(plan)  # their logits follow the sampled rows
+        batch = self.cache.prepare(self.scheduler.step_tokens(plan))
         try:
-            logits = self._run_model(torch.tensor(tokens), torch.tensor(positions), batch,
-                                     torch.tensor(logits_rows + [row for _, row, _
-                                                                 in prompt_rows],
-                                                  dtype=torch.long))
+            step = self.runner.run(plan, batch)
         except Exception as exc:
-            for seq in plan:  # give back the slots of K/V that was never written
-                self.cache.truncate(seq.seq_id, seq.num_computed)
             self._fail_step(plan, exc)
             return []
-        for (request, _, target), row in zip(prompt_rows, logits[len(sampled):], strict=True):
-            request.prompt_logprobs.append(token_logprobs(row, target,
-                                                          request.params.prompt_logprobs))
-        for seq, n in plan.items():  # only once the model has written their K/V
-            seq.num_computed += n
-        # every sample of the step in one batched call (a forked request's samples share
-        # their row); then the tokens are appended in order
-        targets = [(row, target) for row, seq in enumerate(sampled)
+        self.scheduler.advance(plan)  # only once the model has written their K/V
+        samples = self._sample(step)
+        for sample in samples:  # each sample's output streams as soon as it is updated
+            self.scheduler.update_from_output([sample], self.eos_token_ids)
+            self._emit(sample[0], [sample[1]])
+        self.metrics.observe(self.stats(), len(samples))
+        return [self._finish_request(seq.request) for seq in step.sampled
+                if seq.request.is_finished and seq.request.finish_time is None]
+
+    def _sample(self, step: ModelStep) -> list[tuple[Sequence, int, dict[int, float] | None]]:
+        """Every sample's next token in one batched call (a forked request's samples share
+        their row), with its log-probabilities when asked for."""
+        targets = [(row, target) for row, seq in enumerate(step.sampled)
                    for target in self._fork_samples(seq)]
+        if not targets:
+            return []
         rows = [row for row, _ in targets]
-        picked = sample_rows(logits[rows], [t.request.params for _, t in targets],
-                             [t.generator for _, t in targets]) if targets else []
-        finished = []
-        for (row, target), token in zip(targets, picked, strict=True):
-            self._append_token(target, token, logits, row)
-            self._emit(target, target.token_ids[-1:])
-        for seq in sampled:
-            if seq.request.is_finished and seq.request.finish_time is None:
-                finished.append(self._finish_request(seq.request))
-        num_generated = len(targets)
-        self.metrics.observe(self.cache, self.scheduler, num_generated)
-        return finished
+        picked = sample_rows(step.logits[rows], [t.request.params for _, t in targets],
+                             [t.generator for _, t in targets])
+        return [(seq, token, None if seq.request.params.logprobs is None else
+                 token_logprobs(step.logits[row], token, seq.request.params.logprobs))
+                for (row, seq), token in zip(targets, picked, strict=True)]
 
     def _fail_step(self, plan: dict[Sequence, int], exc: Exception) -> None:
         """A failed model call fails the requests of its step, not the others; with tensor
-        parallelism a rank is gone, so the engine is dead."""
-        if self._tp is not None:  # the ranks are out of step: nothing more can run
+        parallelism the ranks are out of step, so the engine is dead."""
+        if self.runner.tensor_parallel_size > 1:
             self._dead = f"a tensor-parallel step failed ({exc}); restart the engine"
             if isinstance(exc, EngineDeadError):
                 raise exc
@@ -367,23 +277,6 @@ class Engine:
         logger.exception("model step failed; failing its %d requests", len(plan))
         for request_id in {seq.request.request_id for seq in plan}:
             self.abort(request_id, error=message)
-
-    @staticmethod
-    def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
-        """``(request, row in this step's tokens, prompt token that row predicts)`` for each
-        prompt position whose log-probabilities are asked for and not yet recorded (a
-        recomputed one is not recorded twice)."""
-        rows, offset = [], 0
-        for seq, n in plan.items():
-            request = seq.request
-            if request.params.prompt_logprobs is not None and seq.index == 0:
-                prompt = request.prompt_token_ids
-                first = max(seq.num_computed, len(request.prompt_logprobs) - 1)
-                rows += [(request, offset + position - seq.num_computed, prompt[position + 1])
-                         for position in range(first, min(seq.num_computed + n,
-                                                          len(prompt) - 1))]
-            offset += n
-        return rows
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its request's other samples when its prompt was just computed."""
@@ -398,22 +291,6 @@ class Engine:
         request.samples += children
         self.scheduler.add_children(seq, children)
         return [seq, *children]
-
-    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
-        now = time.perf_counter()
-        seq.token_ids.append(token)
-        seq.token_times.append(now)
-        if seq.request.first_token_time is None:
-            seq.request.first_token_time = now
-        params = seq.request.params
-        if params.logprobs is not None:
-            seq.logprobs.append(token_logprobs(logits[row], token, params.logprobs))
-            seq.cumulative_logprob += seq.logprobs[-1][token]
-        if token in params.stop_token_ids or (token in self.eos_token_ids
-                                              and not params.ignore_eos):
-            self.scheduler.finish(seq, "stop")
-        elif len(seq.output_token_ids) >= params.max_tokens:
-            self.scheduler.finish(seq, "length")
 
     def _emit(self, seq: Sequence, new_token_ids: list[int]) -> None:
         """Tell the request's listener about `seq`'s step; the request's last step output
@@ -451,45 +328,26 @@ class Engine:
             error=request.error,
         )
 
-    def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
-                   logits_indices: torch.Tensor) -> torch.Tensor:
-        """The model on this step; with tensor parallelism, the plan goes to every rank
-        first (with the pool operations since the last step) and all ranks run together."""
-        if self._tp is not None:
-            self._tp.broadcast_step(tokens, positions, logits_indices, batch,
-                                    self.cache.pool.take_ops())
-        return self.model(tokens, positions, self.cache, batch, logits_indices)
-
-    # -- tensor parallelism and lifetime -----------------------------------------------------
+    # -- lifetime and observation -------------------------------------------------------
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks the model and the KV pool are split over (1: this process alone)."""
-        return 1 if self._tp is None else self._tp.world_size
+        return self.runner.tensor_parallel_size
 
     def pool_bytes_per_rank(self) -> list[int]:
         """KV pool bytes of every rank (each holds its share of the KV heads)."""
-        if self._tp is None:
-            return [self.cache.pool.nbytes]
-        return [nbytes for _, nbytes in self._gather_info()]
+        return self.runner.pool_bytes_per_rank()
 
     def check(self) -> None:
         """`PagedKVCache.check`, and with tensor parallelism that every rank's pool has the
-        same blocks (they share rank 0's block ids by construction)."""
-        self.cache.check()
-        if self._tp is not None:
-            counts = {num_blocks for num_blocks, _ in self._gather_info()}
-            if counts != {self.cache.config.num_blocks}:
-                raise InvariantError(f"ranks hold different block counts: {sorted(counts)}")
-
-    def _gather_info(self) -> list[tuple[int, int]]:
-        return self._tp.gather_info((self.cache.config.num_blocks, self.cache.pool.nbytes))
+        same blocks."""
+        self.runner.check()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (if any); the engine cannot step afterwards
         (`step` raises `EngineDeadError`)."""
         self._dead = self._dead or "the engine was closed"
-        if self._tp is not None:
-            self._tp.close()
+        self.runner.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -497,8 +355,22 @@ class Engine:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def stats(self) -> EngineStats:
+        """A read-only snapshot of the queues and the cache's counters (no per-sequence
+        work: cheap enough for every step)."""
+        scheduler, allocator = self.scheduler, self.cache.allocator
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
+            num_live_blocks=allocator.num_live_blocks,
+            num_cached_blocks=allocator.num_cached_blocks,
+            num_free_blocks=allocator.num_free_blocks,
+            prefix_query_tokens=allocator.prefix_query_tokens,
+            prefix_hit_tokens=allocator.prefix_hit_tokens)
+
     def metrics_text(self) -> str:
-        """The engine's metrics in Prometheus exposition format."""
+        """The engine's metrics in Prometheus exposition format, gauges as of now."""
+        self.metrics.observe(self.stats(), 0)
         return self.metrics.text(self.cache)
 
 

@@ -72,7 +72,7 @@ class HFCausalLM(torch.nn.Module):
         hf = model.config
         self.name = f"{type(model).__name__} ({getattr(hf, 'name_or_path', '') or 'local'})"
         self.config = _ModelLimits(hf.vocab_size, hf.max_position_embeddings)
-        self._kv_shape = (hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None)
+        self.kv_shape = (hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None)
                           or hf.num_attention_heads,
                           getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
         self.eos_token_ids = _eos_token_ids(model)
@@ -95,7 +95,7 @@ class HFCausalLM(torch.nn.Module):
     def cache_config(self, num_blocks: int = 1024, block_size: int = 16,
                      **overrides) -> CacheConfig:
         """The `CacheConfig` whose K/V shape matches the model."""
-        num_layers, num_kv_heads, head_dim = self._kv_shape
+        num_layers, num_kv_heads, head_dim = self.kv_shape
         fields = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       block_size=block_size, num_blocks=num_blocks, dtype=self.model.dtype)
         fields.update(overrides)

@@ -8,13 +8,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
-    from .scheduler import Scheduler
+    from .outputs import EngineStats
 
 
 class EngineMetrics:
     """Blocks by state, tokens, prefix-cache and preemption counters, request queues."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool_bytes_per_rank: list[int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.blocks = Gauge("paged_kv_blocks", "KV blocks by state", ["state"], registry=r)
@@ -33,27 +33,27 @@ class EngineMetrics:
         self.generated = Counter("paged_kv_generated_tokens", "Tokens generated", registry=r)
         self.pool_bytes = Gauge("paged_kv_pool_bytes", "KV pool bytes by tensor-parallel rank",
                                 ["rank"], registry=r)
+        for rank, nbytes in enumerate(pool_bytes_per_rank):
+            self.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._seen = (0, 0, 0)
         # label children resolved once: observe() runs every step
         self._block_gauges = tuple(self.blocks.labels(state=state)
                                    for state in ("live", "cached", "free"))
 
-    def observe(self, cache: PagedKVCache, scheduler: Scheduler, num_generated: int) -> None:
-        """Update from one step from the owners' counters (no per-sequence work): gauges
-        are set, counters advance by what is new."""
-        allocator = cache.allocator
-        for gauge, value in zip(self._block_gauges, (allocator.num_live_blocks,
-                                                     allocator.num_cached_blocks,
-                                                     allocator.num_free_blocks), strict=True):
+    def observe(self, stats: EngineStats, num_generated: int) -> None:
+        """Update from one step's `Engine.stats` snapshot: gauges are set, counters advance
+        by what is new."""
+        for gauge, value in zip(self._block_gauges, (stats.num_live_blocks,
+                                                     stats.num_cached_blocks,
+                                                     stats.num_free_blocks), strict=True):
             gauge.set(value)
-        totals = (allocator.prefix_query_tokens, allocator.prefix_hit_tokens,
-                  scheduler.num_preemptions)
+        totals = (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.num_preemptions)
         for counter, total, seen in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
                                         totals, self._seen, strict=True):
             counter.inc(total - seen)
         self._seen = totals
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting + stats.num_swapped)
         self.generated.inc(num_generated)
 
     def text(self, cache: PagedKVCache) -> str:

@@ -9,67 +9,12 @@ sequence is preempted: freed and requeued (recompute), or moved to the host pool
 from __future__ import annotations
 
 import collections
-import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-import torch
+import time
 
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
 from ..prefix import match_prefix
-from .sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from .engine import StepOutput
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One prompt and its `n` samples; owned by the engine."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    samples: list[Sequence] = dataclasses.field(default_factory=list)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    prefix_hit_tokens: int | None = None
-    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
-        default_factory=lambda: [None])  # the first prompt token has none
-    salt: str | None = None  # the prefix-cache salt of every sample (tenant isolation)
-    error: str | None = None  # why the engine failed it
-    on_output: Callable[[StepOutput], None] | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """One sample: its tokens (prompt + output) and how many are in the cache."""
-
-    request: Request
-    index: int
-    token_ids: list[int]
-    generator: torch.Generator | None
-    num_computed: int = 0
-    status: str = "waiting"  # waiting | running | swapped | finished
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    cumulative_logprob: float = 0.0
-
-    @property
-    def seq_id(self) -> tuple[int, int]:
-        return (self.request.request_id, self.index)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.request.prompt_token_ids):]
+from .request import Sequence, Status
 
 
 class Scheduler:
@@ -96,22 +41,21 @@ class Scheduler:
     def schedule(self) -> dict[Sequence, int]:
         """This step's new tokens per sequence; may preempt, swap in, and admit."""
         step: dict[Sequence, int] = {}
-        budget = [self.max_num_batched_tokens]
-        preempted = self._schedule_running(step, budget)
+        preempted, budget = self._schedule_running(step)
         if not preempted:
-            self._schedule_swapped(step, budget)
+            budget = self._schedule_swapped(step, budget)
             self._schedule_waiting(step, budget)
         return step
 
     def _available(self, step_blocks: int) -> int:
         return self.cache.allocator.num_obtainable_blocks - step_blocks
 
-    def _schedule_running(self, step: dict[Sequence, int], budget: list[int]) -> bool:
+    def _schedule_running(self, step: dict[Sequence, int]) -> tuple[bool, int]:
         """Running sequences in order, as far as the budget goes; preempt from the back
         until their blocks fit. One block count for the whole set per try."""
         preempted = False
         while True:
-            plan, left = [], budget[0]
+            plan, left = [], self.max_num_batched_tokens
             for seq in self.running:
                 if left <= 0:
                     break
@@ -124,24 +68,27 @@ class Scheduler:
             self._preempt(self.running[-1])
             preempted = True
         step.update(plan)
-        self._reserved, budget[0] = needs, left
-        return preempted
+        self._reserved = needs
+        return preempted, left
 
-    def _schedule_swapped(self, step: dict[Sequence, int], budget: list[int]) -> None:
-        while self.swapped and budget[0] > 0 and self._num_slots() < self.max_num_seqs:
+    def _schedule_swapped(self, step: dict[Sequence, int], budget: int) -> int:
+        """Swapped sequences back in, oldest first, while blocks and `budget` last; returns
+        the budget left."""
+        while self.swapped and budget > 0 and self._num_slots() < self.max_num_seqs:
             seq = self.swapped[0]
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget[0])
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
             # its blocks come back fresh (unshared), then grow by this step's tokens
             need = self.cache.config.blocks_for(seq.num_computed + num_new)
             if need > self._available(self._reserved):
-                return
+                break
             self.cache.swap_in(seq.seq_id)
             self.swapped.popleft()
-            seq.status = "running"
+            seq.status = Status.RUNNING
             self.running.append(seq)
             self._reserved += self.cache.num_blocks_needed({seq.seq_id: num_new})
             step[seq] = num_new
-            budget[0] -= num_new
+            budget -= num_new
+        return budget
 
     def _num_slots(self) -> int:
         """Running sequences plus the samples still to be forked off them."""
@@ -149,8 +96,8 @@ class Scheduler:
             seq.request.params.n - len(seq.request.samples) for seq in self.running
             if seq.index == 0 and seq.request.params.n > len(seq.request.samples))
 
-    def _schedule_waiting(self, step: dict[Sequence, int], budget: list[int]) -> None:
-        while self.waiting and budget[0] > 0:
+    def _schedule_waiting(self, step: dict[Sequence, int], budget: int) -> None:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             # a request's samples are forked together once its prompt is computed
             slots = seq.request.params.n if not seq.request.samples[1:] else 1
@@ -159,7 +106,7 @@ class Scheduler:
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
             hit = match_prefix(self.cache.allocator, seq.token_ids, self.cache.config.block_size,
                                salt=seq.request.salt) if reuse else 0
-            num_new = min(len(seq.token_ids) - hit, budget[0])
+            num_new = min(len(seq.token_ids) - hit, budget)
             # counts the hit blocks as new: exact when they are cached, safe when live
             need = self.cache.config.blocks_for(hit + num_new)
             if need > self._available(self._reserved):
@@ -169,11 +116,11 @@ class Scheduler:
             self.waiting.popleft()
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = hit
-            seq.num_computed, seq.status = hit, "running"
+            seq.num_computed, seq.status = hit, Status.RUNNING
             self.running.append(seq)
             step[seq] = num_new
             self._reserved += need
-            budget[0] -= num_new
+            budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Make room: swap `seq` to the host pool, or free it to be recomputed later."""
@@ -186,26 +133,61 @@ class Scheduler:
             except OutOfBlocksError:
                 pass  # the host pool is full: recompute this one instead
             else:
-                seq.status = "swapped"
+                seq.status = Status.SWAPPED
                 self.swapped.append(seq)
                 return
         self.cache.free(seq.seq_id)
-        seq.num_computed, seq.status = 0, "waiting"
+        seq.num_computed, seq.status = 0, Status.WAITING
         self.waiting.appendleft(seq)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request's first sample."""
+        self.waiting.append(seq)
+
+    def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
+        """The cache's ``prepare`` mapping of a plan: each sequence's tokens to compute."""
+        return {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
+                for seq, n in plan.items()}
+
+    def advance(self, plan: dict[Sequence, int]) -> None:
+        """The model wrote the K/V of `plan`'s tokens: they are computed now."""
+        for seq, n in plan.items():
+            seq.num_computed += n
+
+    def update_from_output(self, samples: list[tuple[Sequence, int, dict[int, float] | None]],
+                           eos_token_ids: frozenset[int]) -> None:
+        """Append each sample's new token (and its log-probabilities), then finish the
+        samples it stopped: a stop token, the model's EOS (unless ``ignore_eos``), or
+        ``max_tokens``; finished samples' blocks are freed."""
+        now = time.perf_counter()
+        for seq, token, logprobs in samples:
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+                seq.cumulative_logprob += logprobs[token]
+            params = seq.request.params
+            if token in params.stop_token_ids or (token in eos_token_ids
+                                                  and not params.ignore_eos):
+                self.finish(seq, "stop")
+            elif len(seq.output_token_ids) >= params.max_tokens:
+                self.finish(seq, "length")
 
     def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
         """Fork a request's other samples off its first, right behind it."""
         position = self.running.index(parent) + 1
         for child in children:
             self.cache.fork(parent.seq_id, child.seq_id)
-            child.num_computed, child.status = parent.num_computed, "running"
+            child.num_computed, child.status = parent.num_computed, Status.RUNNING
         self.running[position:position] = children
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire `seq` with `reason` and free its blocks."""
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
-        seq.status, seq.finish_reason = "finished", reason
+        seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;
@@ -215,4 +197,4 @@ class Scheduler:
                 queue.remove(seq)
         if seq.seq_id in self.cache:
             self.cache.free(seq.seq_id)
-        seq.status, seq.finish_reason = "finished", reason
+        seq.status, seq.finish_reason = Status.FINISHED, reason

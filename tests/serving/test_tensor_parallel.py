@@ -74,7 +74,7 @@ def test_each_rank_holds_its_heads_of_the_same_blocks(model):
     with Engine(model, config, tensor_parallel_size=2) as engine:
         engine.generate(PROMPTS[:3], PARAMS[:3])
         assert engine.pool_bytes_per_rank() == [whole.nbytes // 2] * 2
-        pools = engine._tp.gather_pools(engine.cache.pool.kv)
+        pools = engine.runner.group.gather_pools(engine.cache.pool.kv)
     for rank, pool in enumerate(pools):
         first, count = kv_heads_of_rank(CONFIG.num_kv_heads, 2, rank)
         # [layers, 2, blocks, block_size, heads, dim]: the same block ids, a head slice
@@ -87,8 +87,8 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(model):
     engine = Engine(model, config, tensor_parallel_size=2)
     try:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-        engine._tp.processes[0].kill()
-        engine._tp.processes[0].wait(timeout=30)
+        engine.runner.group.processes[0].kill()
+        engine.runner.group.processes[0].wait(timeout=30)
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match="rank 1 exited"):
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))

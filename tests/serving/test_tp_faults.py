@@ -77,7 +77,7 @@ def test_a_failed_construction_leaves_the_process_usable(monkeypatch):
     model = TinyLlama(CONFIG, seed=1)
     config = model.cache_config(num_blocks=32)
 
-    def broken_metrics():
+    def broken_metrics(*args):
         raise RuntimeError("a failure after the workers joined")
 
     with monkeypatch.context() as patch:
@@ -99,10 +99,10 @@ _RANK0 = textwrap.dedent("""
                                       head_dim=16))
     engine = Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    print(" ".join(str(p.pid) for p in engine._tp.processes), flush=True)
+    print(" ".join(str(p.pid) for p in engine.runner.group.processes), flush=True)
     if sys.argv[1] == "sigint":  # Ctrl-C reaches the workers' old process group: they live
         import os, signal
-        for pid in [p.pid for p in engine._tp.processes]:
+        for pid in [p.pid for p in engine.runner.group.processes]:
             os.kill(pid, signal.SIGINT)
         time.sleep(1.0)
         out = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))

@@ -7,7 +7,6 @@ single decode steps with 256 running sequences.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,12 +39,15 @@ DESCRIPTION = (
 
 
 def bookkeeping_cache(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE,
-                      enable_prefix_caching: bool = True) -> PagedKVCache:
-    """A `PagedKVCache` whose pool is negligible (1 layer, 1 head, head_dim 1)."""
+                      enable_prefix_caching: bool = True, compiled: bool | None = None,
+                      ) -> PagedKVCache:
+    """A `PagedKVCache` whose pool is negligible (1 layer, 1 head, head_dim 1); `compiled`
+    picks the decode step's variant (default: numba where installed)."""
     return PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=1,
                                     block_size=block_size, num_blocks=num_blocks,
                                     dtype=torch.float16, max_num_seqs=MAX_RUNNING,
-                                    enable_prefix_caching=enable_prefix_caching))
+                                    enable_prefix_caching=enable_prefix_caching),
+                        compiled=compiled)
 
 
 def replay_paged(trace: Sequence[TraceRequest]) -> ReplayResult:
@@ -94,19 +96,6 @@ def decode_step_times_arrays(cache: PagedKVCache, prompts: Sequence[Sequence[int
     return times
 
 
-def _numpy_cache(num_blocks: int) -> PagedKVCache:
-    """A bookkeeping cache on the numpy page-table path, compiled loops switched off."""
-    previous = os.environ.get("PAGED_KV_NUMBA")
-    os.environ["PAGED_KV_NUMBA"] = "0"
-    try:
-        return bookkeeping_cache(num_blocks=num_blocks)
-    finally:
-        if previous is None:
-            del os.environ["PAGED_KV_NUMBA"]
-        else:
-            os.environ["PAGED_KV_NUMBA"] = previous
-
-
 def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
     """Replay `trace` through both managers `scale.repeats` times, then time decode steps."""
     paged, simple = [], []
@@ -128,13 +117,14 @@ def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
         arrays_step.append(statistics.median(decode_step_times_arrays(
             bookkeeping_cache(num_blocks=blocks), prompts, scale.decode_steps)))
         numpy_step.append(statistics.median(decode_step_times_arrays(
-            _numpy_cache(blocks), prompts, scale.decode_steps)))
+            bookkeeping_cache(num_blocks=blocks, compiled=False), prompts,
+            scale.decode_steps)))
     result = _result(trace, paged, simple, paged_step, simple_step, len(prompts))
 
     def us(times: list[float]) -> Stat:
         return Stat(tuple(times), "s").scaled(1e6, "us")
 
-    compiled = bookkeeping_cache(num_blocks=2).tables._compiled
+    compiled = bookkeeping_cache(num_blocks=2).tables.compiled
     result.figures.extend([
         Figure(f"decode step, {len(prompts)} sequences: array API (rows_of + prepare_decode"
                f"{', compiled loops' if compiled else ''})", us(arrays_step),
@@ -142,7 +132,7 @@ def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
                higher_is_better=False),
         Figure(f"decode step, {len(prompts)} sequences, array API: "
                f"{'compiled page-table loops (numba)' if compiled else 'numpy path'}",
-               us(arrays_step), "numpy page-table path (PAGED_KV_NUMBA=0)", us(numpy_step),
+               us(arrays_step), "numpy page-table path (compiled=False)", us(numpy_step),
                higher_is_better=False),
     ])
     return result

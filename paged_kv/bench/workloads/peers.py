@@ -150,7 +150,7 @@ def run_engine(runner: torch.nn.Module, prompts: list[list[int]], new_tokens: in
         finished, peak_blocks = {}, 0
         while engine.has_unfinished_requests:
             finished.update((out.request_id, out) for out in engine.step())
-            peak_blocks = max(peak_blocks, engine.cache.allocator.num_live_blocks)
+            peak_blocks = max(peak_blocks, engine.stats().num_live_blocks)
         end = time.perf_counter()
     outputs = [finished[i] for i in ids]
     return PeerRun(tuple(tuple(out.outputs[0].token_ids) for out in outputs), end - serve_start,

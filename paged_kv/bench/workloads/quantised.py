@@ -86,7 +86,7 @@ def serve(model, requests: Sequence[TraceRequest], num_blocks: int,
     run = ServingRun(generated / elapsed, (generated + prompts) / elapsed, tuple(running),
                      tuple(out.time_to_first_token for out in outputs),
                      tuple(x for out in outputs for x in out.token_latencies),
-                     engine.scheduler.num_preemptions,
+                     engine.stats().num_preemptions,
                      sum(out.prefix_hit_tokens for out in outputs))
     return run, [out.outputs[0].token_ids for out in outputs]
 

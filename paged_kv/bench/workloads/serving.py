@@ -74,7 +74,7 @@ def serve(model, requests: Sequence[TraceRequest], *, paged: bool,
     return ServingRun(generated / elapsed, (generated + prompts) / elapsed, tuple(running),
                       tuple(out.time_to_first_token for out in outputs),
                       tuple(x for out in outputs for x in out.token_latencies),
-                      engine.scheduler.num_preemptions,
+                      engine.stats().num_preemptions,
                       sum(out.prefix_hit_tokens for out in outputs))
 
 
@@ -89,7 +89,7 @@ def run_to_completion(engine, requests: Sequence[TraceRequest]) -> tuple[list, l
     start = time.perf_counter()
     while engine.has_unfinished_requests:
         outputs += engine.step()
-        running.append(len(engine.scheduler.running))
+        running.append(engine.stats().num_running)
     return outputs, running, time.perf_counter() - start
 
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ...serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig, parallel
+from ...serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat
@@ -47,13 +47,14 @@ def _run(model: TinyLlama, size: int, budget: int, requests: list[list[int]],
             return out
 
         engine.model.forward = timed
-        parallel.COMM_SECONDS.update(all_reduce=0.0, broadcast=0.0)
+        collectives = engine.runner.group.collectives if size > 1 else None
         while engine.has_unfinished_requests:
             start = time.perf_counter()
             engine.step()
             step_s += time.perf_counter() - start
-            running.append(len(engine.scheduler.running))
-        reduce_s, broadcast_s = (parallel.COMM_SECONDS[k] for k in ("all_reduce", "broadcast"))
+            running.append(engine.stats().num_running)
+        reduce_s, broadcast_s = ((collectives.all_reduce_s, collectives.broadcast_s)
+                                 if collectives is not None else (0.0, 0.0))
         bytes_per_rank = engine.pool_bytes_per_rank()
     return {"blocks": num_blocks, "longest": longest, "max_running": max(running),
             "mean_running": float(np.mean(running)), "steps": len(running),

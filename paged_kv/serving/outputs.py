@@ -1,0 +1,78 @@
+"""What the engine gives back, vLLM's shapes: per finished request, and per step for
+streaming. Plain values; the scheduler and the server import them without the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request: vLLM's ``CompletionOutput`` fields that apply here.
+
+    ``logprobs`` (one dict per generated token, see `token_logprobs`) and
+    ``cumulative_logprob`` (the sum of the chosen tokens') are None unless
+    ``SamplingParams.logprobs`` asked for them.
+    """
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    num_preemptions: int
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A finished request: its `n` samples and what serving it cost.
+
+    ``time_to_first_token`` and ``token_latencies`` (gaps between a sample's consecutive
+    tokens) are in seconds. ``prompt_logprobs`` (None for the first prompt token, then one
+    `token_logprobs` dict per token) is None unless ``SamplingParams.prompt_logprobs`` asked.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prefix_hit_tokens: int
+    num_preemptions: int
+    time_to_first_token: float
+    token_latencies: list[float]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # why the engine failed it (finish reason "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one step gave one sample of a request, for streaming.
+
+    ``new_token_ids`` is the token this step appended (empty when the sample only finished,
+    e.g. aborted); ``finish_reason`` is set once the sample is done ("stop", "length",
+    "abort", or "error" when the engine failed it); ``output`` is the whole `RequestOutput`
+    on the request's last step output, with ``prefix_hit_tokens`` (the cached prompt tokens)
+    for usage.
+    """
+
+    request_id: int
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None
+    output: RequestOutput | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The engine at one instant: its queues, preemptions, and the cache's block and prefix
+    counters (`Engine.stats`; what metrics, the demo, the server and the bench read)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_live_blocks: int
+    num_cached_blocks: int
+    num_free_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int

@@ -1,0 +1,69 @@
+"""A request and its samples, as the scheduler tracks them (it is their one writer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+import torch
+
+from .outputs import StepOutput
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    """Where a sample is: waiting to be admitted, running, swapped to the host, finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt and its `n` samples; owned by the engine."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[Sequence] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefix_hit_tokens: int | None = None
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
+        default_factory=lambda: [None])  # the first prompt token has none
+    salt: str | None = None  # the prefix-cache salt of every sample (tenant isolation)
+    error: str | None = None  # why the engine failed it
+    on_output: Callable[[StepOutput], None] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens (prompt + output) and how many are in the cache."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    @property
+    def seq_id(self) -> tuple[int, int]:
+        return (self.request.request_id, self.index)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.request.prompt_token_ids):]
