@@ -47,12 +47,7 @@ def run_synthetic(config: CacheConfig, *, num_sequences: int = 48, seed: int = 0
     """
     rng = np.random.default_rng(seed)
     cache = PagedKVCache(config)
-    system = rng.integers(0, 32000, 4 * config.block_size + 3).tolist()
-    waiting = []
-    for i in range(num_sequences):
-        prompt = rng.integers(0, 32000, int(min(rng.lognormal(5.0, 0.8), 2048)) + 1).tolist()
-        waiting.append((f"req{i}", (system + prompt) if i % 2 == 0 else prompt,
-                        int(rng.integers(8, 96))))
+    waiting = _requests(rng, num_sequences, config.block_size)
     pending: dict[str, list[int]] = {}
     remaining: dict[str, int] = {}
     steps = forks = tokens = out_of_blocks = 0
@@ -75,24 +70,47 @@ def run_synthetic(config: CacheConfig, *, num_sequences: int = 48, seed: int = 0
             continue
         _write_all_layers(cache, batch)
         steps, tokens = steps + 1, tokens + batch.num_tokens
-        for seq_id, new in request.items():
-            if pending[seq_id]:
-                pending[seq_id] = pending[seq_id][len(new):]
-                continue
-            remaining[seq_id] -= 1
-            if remaining[seq_id] == 0:
-                cache.free(seq_id)
-                del pending[seq_id], remaining[seq_id]
-            elif remaining[seq_id] == 4 and rng.random() < 0.25 and len(pending) < max_running:
-                child = f"{seq_id}.fork"
-                cache.fork(seq_id, child)
-                pending[child], remaining[child] = [], 4
-                forks += 1
+        forks += _advance(cache, request, pending, remaining, rng, max_running)
         stats = cache.stats()
         if stats.num_live_blocks > peak.num_live_blocks:
             peak = stats
     cache.check()
     return WorkloadReport(steps, num_sequences, forks, tokens, out_of_blocks, peak, cache.stats())
+
+
+def _requests(rng: np.random.Generator, num_sequences: int, block_size: int,
+              ) -> list[tuple[str, list[int], int]]:
+    """``(seq_id, prompt, output length)``: long-tailed prompts, every other one behind a
+    shared system prompt."""
+    system = rng.integers(0, 32000, 4 * block_size + 3).tolist()
+    waiting = []
+    for i in range(num_sequences):
+        prompt = rng.integers(0, 32000, int(min(rng.lognormal(5.0, 0.8), 2048)) + 1).tolist()
+        waiting.append((f"req{i}", (system + prompt) if i % 2 == 0 else prompt,
+                        int(rng.integers(8, 96))))
+    return waiting
+
+
+def _advance(cache: PagedKVCache, request: dict[str, list[int]],
+             pending: dict[str, list[int]], remaining: dict[str, int],
+             rng: np.random.Generator, max_running: int) -> int:
+    """After a step: consume prefill, count down outputs, free the finished, sometimes fork
+    one near its end; returns the forks made."""
+    forks = 0
+    for seq_id, new in request.items():
+        if pending[seq_id]:
+            pending[seq_id] = pending[seq_id][len(new):]
+            continue
+        remaining[seq_id] -= 1
+        if remaining[seq_id] == 0:
+            cache.free(seq_id)
+            del pending[seq_id], remaining[seq_id]
+        elif remaining[seq_id] == 4 and rng.random() < 0.25 and len(pending) < max_running:
+            child = f"{seq_id}.fork"
+            cache.fork(seq_id, child)
+            pending[child], remaining[child] = [], 4
+            forks += 1
+    return forks
 
 
 def _write_all_layers(cache: PagedKVCache, batch) -> None:

@@ -15,9 +15,6 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "paged_kv"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_MODULE_LINES, MAX_KERNEL_MODULE_LINES = 400, 420
 MAX_FUNCTION_CODE_LINES = 40
-# the serving, server and bench reshape of issue 16 lands these; drop the marks with it
-PENDING = pytest.mark.xfail(reason="issue 16: serving/server/bench reshape in progress",
-                            strict=False)
 
 
 def _name(path: pathlib.Path) -> str:
@@ -46,16 +43,13 @@ def _code_lines(node: ast.AST, source: list[str]) -> int:
                and not source[n - 1].strip().startswith("#"))
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=PENDING) if _name(p) in (
-    "paged_kv.serving.engine", "paged_kv.serving.parallel") else p for p in MODULES],
-    ids=lambda p: _name(p))
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _name(p))
 def test_module_size(path):
     limit = MAX_KERNEL_MODULE_LINES if "kernels" in path.parts else MAX_MODULE_LINES
     lines = len(path.read_text().splitlines())
     assert lines <= limit, f"{_name(path)} has {lines} lines (limit {limit}): split it"
 
 
-@PENDING
 def test_function_size():
     too_long = []
     for path in MODULES:
@@ -88,7 +82,6 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {m for m in found if m in known and m != _name(path)}
 
 
-@PENDING
 def test_no_import_cycle():
     graph = {_name(p): _imports(p) for p in MODULES}
     # an edge into a package's __init__ is a re-export, not a dependency of its own
@@ -123,7 +116,6 @@ FOREIGN_PRIVATE = {"_attn_implementation", "_cached_continuous_batching_manager"
                    "_SubParsersAction", "_exit", "_replace"}
 
 
-@PENDING
 def test_no_private_reach_in():
     """No module reads a ``_private`` attribute that no class of its own defines: owners
     talk through public names (a module's helpers may read its own classes' state)."""

@@ -126,17 +126,15 @@ def _report(workload, outputs, elapsed: float, peak: CacheStats, engine: Engine,
             concurrency: list[int], budget: int) -> dict:
     final = engine.cache.stats()
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    prompt_tokens = sum(len(p) for p, _ in workload)
     ttft = np.array([out.time_to_first_token for out in outputs])
     latencies = np.array([x for out in outputs for x in out.token_latencies] or [0.0])
-    bytes_per_token = engine.cache.config.bytes_per_token
     max_len = max(len(p) + q.max_tokens for p, q in workload)
     return {
         "model": getattr(engine.model, "name", type(engine.model).__name__),
         "kv_cache_dtype": engine.cache.config.kv_cache_dtype,
         "num_requests": len(outputs),
         "num_samples": sum(len(out.outputs) for out in outputs),
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": sum(len(p) for p, _ in workload),
         "generated_tokens": generated,
         "elapsed_s": elapsed,
         "throughput_tokens_per_s": generated / elapsed,
@@ -161,7 +159,7 @@ def _report(workload, outputs, elapsed: float, peak: CacheStats, engine: Engine,
         "final_cached_blocks": final.num_cached_blocks,
         "final_free_blocks": final.num_free_blocks,
         "contiguous_max_len": max_len,
-        "contiguous_fits_requests": budget // (max_len * bytes_per_token),
+        "contiguous_fits_requests": budget // (max_len * engine.cache.config.bytes_per_token),
     }
 
 

@@ -77,14 +77,7 @@ class Engine:
         if cache_config is None:
             cache_config = cache_config_for_free_memory(
                 model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
-        if preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
-        if preemption == "swap" and not cache_config.num_host_blocks:
-            raise ValueError("preemption='swap' needs cache_config.num_host_blocks > 0")
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if value < 1:
-                raise ValueError(f"{name}: expected >= 1, got {value}")
+        _check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
         # CPU steps run on the cores other processes leave free (see paged_kv._threads)
         self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
                          or num_threads is not None else None)
@@ -372,6 +365,19 @@ class Engine:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""
         self.metrics.observe(self.stats(), 0)
         return self.metrics.text(self.cache)
+
+
+def _check_limits(cache_config: CacheConfig, preemption: str, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> None:
+    """ValueError naming the argument, before anything is built."""
+    if preemption not in ("recompute", "swap"):
+        raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
+    if preemption == "swap" and not cache_config.num_host_blocks:
+        raise ValueError("preemption='swap' needs cache_config.num_host_blocks > 0")
+    for name, value in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{name}: expected >= 1, got {value}")
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

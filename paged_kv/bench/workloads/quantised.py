@@ -117,8 +117,17 @@ def serving_figures(scale: Scale, trace: Sequence[TraceRequest],
             kv_cache_dtype = "auto" if name == FP16 else name
             run, tokens[name] = serve(model, requests, blocks[name], kv_cache_dtype)
             runs[name].append(run)
-    figures, info = [], {"served requests": len(requests), "longest request": max_len,
-                         "KV budget (MiB)": round(budget / 2**20, 3)}
+    info = {"served requests": len(requests), "longest request": max_len,
+            "KV budget (MiB)": round(budget / 2**20, 3)}
+    figures, per_format = _format_figures(runs, tokens, blocks)
+    info.update(per_format)
+    return figures, info, runs
+
+
+def _format_figures(runs: dict[str, list[ServingRun]], tokens: dict[str, list[list[int]]],
+                    blocks: dict[str, int]) -> tuple[list[Figure], dict]:
+    """Each served format against float16: concurrency, throughput, greedy agreement."""
+    figures, info = [], {}
     for name in SERVED:
         for what, metric, unit in (
                 ("requests running at once, max", lambda r: max(r.running), "seqs"),
@@ -137,7 +146,7 @@ def serving_figures(scale: Scale, trace: Sequence[TraceRequest],
         info[f"{name}: preemptions"] = runs[name][-1].num_preemptions
     info[f"{FP16}: blocks in the budget"] = blocks[FP16]
     info[f"{FP16}: preemptions"] = runs[FP16][-1].num_preemptions
-    return figures, info, runs
+    return figures, info
 
 
 def _stat(runs: list[ServingRun], metric, unit: str) -> Stat:
@@ -237,6 +246,24 @@ def attention_errors(seed: int = 0) -> dict[str, float]:
     return errors
 
 
+def _plots(figures: list[Figure], runs: dict[str, list[ServingRun]]) -> list[Plot]:
+    """Tokens in 1 GiB per format, requests running per step, serving throughput."""
+    labels = (FP16, *SERVED)
+    return [
+        Plot("tokens in 1 GiB (serving model shape)", "", "tokens",
+             (Series("tokens", (FP16, *FORMATS),
+                     (figures[0].baseline.median, *(f.value.median for f in figures[:3]))),),
+             kind="bar"),
+        Plot("requests running at each engine step (last repeat)", "engine step",
+             "requests running", tuple(Series(name, tuple(range(len(runs[name][-1].running))),
+                                              runs[name][-1].running) for name in labels)),
+        Plot("serving throughput", "", "generated tokens/s",
+             (Series("throughput", labels, tuple(statistics.median(r.throughput
+                                                                   for r in runs[name])
+                                                 for name in labels)),), kind="bar"),
+    ]
+
+
 def run(scale: Scale, trace: Sequence[TraceRequest], device: torch.device) -> WorkloadResult:
     """Capacity, serving, bandwidth and accuracy of 8-bit pages against float16 pages."""
     model_shape = dict(num_layers=scale.serving_layers, num_kv_heads=2, head_dim=64)
@@ -252,20 +279,7 @@ def run(scale: Scale, trace: Sequence[TraceRequest], device: torch.device) -> Wo
                 for name, error in errors.items() if name != FP16]
     info.update({f"attention relative error, {name}": f"{error:.2e}"
                  for name, error in errors.items()})
-    labels = (FP16, *SERVED)
-    plots = [
-        Plot("tokens in 1 GiB (serving model shape)", "", "tokens",
-             (Series("tokens", (FP16, *FORMATS),
-                     (figures[0].baseline.median, *(f.value.median for f in figures[:3]))),),
-             kind="bar"),
-        Plot("requests running at each engine step (last repeat)", "engine step",
-             "requests running", tuple(Series(name, tuple(range(len(runs[name][-1].running))),
-                                              runs[name][-1].running) for name in labels)),
-        Plot("serving throughput", "", "generated tokens/s",
-             (Series("throughput", labels, tuple(statistics.median(r.throughput
-                                                                   for r in runs[name])
-                                                 for name in labels)),), kind="bar"),
-    ]
+    plots = _plots(figures, runs)
     return WorkloadResult(
         key="quantised", title="6. Quantised pages: int8 and fp8 against float16",
         description=DESCRIPTION.format(

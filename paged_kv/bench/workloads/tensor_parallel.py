@@ -63,6 +63,26 @@ def _run(model: TinyLlama, size: int, budget: int, requests: list[list[int]],
             "pool_bytes": bytes_per_rank}
 
 
+def _split(runs: dict[int, list[dict]], budget: int, num_requests: int) -> tuple[dict, Plot]:
+    """The facts, and rank 0's step time split into model, communication and bookkeeping."""
+    last = {size: runs[size][-1] for size in (1, 2)}
+    info = {"per-rank budget (MiB)": budget / 2**20, "requests": num_requests,
+            "model": f"TinyLlama {CONFIG.num_layers} layers, {CONFIG.num_heads}/"
+                     f"{CONFIG.num_kv_heads} heads, head_dim {CONFIG.head_dim}",
+            "pool bytes per rank, N=1": last[1]["pool_bytes"],
+            "pool bytes per rank, N=2": last[2]["pool_bytes"]}
+    for size in (1, 2):
+        for key in ("model_s", "comm_s", "bookkeeping_s"):
+            info[f"N={size} {key.replace('_s', '')} time per step (ms)"] = round(
+                1e3 * last[size][key] / last[size]["steps"], 3)
+    parts = ("model_s", "comm_s", "bookkeeping_s")
+    plot = Plot("step time split, rank 0 (ms per step)", "part", "ms per step",
+                tuple(Series(f"N={size}", tuple(p.replace("_s", "") for p in parts),
+                             tuple(1e3 * last[size][p] / last[size]["steps"] for p in parts))
+                      for size in (1, 2)), kind="bar")
+    return info, plot
+
+
 def run(scale: Scale) -> WorkloadResult:
     """N = 1 and N = 2 at one per-rank budget, `scale.repeats` times each."""
     quick = scale.name == "quick"
@@ -91,21 +111,7 @@ def run(scale: Scale) -> WorkloadResult:
         Figure("mean sequences running", stat(2, "mean_running", "sequences"), BASELINE,
                stat(1, "mean_running", "sequences"), higher_is_better=True),
     ]
-    last = {size: runs[size][-1] for size in (1, 2)}
-    info = {"per-rank budget (MiB)": budget / 2**20, "requests": len(requests),
-            "model": f"TinyLlama {CONFIG.num_layers} layers, {CONFIG.num_heads}/"
-                     f"{CONFIG.num_kv_heads} heads, head_dim {CONFIG.head_dim}",
-            "pool bytes per rank, N=1": last[1]["pool_bytes"],
-            "pool bytes per rank, N=2": last[2]["pool_bytes"]}
-    for size in (1, 2):
-        for key in ("model_s", "comm_s", "bookkeeping_s"):
-            info[f"N={size} {key.replace('_s', '')} time per step (ms)"] = round(
-                1e3 * last[size][key] / last[size]["steps"], 3)
-    parts = ("model_s", "comm_s", "bookkeeping_s")
-    plot = Plot("step time split, rank 0 (ms per step)", "part", "ms per step",
-                tuple(Series(f"N={size}", tuple(p.replace("_s", "") for p in parts),
-                             tuple(1e3 * last[size][p] / last[size]["steps"] for p in parts))
-                      for size in (1, 2)), kind="bar")
+    info, plot = _split(runs, budget, len(requests))
     return WorkloadResult(
         key="tensor_parallel", title="8. Tensor parallelism: capacity at a per-rank budget",
         description=__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
