@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -41,3 +42,20 @@ def tiny_llama_config(**overrides):
     fields.update(overrides)
     return transformers.LlamaConfig(**fields)
 
+
+
+def prometheus_value(text: str, name: str, labels: str = "") -> float:
+    """A sample's value from Prometheus exposition text (fails unless there exactly once)."""
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
+    found = re.findall(pattern, text, re.MULTILINE)
+    assert len(found) == 1, f"{name}{labels} not exactly once in metrics:\n{text}"
+    return float(found[0])
+
+
+def make_engine(model, num_blocks: int = 256, block_size: int = 16, num_host_blocks: int = 0,
+                **kwargs):
+    """An `Engine` over `model` with a pool of `num_blocks` (and a host pool for swap)."""
+    from paged_kv.serving import Engine
+
+    return Engine(model, model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                            num_host_blocks=num_host_blocks), **kwargs)

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -30,7 +29,7 @@ pytest.importorskip("uvicorn")
 from paged_kv.server import ByteTokenizer  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams, TinyLlama  # noqa: E402
 
-from ..conftest import ROOT  # noqa: E402
+from ..conftest import ROOT, prometheus_value  # noqa: E402
 
 VOCAB = 2048  # TinyLlama()'s default
 
@@ -111,10 +110,7 @@ def make_prompt(length: int, seed: int) -> list[int]:
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    match = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
-    assert match, f"{name}{labels} missing from /metrics"
-    return float(match.group(1))
+    return prometheus_value(httpx.get(f"{url}/metrics", timeout=30).text, name, labels)
 
 
 def sse_events(lines) -> list[dict]:

@@ -6,13 +6,14 @@ import torch
 
 from paged_kv.serving import Engine, SamplingParams, StepOutput, TinyLlama, TinyLlamaConfig
 
+from ..conftest import make_engine as shared_make_engine
+
 CONFIG = TinyLlamaConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                          hidden_size=64, intermediate_size=128, vocab_size=300)
 
 
 def make_engine(num_blocks: int = 64) -> Engine:
-    model = TinyLlama(CONFIG, seed=0)
-    return Engine(model, model.cache_config(num_blocks=num_blocks, block_size=8))
+    return shared_make_engine(TinyLlama(CONFIG, seed=0), num_blocks, block_size=8)
 
 
 def prompt(length: int, seed: int) -> list[int]:

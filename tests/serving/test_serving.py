@@ -9,8 +9,6 @@ followed by ``cache.check()``, and a drained engine must hold no blocks.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -23,6 +21,9 @@ from paged_kv.serving import (
     TinyLlamaConfig,
 )
 from paged_kv.serving.sampling import sample
+
+from ..conftest import make_engine as shared_make_engine
+from ..conftest import prometheus_value as metric
 
 CONFIG = TinyLlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                          hidden_size=128, intermediate_size=256, vocab_size=512,
@@ -64,8 +65,7 @@ def dense(model):
 
 def make_engine(model: TinyLlama, num_blocks: int = 256, num_host_blocks: int = 0,
                 **kwargs) -> Engine:
-    return Engine(model, model.cache_config(num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                                            num_host_blocks=num_host_blocks), **kwargs)
+    return shared_make_engine(model, num_blocks, BLOCK_SIZE, num_host_blocks, **kwargs)
 
 
 def drive(engine: Engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]],
@@ -104,14 +104,6 @@ def assert_drained(engine: Engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting \
         and not engine.scheduler.swapped
     engine.cache.check()
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    """A sample's value from Prometheus exposition text (fails when missing)."""
-    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
-    found = re.findall(pattern, text, re.MULTILINE)
-    assert len(found) == 1, f"{name}{labels} not exactly once in metrics:\n{text}"
-    return float(found[0])
 
 
 def tokens_of(out: RequestOutput) -> list[list[int]]:
