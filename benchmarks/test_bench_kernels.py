@@ -24,6 +24,8 @@ def _ops():
     s = SETUP
     new = torch.randn(s.num_tokens, NUM_KV_HEADS, HEAD_DIM).half()
     slots = s.slot_mapping()
+    num_slots = s.key_cache.shape[0] * s.key_cache.shape[1]
+    random_slots = torch.randperm(num_slots)[: s.num_tokens]
     padded = tuple(s.key_cache.new_empty(4, s.max_len, NUM_KV_HEADS, HEAD_DIM) for _ in "kv")
     packed = tuple(s.key_cache.new_empty(s.num_tokens, NUM_KV_HEADS, HEAD_DIM) for _ in "kv")
     pool = torch.stack([s.key_cache, s.value_cache])[None]
@@ -40,6 +42,9 @@ def _ops():
                                                       s.cu_seqlens, packed),
                              s.num_tokens * per_token),
         "copy_blocks": (lambda: copy_blocks(pool, src, dst), half * 16 * per_token),
+        # the worst case of a write: every token to a random slot of the pool
+        "write_kv (random slots)": (lambda: write_kv(new, new, s.key_cache, s.value_cache,
+                                                     random_slots), s.num_tokens * per_token),
     }
 
 

@@ -22,7 +22,7 @@ from ..scale import Scale
 from ..timing import Figure, Stat, time_interleaved
 from ..trace import TraceRequest, scale_trace
 from .kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PagedSetup
-from .serving import ServingRun, run_to_completion
+from .serving import ServingRun, serve_config, stat_of
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 SERVED = ("int8", "fp8_e4m3")  # e5m2 serves like e4m3 (same bytes); its accuracy is below
@@ -74,20 +74,9 @@ def capacity_figures(model_shape: dict) -> tuple[list[Figure], dict]:
 def serve(model, requests: Sequence[TraceRequest], num_blocks: int,
           kv_cache_dtype: str) -> tuple[ServingRun, list[list[int]]]:
     """Serve `requests` greedily on a fresh engine; the run and each request's tokens."""
-    from ...serving import Engine  # the serve extra: imported when used
-
     config = model.cache_config(num_blocks=num_blocks, block_size=16,
                                 kv_cache_dtype=kv_cache_dtype)
-    engine = Engine(model, config, max_num_seqs=256)
-    outputs, running, elapsed = run_to_completion(engine, requests)
-    outputs.sort(key=lambda out: out.request_id)
-    generated = sum(len(out.outputs[0].token_ids) for out in outputs)
-    prompts = sum(len(r.prompt_token_ids) for r in requests)
-    run = ServingRun(generated / elapsed, (generated + prompts) / elapsed, tuple(running),
-                     tuple(out.time_to_first_token for out in outputs),
-                     tuple(x for out in outputs for x in out.token_latencies),
-                     engine.stats().num_preemptions,
-                     sum(out.prefix_hit_tokens for out in outputs))
+    run, outputs = serve_config(model, config, requests)
     return run, [out.outputs[0].token_ids for out in outputs]
 
 
@@ -134,8 +123,8 @@ def _format_figures(runs: dict[str, list[ServingRun]], tokens: dict[str, list[li
                 ("requests running at once, mean", lambda r: statistics.fmean(r.running),
                  "seqs"),
                 ("throughput, generated tokens", lambda r: r.throughput, "tokens/s")):
-            figures.append(Figure(f"{what}, {name} pages", _stat(runs[name], metric, unit),
-                                  FP16, _stat(runs[FP16], metric, unit), True))
+            figures.append(Figure(f"{what}, {name} pages", stat_of(runs[name], metric, unit),
+                                  FP16, stat_of(runs[FP16], metric, unit), True))
         same, prefix = _agreement(tokens[FP16], tokens[name])
         figures.append(Figure(f"greedy tokens equal to the float32 cache's, {name}",
                               Stat((same,), "fraction"), "float32 cache", Stat((1.0,),
@@ -147,10 +136,6 @@ def _format_figures(runs: dict[str, list[ServingRun]], tokens: dict[str, list[li
     info[f"{FP16}: blocks in the budget"] = blocks[FP16]
     info[f"{FP16}: preemptions"] = runs[FP16][-1].num_preemptions
     return figures, info
-
-
-def _stat(runs: list[ServingRun], metric, unit: str) -> Stat:
-    return Stat(tuple(metric(r) for r in runs), unit)
 
 
 def _agreement(want: list[list[int]], got: list[list[int]]) -> tuple[float, float]:

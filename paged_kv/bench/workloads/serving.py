@@ -59,23 +59,31 @@ class ServingRun:
 def serve(model, requests: Sequence[TraceRequest], *, paged: bool,
           budget_tokens: int, max_len: int) -> ServingRun:
     """Serve `requests` (greedy, their output lengths) on a fresh engine."""
-    from ...serving import Engine  # the serve extra: imported when used
-
     if paged:
         config = model.cache_config(num_blocks=budget_tokens // BLOCK_SIZE + 1,
                                     block_size=BLOCK_SIZE)
     else:
         config = model.cache_config(num_blocks=budget_tokens // max_len + 1,
                                     block_size=max_len, enable_prefix_caching=False)
+    return serve_config(model, config, requests)[0]
+
+
+def serve_config(model, config, requests: Sequence[TraceRequest]) -> tuple[ServingRun, list]:
+    """Serve `requests` (greedy, their output lengths) on a fresh engine over `config`; the
+    run's figures and the outputs in request order."""
+    from ...serving import Engine  # the serve extra: imported when used
+
     engine = Engine(model, config, max_num_seqs=256)
     outputs, running, elapsed = run_to_completion(engine, requests)
+    outputs.sort(key=lambda out: out.request_id)
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     prompts = sum(len(r.prompt_token_ids) for r in requests)
-    return ServingRun(generated / elapsed, (generated + prompts) / elapsed, tuple(running),
-                      tuple(out.time_to_first_token for out in outputs),
-                      tuple(x for out in outputs for x in out.token_latencies),
-                      engine.stats().num_preemptions,
-                      sum(out.prefix_hit_tokens for out in outputs))
+    run = ServingRun(generated / elapsed, (generated + prompts) / elapsed, tuple(running),
+                     tuple(out.time_to_first_token for out in outputs),
+                     tuple(x for out in outputs for x in out.token_latencies),
+                     engine.stats().num_preemptions,
+                     sum(out.prefix_hit_tokens for out in outputs))
+    return run, outputs
 
 
 def run_to_completion(engine, requests: Sequence[TraceRequest]) -> tuple[list, list[int], float]:
@@ -113,14 +121,15 @@ def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
     return _result(scale, requests, runs, budget, max_len, config)
 
 
-def _stat(runs: list[ServingRun], metric, unit: str) -> Stat:
+def stat_of(runs: list[ServingRun], metric, unit: str) -> Stat:
+    """One figure's `Stat` over repeated runs."""
     return Stat(tuple(metric(r) for r in runs), unit)
 
 
 def _result(scale: Scale, requests: list[TraceRequest], runs: dict[str, list[ServingRun]],
             budget: int, max_len: int, config) -> WorkloadResult:
-    figures = [Figure(name, _stat(runs[PAGED], metric, unit), CONTIGUOUS,
-                      _stat(runs[CONTIGUOUS], metric, unit), higher)
+    figures = [Figure(name, stat_of(runs[PAGED], metric, unit), CONTIGUOUS,
+                      stat_of(runs[CONTIGUOUS], metric, unit), higher)
                for name, metric, unit, higher in METRICS]
     plot = Plot("requests running at each engine step (last repeat)", "engine step",
                 "requests running",
