@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from paged_kv.bench.workloads.kernels import PagedSetup  # noqa: E402
 from paged_kv.kernels._triton import triton  # noqa: E402
 from paged_kv.kernels.attention import (  # noqa: E402
     paged_attention_reference,
@@ -55,18 +56,6 @@ class Row:
     gbps: float  # bytes moved (read + written) per second; attention: cached K/V read once
     baseline: str
     baseline_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """One layer's pages and the tables of `num_seqs` sequences stored in them."""
-
-    key_cache: torch.Tensor     # [num_blocks, block_size, H, D]
-    value_cache: torch.Tensor   # [num_blocks, block_size, H, D]
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor      # [B] int32
-    cu_seqlens: torch.Tensor    # [B + 1] int32
-    slot_mapping: torch.Tensor  # [total_tokens] int64, every token of every sequence in order
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,27 +98,14 @@ def copy_ms(num_bytes: int, dtype: torch.dtype) -> float:
     return bench(lambda: dst.copy_(src))
 
 
-def make_batch(args: argparse.Namespace, dtype: torch.dtype) -> Batch:
-    """Random lengths in [min_len, max_len], blocks scattered over the pool by randperm."""
-    seq_lens = torch.randint(args.min_len, args.max_len + 1, (args.num_seqs,))
-    num_blocks_per_seq = (seq_lens + args.block_size - 1) // args.block_size
-    num_blocks = int(num_blocks_per_seq.sum()) + 64  # spare blocks nobody references
-    block_ids = torch.randperm(num_blocks)[: int(num_blocks_per_seq.sum())]
-    block_tables = torch.zeros(args.num_seqs, int(num_blocks_per_seq.max()), dtype=torch.int32)
-    slots = []
-    for row, ids in enumerate(block_ids.split(num_blocks_per_seq.tolist())):
-        block_tables[row, : len(ids)] = ids
-        positions = torch.arange(int(seq_lens[row]))
-        slots.append(ids[positions // args.block_size] * args.block_size
-                     + positions % args.block_size)
-    cu_seqlens = torch.zeros(args.num_seqs + 1, dtype=torch.int32)
-    cu_seqlens[1:] = seq_lens.cumsum(0)
-    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    return Batch(
-        key_cache=torch.randn(shape, device=DEVICE).to(dtype),
-        value_cache=torch.randn(shape, device=DEVICE).to(dtype),
-        block_tables=block_tables.to(DEVICE), seq_lens=seq_lens.int().to(DEVICE),
-        cu_seqlens=cu_seqlens.to(DEVICE), slot_mapping=torch.cat(slots).to(DEVICE))
+def make_batch(args: argparse.Namespace, dtype: torch.dtype) -> PagedSetup:
+    """The kernel workload's pages at this script's shape: random lengths in
+    [min_len, max_len], blocks scattered over the pool; ``slots`` every token's slot."""
+    batch = PagedSetup(args.num_seqs, args.max_len, dtype, DEVICE, args.seed,
+                       min_len=args.min_len, block_size=args.block_size,
+                       num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    batch.slots = batch.slot_mapping()
+    return batch
 
 
 def row_bytes(args: argparse.Namespace, dtype: torch.dtype) -> int:
@@ -143,11 +119,11 @@ def require(name: str, is_ok: bool, failures: list[str]) -> None:
         failures.append(name)
 
 
-def write_row(args: argparse.Namespace, batch: Batch, dtype: torch.dtype,
+def write_row(args: argparse.Namespace, batch: PagedSetup, dtype: torch.dtype,
               failures: list[str]) -> Row:
     """write_kv of every token of the batch (a prefill), plus CUDA-graph padding slots."""
     padding = torch.full((16,), -1, dtype=torch.int64, device=DEVICE)
-    slots = torch.cat([batch.slot_mapping, padding])
+    slots = torch.cat([batch.slots, padding])
     key, value = (torch.randn(slots.shape[0], args.num_kv_heads, args.head_dim,
                               device=DEVICE).to(dtype) for _ in range(2))
     want = (batch.key_cache.clone(), batch.value_cache.clone())
@@ -155,19 +131,19 @@ def write_row(args: argparse.Namespace, batch: Batch, dtype: torch.dtype,
     got = (batch.key_cache.clone(), batch.value_cache.clone())
     write_kv_triton(key, value, *got, slots)
     require("write_kv", all(map(torch.equal, got, want)), failures)
-    total = batch.slot_mapping.shape[0]
+    total = batch.slots.shape[0]
     moved = 2 * 2 * total * row_bytes(args, dtype)  # K and V, read and written
     ms = bench(lambda: write_kv_triton(key, value, *got, slots))
     return Row(f"write_kv ({total} tokens)", ms, moved / ms / 1e6, "copy_ same bytes",
                copy_ms(moved, dtype))
 
 
-def gather_rows(args: argparse.Namespace, batch: Batch, dtype: torch.dtype,
+def gather_rows(args: argparse.Namespace, batch: PagedSetup, dtype: torch.dtype,
                 failures: list[str]) -> list[Row]:
     """gather_kv padded to the longest sequence, and packed."""
     caches = (batch.key_cache, batch.value_cache)
     tables = (batch.block_tables, batch.seq_lens)
-    total = batch.slot_mapping.shape[0]
+    total = batch.slots.shape[0]
     padded = gather_kv_triton(*caches, *tables)
     want = gather_kv_reference(*caches, *tables)
     require("gather_kv padded", all(map(torch.equal, padded, want)), failures)
@@ -223,11 +199,11 @@ def sdpa_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                   enable_gqa=True)
 
 
-def attention_rows(args: argparse.Namespace, batch: Batch, dtype: torch.dtype,
+def attention_rows(args: argparse.Namespace, batch: PagedSetup, dtype: torch.dtype,
                    failures: list[str]) -> list[Row]:
     """Paged attention, decode and a prefill chunk: vs SDPA on contiguous K/V, vs gather + SDPA."""
     caches = (batch.key_cache, batch.value_cache)
-    kv_bytes = 2 * batch.slot_mapping.shape[0] * row_bytes(args, dtype)  # cached K/V, read once
+    kv_bytes = 2 * batch.slots.shape[0] * row_bytes(args, dtype)  # cached K/V, read once
     padded_k, padded_v = (t.transpose(1, 2).contiguous()  # [B, Hkv, T, D]
                           for t in gather_kv_triton(*caches, batch.block_tables, batch.seq_lens))
     rows = []
@@ -316,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     failures: list[str] = []
     batch = make_batch(args, dtype)
-    print(f"{args.num_seqs} sequences, {batch.slot_mapping.shape[0]} tokens, "
+    print(f"{args.num_seqs} sequences, {batch.slots.shape[0]} tokens, "
           f"{args.num_kv_heads}x{args.head_dim} KV heads, {args.num_q_heads} query heads, "
           f"block {args.block_size}, {args.dtype}")
     rows = [write_row(args, batch, dtype, failures), *gather_rows(args, batch, dtype, failures),

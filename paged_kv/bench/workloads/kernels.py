@@ -23,32 +23,39 @@ COPY = "dst.copy_(src), same bytes, preallocated dst"
 class PagedSetup:
     """Pages holding `num_seqs` ragged sequences of up to `max_len` tokens, shuffled.
 
-    Attributes: ``key_cache``/``value_cache`` ``[num_blocks, 16, 8, 128]``, ``block_tables
-    [B, max_len / 16]`` int32, ``seq_lens [B]`` int32, ``cu_seqlens [B + 1]`` int32.
+    Attributes: ``key_cache``/``value_cache`` ``[num_blocks, block_size, H, D]``,
+    ``block_tables [B, max_len / block_size]`` int32, ``seq_lens [B]`` int32 (the first
+    `max_len`, the others in ``[min_len, max_len]``, default ``min_len = max_len // 2``),
+    ``cu_seqlens [B + 1]`` int32. The kernel workload's shape by default; `gpu_check` sets
+    its own.
     """
 
     def __init__(self, num_seqs: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, *, min_len: int | None = None,
+                 block_size: int = BLOCK_SIZE, num_kv_heads: int = NUM_KV_HEADS,
+                 head_dim: int = HEAD_DIM) -> None:
         generator = torch.Generator().manual_seed(seed)
-        width = -(-max_len // BLOCK_SIZE)
+        width = -(-max_len // block_size)
         num_blocks = num_seqs * width + 1
         order = torch.randperm(num_blocks - 1, generator=generator) + 1  # block 0: null
         self.block_tables = order.view(num_seqs, width).to(torch.int32).to(device)
-        lens = torch.randint(max_len // 2, max_len + 1, (num_seqs,), generator=generator)
+        low = max_len // 2 if min_len is None else min_len
+        lens = torch.randint(low, max_len + 1, (num_seqs,), generator=generator)
         lens[0] = max_len
         self.seq_lens = lens.to(torch.int32).to(device)
         self.cu_seqlens = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
         torch.cumsum(self.seq_lens, 0, out=self.cu_seqlens[1:])
-        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
         self.value_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
         self.max_len, self.num_tokens = max_len, int(lens.sum())
+        self.block_size = block_size
 
     def slot_mapping(self) -> torch.Tensor:
         """``[num_tokens]`` int64 slots of every token of every sequence, in order."""
         positions = torch.arange(self.max_len, device=self.block_tables.device)
-        slots = (self.block_tables.long()[:, positions // BLOCK_SIZE] * BLOCK_SIZE
-                 + positions % BLOCK_SIZE)
+        slots = (self.block_tables.long()[:, positions // self.block_size] * self.block_size
+                 + positions % self.block_size)
         return slots[positions[None, :] < self.seq_lens[:, None]]
 
 
