@@ -223,7 +223,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
                        default=None, help="'KEY TENANT' per line: require Bearer auth and "
                                           "keep a prefix cache per tenant")
     serve.add_argument("--max-waiting", type=_at_least(int, 0), default=256,
-                       help="queued requests beyond this get 429 with Retry-After")
+                       help="requests that would wait for a running slot beyond this get "
+                            "429 with Retry-After (0: none waits)")
     serve.add_argument("--drain-timeout", type=_at_least(float, 0), default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     serve.set_defaults(run=_serve)
