@@ -22,22 +22,9 @@ _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/h
 
 def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
                api_keys: dict[str, str] | None = None, max_waiting: int = 256) -> FastAPI:
-    """The server's app over a started-or-not `EngineLoop` (started and stopped with the app).
-
-    Parameters
-    ----------
-    loop : EngineLoop
-    tokenizer : ByteTokenizer or HFTokenizer
-    model_name : str
-        The id ``/v1/models`` reports.
-    api_keys : dict, optional
-        ``{key: tenant}``; with it every /v1 request needs ``Authorization: Bearer KEY``
-        (checked before its body is read) and the tenant is the prefix-cache salt. Without
-        it the server is single-tenant.
-    max_waiting : int
-        Requests that would wait for a running slot beyond this get 429 with
-        ``Retry-After``.
-    """
+    """The server's app over a started-or-not `EngineLoop` (started and stopped with the app);
+    the arguments are `OpenAIService`'s. With `api_keys`, every /v1 request needs
+    ``Authorization: Bearer KEY``, checked before its body is read."""
     service = OpenAIService(loop, tokenizer, model_name=model_name, api_keys=api_keys,
                             max_waiting=max_waiting)
     app = FastAPI(title="paged_kv", lifespan=_lifespan(loop))

@@ -3,6 +3,7 @@ a failed construction, a SIGKILLed rank 0, and Ctrl-C in the terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -122,19 +123,31 @@ def _alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-def _start_rank0(mode: str) -> tuple[subprocess.Popen, list[int]]:
+@contextlib.contextmanager
+def _rank0(mode: str):
+    """Rank 0 in a subprocess with its two workers started; yields it and the workers'
+    pids, and kills whatever is left after the test."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", _RANK0, mode], env=env,
                             stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.strip(), "rank 0 did not start its workers"
-    return proc, [int(pid) for pid in line.split()]
+    workers: list[int] = []
+    try:
+        line = proc.stdout.readline()
+        assert line.strip(), "rank 0 did not start its workers"
+        workers = [int(pid) for pid in line.split()]
+        yield proc, workers
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_workers_exit_when_rank_0_is_killed():
     """Bug 5: a SIGKILLed rank 0 left workers running (one kept allocating)."""
-    proc, workers = _start_rank0("kill")
-    try:
+    with _rank0("kill") as (proc, workers):
         assert all(_alive(pid) for pid in workers)
         proc.kill()
         proc.wait(timeout=30)
@@ -142,24 +155,11 @@ def test_workers_exit_when_rank_0_is_killed():
         while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in workers), "a worker outlived rank 0"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in workers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_sigint_to_the_workers_does_not_kill_them():
     """Bug 6: Ctrl-C reached the workers, which died before rank 0 could drain."""
-    proc, workers = _start_rank0("sigint")
-    try:
+    with _rank0("sigint") as (proc, _):
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0
         assert "after sigint 2" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in workers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
