@@ -30,6 +30,16 @@ class ModelStep:
     logits: torch.Tensor
     sampled: list[Sequence]
 
+    @staticmethod
+    def join(steps: list[ModelStep]) -> ModelStep:
+        """The steps as one (a failed step's requests rerun one by one come back apart)."""
+        if len(steps) == 1:
+            return steps[0]
+        if not steps:
+            return ModelStep(torch.empty(0, 0), [])
+        return ModelStep(torch.cat([s.logits for s in steps]),
+                         [seq for s in steps for seq in s.sampled])
+
 
 class ModelRunner:
     """Runs the model on a step's tokens; rolls the step's slots back when the model fails.
