@@ -199,6 +199,15 @@ class Engine:
         return [finished[i] for i in ids]
 
     @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (the server's free slots: this less ``num_running``)."""
+        return self.scheduler.max_num_seqs
+
+    def unfinished_request_ids(self) -> list[int]:
+        """Ids of the requests waiting, running or swapped out, oldest first."""
+        return list(self._requests)
+
+    @property
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out."""
         return self.scheduler.has_work

@@ -133,3 +133,17 @@ def test_a_closed_engine_raises_engine_dead_error_on_every_step(model):
     for _ in range(2):
         with pytest.raises(EngineDeadError, match="closed"):
             engine.step()
+
+
+def test_the_queues_are_read_through_stats_and_unfinished_request_ids(model):
+    """What the server's loop needs to fail every request, without the scheduler."""
+    engine = make_engine(model, max_num_seqs=2)
+    ids = [engine.add_request(prompt(5, seed), GREEDY) for seed in range(3)]
+    engine.step()
+    stats = engine.stats()
+    assert (engine.max_num_seqs, stats.num_running, stats.num_waiting) == (2, 2, 1)
+    assert engine.unfinished_request_ids() == ids
+    for request_id in engine.unfinished_request_ids():
+        engine.abort(request_id, error="the engine died")
+    assert engine.unfinished_request_ids() == [] and not engine.has_unfinished_requests
+    assert engine.stats().num_live_blocks == 0
