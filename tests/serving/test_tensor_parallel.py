@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving.parallel import TensorParallelError, kv_heads_of_rank
 
 from ..conftest import ROOT, tiny_llama_config
@@ -93,6 +93,9 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(model):
         with pytest.raises(TensorParallelError, match="rank 1 exited"):
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
         assert time.monotonic() - start < 30
+        for _ in range(2):  # dead for good: every later step says so, whatever is queued
+            with pytest.raises(EngineDeadError, match="restart the engine"):
+                engine.step()
     finally:
         engine.close()
     # a new engine starts afterwards, on fresh ports
