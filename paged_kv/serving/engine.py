@@ -277,9 +277,10 @@ class Engine:
         return [sample for part in by_request.values() for sample in self._draw(logits, part)]
 
     def _fail(self, seqs: abc.Iterable[Sequence], message: str) -> None:
-        """Fail the requests of `seqs` (finish reason "error", `message` as their error)."""
-        requests = {seq.request.request_id for seq in seqs}
-        logger.error("failing %d requests: %s", len(requests), message)
+        """Fail the requests of `seqs` (finish reason "error", `message` as their error);
+        called while their exception is handled, so the log has its traceback."""
+        requests = dict.fromkeys(seq.request.request_id for seq in seqs)  # in step order
+        logger.exception("failing %d requests: %s", len(requests), message)
         for request_id in requests:
             self.abort(request_id, error=message)
 
