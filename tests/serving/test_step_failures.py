@@ -5,6 +5,8 @@ that can no longer step says so with `EngineDeadError`."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -98,7 +100,15 @@ def test_generate_returns_a_failed_request_instead_of_waiting_for_it(model, monk
     monkeypatch.setattr(model, "forward", forward)
     ok = [1, 2, 3]
     want = alone(model, ok, SamplingParams(max_tokens=1))
-    failed, served = make_engine(model).generate([[7, 8], ok], SamplingParams(max_tokens=1))
+    outs: list = []
+    engine = make_engine(model)
+    # it used to wait forever for the failed request: a thread, so a hang is a failure
+    worker = threading.Thread(target=lambda: outs.extend(
+        engine.generate([[7, 8], ok], SamplingParams(max_tokens=1))), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "generate() waits for a request that failed"
+    failed, served = outs
     assert failed.outputs[0].finish_reason == "error" and "bad input" in failed.error
     assert served.outputs[0].token_ids == want and served.error is None
 
