@@ -241,9 +241,10 @@ class Engine:
         try:
             batch = self.cache.prepare(self.scheduler.step_tokens(plan))
             step = self.runner.run(plan, batch)  # on an error it gave the slots back
+        except EngineDeadError as exc:  # the runner cannot go on (a rank died, or is behind)
+            self._dead = f"{exc}; restart the engine"
+            raise
         except Exception as exc:
-            if self.runner.tensor_parallel_size > 1:
-                self._die(exc)
             parts = _by_request(plan)
             if len(parts) == 1:
                 self._fail(plan, f"the model failed on this step: {exc!r}")
@@ -283,13 +284,6 @@ class Engine:
         logger.exception("failing %d requests: %s", len(requests), message)
         for request_id in requests:
             self.abort(request_id, error=message)
-
-    def _die(self, exc: Exception) -> None:
-        """A failed tensor-parallel step leaves the ranks out of step: the engine is dead."""
-        self._dead = f"a tensor-parallel step failed ({exc}); restart the engine"
-        if isinstance(exc, EngineDeadError):
-            raise exc
-        raise EngineDeadError(self._dead) from exc
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its request's other samples when its prompt was just computed."""

@@ -11,6 +11,7 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import InvariantError
 from ..page_table import StepBatch
+from .errors import EngineDeadError
 from .parallel import (
     Collectives,
     ModelSpec,
@@ -120,6 +121,16 @@ class TensorParallelRunner(ModelRunner):
         kv_heads = shard_model(shard, 0, world_size, collectives)
         group = TensorParallelGroup(spec, cache_config, world_size, collectives=collectives)
         return shard, dataclasses.replace(cache_config, num_kv_heads=kv_heads), group
+
+    def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
+        """As `ModelRunner.run`; but any error leaves the ranks out of step (the workers
+        ran, or will run, a step rank 0 gave back), so it is an `EngineDeadError`."""
+        try:
+            return super().run(plan, batch)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            raise EngineDeadError(f"a tensor-parallel step failed ({exc!r})") from exc
 
     def _call(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
               logits_indices: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("torch.distributed")
 
 from paged_kv import PagedKVCache
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving import engine as engine_module
 from paged_kv.serving.parallel import apply_ops
 
@@ -163,3 +163,24 @@ def test_sigint_to_the_workers_does_not_kill_them():
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_failed_tensor_parallel_step_leaves_the_engine_dead(monkeypatch):
+    """A model error on rank 0 after the plan went out leaves the ranks out of step: unlike
+    a single-process engine, which fails the step's requests and goes on, the engine
+    raises `EngineDeadError` from that step and from every one after."""
+    model = TinyLlama(CONFIG, seed=1)
+    with Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2) as engine:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("rank 0's shard failed")
+
+        monkeypatch.setattr(engine.runner.model, "forward", broken)
+        engine.add_request([4, 5, 6], SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError, match="shard failed"):
+            engine.step()
+        monkeypatch.undo()
+        for _ in range(2):
+            with pytest.raises(EngineDeadError, match="restart the engine"):
+                engine.step()
