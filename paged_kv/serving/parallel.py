@@ -145,19 +145,24 @@ class TensorParallelGroup:
                  init_method, str(timeout_s)], start_new_session=True)
                 for rank in range(1, world_size)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
+        self.closed = False
+        self.failed: str | None = None
         try:
             dist.init_process_group("gloo", init_method=init_method, rank=0,
                                     world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
             dist.broadcast_object_list([(spec, cache_config)], 0)
-        except Exception as exc:
-            self._finalizer()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            raise TensorParallelError(f"tensor-parallel workers did not join within "
-                                      f"{timeout_s:.0f} s: {exc}") from exc
-        self.closed = False
-        self.failed: str | None = None
+        except BaseException as exc:  # Ctrl-C while waiting too: never leave the group set
+            self.fail(f"tensor-parallel workers did not join within {timeout_s:.0f} s: {exc}")
+            self.close()
+            if not isinstance(exc, Exception):
+                raise
+            raise TensorParallelError(self.failed) from exc
+
+    def fail(self, reason: str) -> None:
+        """Mark the group broken (the ranks are out of step): no collective is tried again,
+        and `close` stops the workers by force instead of asking them."""
+        self.failed = self.failed or reason
 
     def check_alive(self) -> None:
         """Raise `TensorParallelError` if a worker is gone (before a collective would hang)."""
@@ -183,7 +188,7 @@ class TensorParallelGroup:
         try:
             return call()
         except Exception as exc:
-            self.failed = f"tensor-parallel collective failed: {exc}"
+            self.fail(f"tensor-parallel collective failed: {exc}")
             raise TensorParallelError(self.failed) from exc
 
     def gather_info(self, mine: tuple[int, int]) -> list[tuple[int, int]]:
@@ -206,7 +211,10 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        if not self.failed:  # a dead peer would fail it: the processes are stopped below
+        if self.failed:  # a worker may sit in a collective rank 0 never joins: no waiting
+            for process in self.processes:
+                process.kill()
+        else:
             with contextlib.suppress(Exception):
                 _send_command(CMD_STOP)
         self._finalizer()

@@ -130,7 +130,8 @@ class TensorParallelRunner(ModelRunner):
         except EngineDeadError:
             raise
         except Exception as exc:
-            raise EngineDeadError(f"a tensor-parallel step failed ({exc!r})") from exc
+            self.group.fail(f"a tensor-parallel step failed ({exc!r})")
+            raise EngineDeadError(self.group.failed) from exc
 
     def _call(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
               logits_indices: torch.Tensor) -> torch.Tensor:

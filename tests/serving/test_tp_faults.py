@@ -168,9 +168,12 @@ def test_sigint_to_the_workers_does_not_kill_them():
 def test_a_failed_tensor_parallel_step_leaves_the_engine_dead(monkeypatch):
     """A model error on rank 0 after the plan went out leaves the ranks out of step: unlike
     a single-process engine, which fails the step's requests and goes on, the engine
-    raises `EngineDeadError` from that step and from every one after."""
+    raises `EngineDeadError` from that step and from every one after; `close` then stops
+    the workers at once (they sit in an all-reduce rank 0 never joins: a polite stop would
+    wait out the collective's 60 s timeout)."""
     model = TinyLlama(CONFIG, seed=1)
-    with Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2) as engine:
+    engine = Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2)
+    try:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
 
         def broken(*args, **kwargs):
@@ -184,3 +187,8 @@ def test_a_failed_tensor_parallel_step_leaves_the_engine_dead(monkeypatch):
         for _ in range(2):
             with pytest.raises(EngineDeadError, match="restart the engine"):
                 engine.step()
+    finally:
+        start = time.monotonic()
+        engine.close()
+    assert time.monotonic() - start < 10, "close() waited for the stuck workers"
+    assert all(p.poll() is not None for p in engine.runner.group.processes)
