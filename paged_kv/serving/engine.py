@@ -137,9 +137,7 @@ class Engine:
                           on_output=on_output)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        first = Sequence(request, 0, list(prompt), _generator(params, seed, 0))
-        request.samples.append(first)
-        self.scheduler.add(first)
+        self.scheduler.add(Sequence(request, 0, list(prompt), _generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
         return request.request_id
@@ -156,12 +154,7 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        request.error = error
-        for seq in request.samples:
-            if seq.finish_reason is None:
-                self.scheduler.abort(seq, "abort" if error is None else "error")
-                self._emit(seq, [])
-        request.finish_time = time.perf_counter()
+        self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
         return True
 
     @property
@@ -231,8 +224,9 @@ class Engine:
             self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
         self.metrics.observe(self.stats(), len(samples))
-        return [self._finish_request(seq.request) for seq in step.sampled
-                if seq.request.is_finished and seq.request.finish_time is None]
+        finished = dict.fromkeys(seq.request for seq in step.sampled if seq.request.is_finished)
+        return [request.output(request.finish_time) for request in finished
+                if self._requests.pop(request.request_id, None)]
 
     def _run(self, plan: dict[Sequence, int]) -> list[ModelStep]:
         """The model over `plan`. When it fails, each request's part runs alone, so only
@@ -250,7 +244,7 @@ class Engine:
                 self._fail(plan, f"the model failed on this step: {exc!r}")
                 return []
         else:
-            self.scheduler.advance(plan)  # only once the model has written their K/V
+            self.scheduler.advance(plan, step.prompt_logprobs)  # once their K/V is written
             return [step]
         logger.warning("a step of %d requests failed; rerunning them one by one", len(parts))
         return [step for part in parts for step in self._run(part)]
@@ -295,7 +289,6 @@ class Engine:
         children = [Sequence(request, i, list(seq.token_ids), _generator(request.params,
                                                                          seed, i))
                     for i in range(1, request.params.n)]
-        request.samples += children
         self.scheduler.add_children(seq, children)
         return [seq, *children]
 
@@ -310,11 +303,6 @@ class Engine:
         request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
                                      seq.finish_reason,
                                      request.output(time.perf_counter()) if done else None))
-
-    def _finish_request(self, request: Request) -> RequestOutput:
-        self._requests.pop(request.request_id, None)
-        request.finish_time = time.perf_counter()
-        return request.output(request.finish_time)
 
     # -- lifetime and observation -------------------------------------------------------
     @property

@@ -26,10 +26,13 @@ from .sampling import token_logprobs
 @dataclasses.dataclass(frozen=True)
 class ModelStep:
     """What one model call gave: ``logits [len(sampled), vocab]`` of the sequences whose next
-    token is due (in `sampled` order)."""
+    token is due (in `sampled` order), and the prompt log-probabilities it computed
+    (``(request, dict)`` in prompt order; the scheduler records them)."""
 
     logits: torch.Tensor
     sampled: list[Sequence]
+    prompt_logprobs: list[tuple[Request, dict[int, float]]] = dataclasses.field(
+        default_factory=list)
 
     @staticmethod
     def join(steps: list[ModelStep]) -> ModelStep:
@@ -39,7 +42,8 @@ class ModelStep:
         if not steps:
             return ModelStep(torch.empty(0, 0), [])
         return ModelStep(torch.cat([s.logits for s in steps]),
-                         [seq for s in steps for seq in s.sampled])
+                         [seq for s in steps for seq in s.sampled],
+                         [pair for s in steps for pair in s.prompt_logprobs])
 
 
 class ModelRunner:
@@ -58,8 +62,8 @@ class ModelRunner:
         self.model, self.cache = model, cache
 
     def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
-        """The model over `plan`'s tokens (prompt log-probabilities recorded on their
-        requests); on an error the step's slots are given back and the error re-raised."""
+        """The model over `plan`'s tokens; on an error the step's slots are given back and
+        the error re-raised. Changes no request (the scheduler records what it gave)."""
         tokens, positions, logits_rows, sampled = [], [], [], []
         for seq, n in plan.items():
             tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
@@ -75,10 +79,10 @@ class ModelRunner:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed)
             raise
-        for (request, _, target), row in zip(prompt_rows, logits[len(sampled):], strict=True):
-            request.prompt_logprobs.append(token_logprobs(row, target,
-                                                          request.params.prompt_logprobs))
-        return ModelStep(logits[:len(sampled)], sampled)
+        prompt_logprobs = [(request, token_logprobs(row, target, request.params.prompt_logprobs))
+                           for (request, _, target), row
+                           in zip(prompt_rows, logits[len(sampled):], strict=True)]
+        return ModelStep(logits[:len(sampled)], sampled, prompt_logprobs)
 
     def _call(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
               logits_indices: torch.Tensor) -> torch.Tensor:
