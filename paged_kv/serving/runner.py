@@ -57,6 +57,7 @@ class ModelRunner:
     """
 
     tensor_parallel_size = 1
+    collectives: Collectives | None = None  # the timed collectives, under tensor parallelism
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
         self.model, self.cache = model, cache
@@ -113,6 +114,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, cache)
         self.group = group
         self.tensor_parallel_size = group.world_size
+        self.collectives = group.collectives  # the bench reads its seconds (comm_seconds)
         cache.pool.record_ops()
 
     @staticmethod
