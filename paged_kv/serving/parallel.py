@@ -155,6 +155,7 @@ class TensorParallelGroup:
         except BaseException as exc:  # Ctrl-C while waiting too: never leave the group set
             self.fail(f"tensor-parallel workers did not join within {timeout_s:.0f} s: {exc}")
             self.close()
+            _forget_failed_rendezvous()
             if not isinstance(exc, Exception):
                 raise
             raise TensorParallelError(self.failed) from exc
@@ -220,6 +221,18 @@ class TensorParallelGroup:
         self._finalizer()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forget_failed_rendezvous() -> None:
+    """Undo what a failed ``init_process_group`` leaves behind. It numbers the default group
+    before the rendezvous and keeps the number when the rendezvous fails, so the next
+    attempt's store keys (``default_pg/1/...``) never meet a fresh worker's
+    (``default_pg/0/...``) and every retry times out. torch resets the counter only in
+    ``destroy_process_group``, which needs a group that was made; so reset it here (torch's
+    private state: there is no public way), unless some group is live."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def _stop_processes(processes: list) -> None:

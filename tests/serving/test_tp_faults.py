@@ -16,9 +16,17 @@ import torch
 pytest.importorskip("torch.distributed")
 
 from paged_kv import PagedKVCache
-from paged_kv.serving import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import (
+    Engine,
+    EngineDeadError,
+    SamplingParams,
+    TinyLlama,
+    TinyLlamaConfig,
+    parallel,
+)
 from paged_kv.serving import engine as engine_module
 from paged_kv.serving.parallel import apply_ops
+from paged_kv.serving.sharding import ModelSpec
 
 from ..conftest import ROOT, tiny_config
 
@@ -84,6 +92,23 @@ def test_a_failed_construction_leaves_the_process_usable(monkeypatch):
         patch.setattr(engine_module, "EngineMetrics", broken_metrics)
         with pytest.raises(RuntimeError, match="after the workers joined"):
             Engine(model, config, tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+    want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    with Engine(model, config, tensor_parallel_size=2) as engine:
+        got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
+    """Bug 5, the rendezvous itself failing (the issue's "did not join ... initialize the
+    default process group twice"): torch keeps the failed group's number, so the next
+    group's keys never meet its fresh workers' and every retry timed out."""
+    model = TinyLlama(CONFIG, seed=1)
+    config = model.cache_config(num_blocks=32)
+    with monkeypatch.context() as patch:
+        patch.setattr(parallel.sys, "executable", "/bin/false")  # workers exit at once
+        with pytest.raises(EngineDeadError, match="did not join"):
+            parallel.TensorParallelGroup(ModelSpec.of(model), config, 2, timeout_s=2)
     assert not torch.distributed.is_initialized()
     want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     with Engine(model, config, tensor_parallel_size=2) as engine:
