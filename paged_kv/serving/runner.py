@@ -17,6 +17,7 @@ from .parallel import (
     ModelSpec,
     TensorParallelGroup,
     check_splittable,
+    local_cache_config,
     shard_model,
 )
 from .request import Request, Sequence
@@ -126,7 +127,7 @@ class TensorParallelRunner(ModelRunner):
         shard, collectives = spec.build(), Collectives()
         kv_heads = shard_model(shard, 0, world_size, collectives)
         group = TensorParallelGroup(spec, cache_config, world_size, collectives=collectives)
-        return shard, dataclasses.replace(cache_config, num_kv_heads=kv_heads), group
+        return shard, local_cache_config(cache_config, kv_heads), group
 
     def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
         """As `ModelRunner.run`; but any error leaves the ranks out of step (the workers
