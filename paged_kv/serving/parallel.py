@@ -37,8 +37,7 @@ from .wire import CMD_INFO, CMD_POOL, CMD_STEP, CMD_STOP, HEADER, apply_ops, pac
 
 __all__ = ["CMD_STEP", "Collectives", "ModelSpec", "TensorParallelError",
            "TensorParallelGroup", "apply_ops", "check_splittable", "kv_heads_of_rank",
-           "local_cache_config",
-           "shard_model", "worker_main"]
+           "local_cache_config", "shard_model", "worker_main"]
 
 
 class TensorParallelError(EngineDeadError):
