@@ -3,10 +3,13 @@
 Needs the ``serve`` extra (prometheus-client, tqdm).
 """
 
-from .engine import CompletionOutput, Engine, RequestOutput, StepOutput
+from .engine import Engine
 from .errors import EngineDeadError
 from .model import TinyLlama, TinyLlamaConfig
+from .outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from .request import Request, Sequence, Status
 from .sampling import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "EngineDeadError", "RequestOutput", "SamplingParams",
-           "StepOutput", "TinyLlama", "TinyLlamaConfig"]
+__all__ = ["CompletionOutput", "Engine", "EngineDeadError", "EngineStats", "Request",
+           "RequestOutput", "SamplingParams", "Sequence", "Status", "StepOutput", "TinyLlama",
+           "TinyLlamaConfig"]

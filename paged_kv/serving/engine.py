@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import abc
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 
 import torch
 
@@ -13,8 +13,9 @@ from .._threads import ThreadGovernor, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from .errors import EngineDeadError
+from .limits import check_limits, check_request
 from .metrics import EngineMetrics
-from .outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from .outputs import EngineStats, RequestOutput, StepOutput
 from .request import Request, Sequence
 from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_rows, token_logprobs
@@ -22,6 +23,9 @@ from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 
 logger = logging.getLogger(__name__)
+
+# one sampled token: its sequence, the token, its log-probabilities (when asked for)
+Sample = tuple[Sequence, int, dict[int, float] | None]
 
 
 class Engine:
@@ -77,7 +81,7 @@ class Engine:
         if cache_config is None:
             cache_config = cache_config_for_free_memory(
                 model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
-        _check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
+        check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
         # CPU steps run on the cores other processes leave free (see paged_kv._threads)
         self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
                          or num_threads is not None else None)
@@ -105,7 +109,7 @@ class Engine:
         self._dead: str | None = None  # why the engine cannot step any more
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
+    def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,
                     *, salt: str | None = None,
                     on_output: Callable[[StepOutput], None] | None = None) -> int:
         """Queue a request; returns its id.
@@ -133,14 +137,12 @@ class Engine:
                           on_output=on_output)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        first = Sequence(request, 0, list(prompt), _generator(params, seed, 0))
-        request.samples.append(first)
-        self.scheduler.add(first)
+        self.scheduler.add(Sequence(request, 0, list(prompt), _generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
         return request.request_id
 
-    def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> None:
         """Raise what `add_request` would for this request, changing nothing (it reads only
         fixed configuration, so any thread may call it)."""
         self._validate(prompt_token_ids, params)
@@ -152,12 +154,7 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        request.error = error
-        for seq in request.samples:
-            if seq.finish_reason is None:
-                self.scheduler.abort(seq, "abort" if error is None else "error")
-                self._emit(seq, [])
-        request.finish_time = time.perf_counter()
+        self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
         return True
 
     @property
@@ -165,35 +162,12 @@ class Engine:
         """Sequences waiting to be admitted (a request's samples count once until forked)."""
         return len(self.scheduler.waiting)
 
-    def _validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids: empty prompt; give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token ids must be ints in [0, {vocab}), "
-                             f"got {bad[:5]}")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
-                             f"{self.scheduler.max_num_seqs}")
-        total = len(prompt) + params.max_tokens
-        if total > self.model.config.max_position:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the model's max_position "
-                             f"({self.model.config.max_position})")
-        needed = self.cache.config.blocks_for(total - 1)
-        if needed > self.cache.config.num_usable_blocks:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs "
-                             f"{needed} blocks, more than the pool's "
-                             f"{self.cache.config.num_usable_blocks}; raise num_blocks")
-        return prompt
+    def _validate(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> list[int]:
+        return check_request(prompt_token_ids, params, self.model.config,
+                             self.scheduler.max_num_seqs, self.cache.config)
 
-    def generate(self, prompts: Seq[Seq[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: abc.Sequence[abc.Sequence[int]],
+                 params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Serve `prompts` to completion; outputs in prompt order."""
         params_list = (list(params) if isinstance(params, list | tuple)
@@ -205,11 +179,26 @@ class Engine:
                 self._validate(prompt, p)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"prompt {i}: {exc}") from None
-        ids = [self.add_request(p, q) for p, q in zip(prompts, params_list, strict=True)]
         finished: dict[int, RequestOutput] = {}
+
+        def keep_failed(out: StepOutput) -> None:  # step() returns only the served ones
+            if out.output is not None and out.output.error is not None:
+                finished[out.request_id] = out.output
+
+        ids = [self.add_request(p, q, on_output=keep_failed)
+               for p, q in zip(prompts, params_list, strict=True)]
         while any(i not in finished for i in ids):
             finished.update((out.request_id, out) for out in self.step())
         return [finished[i] for i in ids]
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (the server's free slots: this less ``num_running``)."""
+        return self.scheduler.max_num_seqs
+
+    def unfinished_request_ids(self) -> list[int]:
+        """Ids of the requests waiting, running or swapped out, oldest first."""
+        return list(self._requests)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -229,46 +218,65 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        batch = self.cache.prepare(self.scheduler.step_tokens(plan))
-        try:
-            step = self.runner.run(plan, batch)
-        except Exception as exc:
-            self._fail_step(plan, exc)
-            return []
-        self.scheduler.advance(plan)  # only once the model has written their K/V
+        step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
         samples = self._sample(step)
         for sample in samples:  # each sample's output streams as soon as it is updated
             self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
         self.metrics.observe(self.stats(), len(samples))
-        return [self._finish_request(seq.request) for seq in step.sampled
-                if seq.request.is_finished and seq.request.finish_time is None]
+        finished = dict.fromkeys(seq.request for seq in step.sampled if seq.request.is_finished)
+        return [request.output(request.finish_time) for request in finished
+                if self._requests.pop(request.request_id, None)]
 
-    def _sample(self, step: ModelStep) -> list[tuple[Sequence, int, dict[int, float] | None]]:
-        """Every sample's next token in one batched call (a forked request's samples share
-        their row), with its log-probabilities when asked for."""
-        targets = [(row, target) for row, seq in enumerate(step.sampled)
-                   for target in self._fork_samples(seq)]
-        if not targets:
-            return []
-        rows = [row for row, _ in targets]
-        picked = sample_rows(step.logits[rows], [t.request.params for _, t in targets],
-                             [t.generator for _, t in targets])
-        return [(seq, token, None if seq.request.params.logprobs is None else
-                 token_logprobs(step.logits[row], token, seq.request.params.logprobs))
-                for (row, seq), token in zip(targets, picked, strict=True)]
+    def _run(self, plan: dict[Sequence, int]) -> list[ModelStep]:
+        """The model over `plan`. When it fails, each request's part runs alone, so only
+        the requests whose own part fails are failed, not their batch-mates (a model error
+        is a property of some request's input as often as of the step)."""
+        try:
+            batch = self.cache.prepare(self.scheduler.step_tokens(plan))
+            step = self.runner.run(plan, batch)  # on an error it gave the slots back
+        except EngineDeadError as exc:  # the runner cannot go on (a rank died, or is behind)
+            self._dead = f"{exc}; restart the engine"
+            raise
+        except Exception as exc:
+            parts = _by_request(plan)
+            if len(parts) == 1:
+                self._fail(plan, f"the model failed on this step: {exc!r}")
+                return []
+        else:
+            self.scheduler.advance(plan, step.prompt_logprobs)  # once their K/V is written
+            return [step]
+        logger.warning("a step of %d requests failed; rerunning them one by one", len(parts))
+        return [step for part in parts for step in self._run(part)]
 
-    def _fail_step(self, plan: dict[Sequence, int], exc: Exception) -> None:
-        """A failed model call fails the requests of its step, not the others; with tensor
-        parallelism the ranks are out of step, so the engine is dead."""
-        if self.runner.tensor_parallel_size > 1:
-            self._dead = f"a tensor-parallel step failed ({exc}); restart the engine"
-            if isinstance(exc, EngineDeadError):
-                raise exc
-            raise EngineDeadError(self._dead) from exc
-        message = f"the model failed on this step: {exc!r}"
-        logger.exception("model step failed; failing its %d requests", len(plan))
-        for request_id in {seq.request.request_id for seq in plan}:
+    def _sample(self, step: ModelStep) -> list[Sample]:
+        """Every sample's next token (a forked request's samples share their row)."""
+        return self._draw(step.logits, [(row, target) for row, seq in enumerate(step.sampled)
+                                        for target in self._fork_samples(seq)])
+
+    def _draw(self, logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:
+        """`targets`' tokens from their `logits` rows in one batched call; when the call
+        fails, request by request, failing only the requests whose own call fails."""
+        states = [(t.generator, t.generator.get_state()) for _, t in targets if t.generator]
+        try:
+            return _draw_rows(logits, targets)
+        except Exception as exc:
+            by_request: dict[int, list[tuple[int, Sequence]]] = {}
+            for row, target in targets:
+                by_request.setdefault(target.request.request_id, []).append((row, target))
+            if len(by_request) == 1:
+                self._fail([t for _, t in targets], f"sampling failed on this step: {exc!r}")
+                return []
+        for generator, state in states:  # as if the failed call had never drawn
+            generator.set_state(state)
+        return [sample for part in by_request.values() for sample in self._draw(logits, part)]
+
+    def _fail(self, seqs: abc.Iterable[Sequence], message: str) -> None:
+        """Fail the requests of `seqs` (finish reason "error", `message` as their error);
+        called while their exception is handled, so the log has its traceback."""
+        requests = dict.fromkeys(seq.request.request_id for seq in seqs)  # in step order
+        logger.exception("failing %d requests: %s", len(requests), message)
+        for request_id in requests:
             self.abort(request_id, error=message)
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
@@ -281,7 +289,6 @@ class Engine:
         children = [Sequence(request, i, list(seq.token_ids), _generator(request.params,
                                                                          seed, i))
                     for i in range(1, request.params.n)]
-        request.samples += children
         self.scheduler.add_children(seq, children)
         return [seq, *children]
 
@@ -295,31 +302,7 @@ class Engine:
             len(request.samples) == request.params.n or seq.finish_reason in ("abort", "error"))
         request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
                                      seq.finish_reason,
-                                     self._request_output(request) if done else None))
-
-    def _finish_request(self, request: Request) -> RequestOutput:
-        self._requests.pop(request.request_id, None)
-        request.finish_time = time.perf_counter()
-        return self._request_output(request)
-
-    def _request_output(self, request: Request) -> RequestOutput:
-        end = request.finish_time or time.perf_counter()
-        first = request.first_token_time or end
-        latencies = [b - a for s in request.samples
-                     for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[_completion(s) for s in request.samples],
-            finished=True,
-            prefix_hit_tokens=request.prefix_hit_tokens or 0,
-            num_preemptions=sum(s.num_preemptions for s in request.samples),
-            time_to_first_token=first - request.arrival_time,
-            token_latencies=latencies,
-            prompt_logprobs=(list(request.prompt_logprobs)
-                             if request.params.prompt_logprobs is not None else None),
-            error=request.error,
-        )
+                                     request.output(time.perf_counter()) if done else None))
 
     # -- lifetime and observation -------------------------------------------------------
     @property
@@ -367,24 +350,25 @@ class Engine:
         return self.metrics.text(self.cache)
 
 
-def _check_limits(cache_config: CacheConfig, preemption: str, max_num_seqs: int,
-                  max_num_batched_tokens: int) -> None:
-    """ValueError naming the argument, before anything is built."""
-    if preemption not in ("recompute", "swap"):
-        raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
-    if preemption == "swap" and not cache_config.num_host_blocks:
-        raise ValueError("preemption='swap' needs cache_config.num_host_blocks > 0")
-    for name, value in (("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if value < 1:
-            raise ValueError(f"{name}: expected >= 1, got {value}")
+def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:
+    """One batched `sample_rows` call over `targets` (row of `logits`, sample), with each
+    token's log-probabilities when its request asks for them."""
+    if not targets:
+        return []
+    rows = [row for row, _ in targets]
+    picked = sample_rows(logits[rows], [t.request.params for _, t in targets],
+                         [t.generator for _, t in targets])
+    return [(seq, token, None if seq.request.params.logprobs is None else
+             token_logprobs(logits[row], token, seq.request.params.logprobs))
+            for (row, seq), token in zip(targets, picked, strict=True)]
 
 
-def _completion(seq: Sequence) -> CompletionOutput:
-    wanted = seq.request.params.logprobs is not None
-    return CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason,
-                            seq.num_preemptions, list(seq.logprobs) if wanted else None,
-                            seq.cumulative_logprob if wanted else None)
+def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
+    """`plan` cut into one part per request (a request's samples stay together), in order."""
+    parts: dict[int, dict[Sequence, int]] = {}
+    for seq, n in plan.items():
+        parts.setdefault(seq.request.request_id, {})[seq] = n
+    return list(parts.values())
 
 
 def _generator(params: SamplingParams, seed: int, index: int) -> torch.Generator | None:

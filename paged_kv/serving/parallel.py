@@ -37,7 +37,7 @@ from .wire import CMD_INFO, CMD_POOL, CMD_STEP, CMD_STOP, HEADER, apply_ops, pac
 
 __all__ = ["CMD_STEP", "Collectives", "ModelSpec", "TensorParallelError",
            "TensorParallelGroup", "apply_ops", "check_splittable", "kv_heads_of_rank",
-           "shard_model", "worker_main"]
+           "local_cache_config", "shard_model", "worker_main"]
 
 
 class TensorParallelError(EngineDeadError):
@@ -145,19 +145,25 @@ class TensorParallelGroup:
                  init_method, str(timeout_s)], start_new_session=True)
                 for rank in range(1, world_size)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
+        self.closed = False
+        self.failed: str | None = None
         try:
             dist.init_process_group("gloo", init_method=init_method, rank=0,
                                     world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
             dist.broadcast_object_list([(spec, cache_config)], 0)
-        except Exception as exc:
-            self._finalizer()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            raise TensorParallelError(f"tensor-parallel workers did not join within "
-                                      f"{timeout_s:.0f} s: {exc}") from exc
-        self.closed = False
-        self.failed: str | None = None
+        except BaseException as exc:  # Ctrl-C while waiting too: never leave the group set
+            self.fail(f"tensor-parallel workers did not join within {timeout_s:.0f} s: {exc}")
+            self.close()
+            _forget_failed_rendezvous()
+            if not isinstance(exc, Exception):
+                raise
+            raise TensorParallelError(self.failed) from exc
+
+    def fail(self, reason: str) -> None:
+        """Mark the group broken (the ranks are out of step): no collective is tried again,
+        and `close` stops the workers by force instead of asking them."""
+        self.failed = self.failed or reason
 
     def check_alive(self) -> None:
         """Raise `TensorParallelError` if a worker is gone (before a collective would hang)."""
@@ -183,7 +189,7 @@ class TensorParallelGroup:
         try:
             return call()
         except Exception as exc:
-            self.failed = f"tensor-parallel collective failed: {exc}"
+            self.fail(f"tensor-parallel collective failed: {exc}")
             raise TensorParallelError(self.failed) from exc
 
     def gather_info(self, mine: tuple[int, int]) -> list[tuple[int, int]]:
@@ -206,12 +212,27 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        if not self.failed:  # a dead peer would fail it: the processes are stopped below
+        if self.failed:  # a worker may sit in a collective rank 0 never joins: no waiting
+            for process in self.processes:
+                process.kill()
+        else:
             with contextlib.suppress(Exception):
                 _send_command(CMD_STOP)
         self._finalizer()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forget_failed_rendezvous() -> None:
+    """Undo what a failed ``init_process_group`` leaves behind. It numbers the default group
+    before the rendezvous and keeps the number when the rendezvous fails, so the next
+    attempt's store keys (``default_pg/1/...``) never meet a fresh worker's
+    (``default_pg/0/...``) and every retry times out. torch resets the counter only in
+    ``destroy_process_group``, which needs a group that was made; so reset it here (torch's
+    private state: there is no public way), unless some group is live."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def _stop_processes(processes: list) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from .outputs import StepOutput
+from .outputs import CompletionOutput, RequestOutput, StepOutput
 from .sampling import SamplingParams
 
 
@@ -43,6 +43,26 @@ class Request:
     def is_finished(self) -> bool:
         return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
 
+    def output(self, now: float) -> RequestOutput:
+        """The request as it stands, ended at `finish_time` (or `now` while unfinished)."""
+        end = self.finish_time or now
+        first = self.first_token_time or end
+        latencies = [b - a for s in self.samples
+                     for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.samples],
+            finished=True,
+            prefix_hit_tokens=self.prefix_hit_tokens or 0,
+            num_preemptions=sum(s.num_preemptions for s in self.samples),
+            time_to_first_token=first - self.arrival_time,
+            token_latencies=latencies,
+            prompt_logprobs=(list(self.prompt_logprobs)
+                             if self.params.prompt_logprobs is not None else None),
+            error=self.error,
+        )
+
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
@@ -67,3 +87,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.request.prompt_token_ids):]
+
+    def completion(self) -> CompletionOutput:
+        """This sample as vLLM reports it (log-probabilities only when asked for)."""
+        wanted = self.request.params.logprobs is not None
+        return CompletionOutput(self.index, self.output_token_ids, self.finish_reason,
+                                self.num_preemptions, list(self.logprobs) if wanted else None,
+                                self.cumulative_logprob if wanted else None)

@@ -11,11 +11,13 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import InvariantError
 from ..page_table import StepBatch
+from .errors import EngineDeadError
 from .parallel import (
     Collectives,
     ModelSpec,
     TensorParallelGroup,
     check_splittable,
+    local_cache_config,
     shard_model,
 )
 from .request import Request, Sequence
@@ -25,10 +27,24 @@ from .sampling import token_logprobs
 @dataclasses.dataclass(frozen=True)
 class ModelStep:
     """What one model call gave: ``logits [len(sampled), vocab]`` of the sequences whose next
-    token is due (in `sampled` order)."""
+    token is due (in `sampled` order), and the prompt log-probabilities it computed
+    (``(request, dict)`` in prompt order; the scheduler records them)."""
 
     logits: torch.Tensor
     sampled: list[Sequence]
+    prompt_logprobs: list[tuple[Request, dict[int, float]]] = dataclasses.field(
+        default_factory=list)
+
+    @staticmethod
+    def join(steps: list[ModelStep]) -> ModelStep:
+        """The steps as one (a failed step's requests rerun one by one come back apart)."""
+        if len(steps) == 1:
+            return steps[0]
+        if not steps:
+            return ModelStep(torch.empty(0, 0), [])
+        return ModelStep(torch.cat([s.logits for s in steps]),
+                         [seq for s in steps for seq in s.sampled],
+                         [pair for s in steps for pair in s.prompt_logprobs])
 
 
 class ModelRunner:
@@ -42,13 +58,14 @@ class ModelRunner:
     """
 
     tensor_parallel_size = 1
+    collectives: Collectives | None = None  # the timed collectives, under tensor parallelism
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
         self.model, self.cache = model, cache
 
     def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
-        """The model over `plan`'s tokens (prompt log-probabilities recorded on their
-        requests); on an error the step's slots are given back and the error re-raised."""
+        """The model over `plan`'s tokens; on an error the step's slots are given back and
+        the error re-raised. Changes no request (the scheduler records what it gave)."""
         tokens, positions, logits_rows, sampled = [], [], [], []
         for seq, n in plan.items():
             tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
@@ -64,10 +81,10 @@ class ModelRunner:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed)
             raise
-        for (request, _, target), row in zip(prompt_rows, logits[len(sampled):], strict=True):
-            request.prompt_logprobs.append(token_logprobs(row, target,
-                                                          request.params.prompt_logprobs))
-        return ModelStep(logits[:len(sampled)], sampled)
+        prompt_logprobs = [(request, token_logprobs(row, target, request.params.prompt_logprobs))
+                           for (request, _, target), row
+                           in zip(prompt_rows, logits[len(sampled):], strict=True)]
+        return ModelStep(logits[:len(sampled)], sampled, prompt_logprobs)
 
     def _call(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
               logits_indices: torch.Tensor) -> torch.Tensor:
@@ -98,6 +115,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, cache)
         self.group = group
         self.tensor_parallel_size = group.world_size
+        self.collectives = group.collectives  # the bench reads its seconds (comm_seconds)
         cache.pool.record_ops()
 
     @staticmethod
@@ -109,7 +127,18 @@ class TensorParallelRunner(ModelRunner):
         shard, collectives = spec.build(), Collectives()
         kv_heads = shard_model(shard, 0, world_size, collectives)
         group = TensorParallelGroup(spec, cache_config, world_size, collectives=collectives)
-        return shard, dataclasses.replace(cache_config, num_kv_heads=kv_heads), group
+        return shard, local_cache_config(cache_config, kv_heads), group
+
+    def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
+        """As `ModelRunner.run`; but any error leaves the ranks out of step (the workers
+        ran, or will run, a step rank 0 gave back), so it is an `EngineDeadError`."""
+        try:
+            return super().run(plan, batch)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            self.group.fail(f"a tensor-parallel step failed ({exc!r})")
+            raise EngineDeadError(self.group.failed) from exc
 
     def _call(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
               logits_indices: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
 from ..prefix import match_prefix
-from .request import Sequence, Status
+from .request import Request, Sequence, Status
 
 
 class Scheduler:
@@ -142,6 +143,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request's first sample."""
+        seq.request.samples.append(seq)
         self.waiting.append(seq)
 
     def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
@@ -149,10 +151,14 @@ class Scheduler:
         return {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
                 for seq, n in plan.items()}
 
-    def advance(self, plan: dict[Sequence, int]) -> None:
-        """The model wrote the K/V of `plan`'s tokens: they are computed now."""
+    def advance(self, plan: dict[Sequence, int],
+                prompt_logprobs: list[tuple[Request, dict[int, float]]] = ()) -> None:
+        """The model wrote the K/V of `plan`'s tokens: they are computed now; record the
+        prompt positions' log-probabilities it gave (in prompt order, per request)."""
         for seq, n in plan.items():
             seq.num_computed += n
+        for request, logprobs in prompt_logprobs:
+            request.prompt_logprobs.append(logprobs)
 
     def update_from_output(self, samples: list[tuple[Sequence, int, dict[int, float] | None]],
                            eos_token_ids: frozenset[int]) -> None:
@@ -174,10 +180,13 @@ class Scheduler:
                 self.finish(seq, "stop")
             elif len(seq.output_token_ids) >= params.max_tokens:
                 self.finish(seq, "length")
+            if seq.request.is_finished:
+                seq.request.finish_time = now
 
     def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
         """Fork a request's other samples off its first, right behind it."""
         position = self.running.index(parent) + 1
+        parent.request.samples += children
         for child in children:
             self.cache.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.status = parent.num_computed, Status.RUNNING
@@ -188,6 +197,17 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def abort_request(self, request: Request, error: str | None = None,
+                      on_abort: Callable[[Sequence], None] = lambda seq: None) -> None:
+        """Retire `request`'s unfinished samples: "abort" (the client's), or "error" with
+        `error` as the request's message (the engine failed it); `on_abort` sees each one
+        as it is retired (the last sees the request finished)."""
+        request.error = error
+        for seq in [seq for seq in request.samples if seq.finish_reason is None]:
+            self.abort(seq, "abort" if error is None else "error")
+            on_abort(seq)
+        request.finish_time = time.perf_counter()
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;

@@ -97,6 +97,11 @@ class Collectives:
     all_reduce_s: float = 0.0
     broadcast_s: float = 0.0
 
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds this rank spent communicating: all-reduces and plan broadcasts."""
+        return self.all_reduce_s + self.broadcast_s
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place."""
         start = time.perf_counter()

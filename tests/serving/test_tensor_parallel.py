@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving.parallel import TensorParallelError, kv_heads_of_rank
 
 from ..conftest import ROOT, tiny_llama_config
@@ -71,9 +71,13 @@ def test_each_rank_holds_its_heads_of_the_same_blocks(model):
     with Engine(model, config) as single:
         single.generate(PROMPTS[:3], PARAMS[:3])
         whole = single.cache.pool.kv.clone()
+        assert single.runner.collectives is None
     with Engine(model, config, tensor_parallel_size=2) as engine:
         engine.generate(PROMPTS[:3], PARAMS[:3])
         assert engine.pool_bytes_per_rank() == [whole.nbytes // 2] * 2
+        timed = engine.runner.collectives  # what the bench's communication split reads
+        assert timed.all_reduce_s > 0 and timed.broadcast_s > 0
+        assert timed.comm_seconds == timed.all_reduce_s + timed.broadcast_s
         pools = engine.runner.group.gather_pools(engine.cache.pool.kv)
     for rank, pool in enumerate(pools):
         first, count = kv_heads_of_rank(CONFIG.num_kv_heads, 2, rank)
@@ -93,6 +97,9 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(model):
         with pytest.raises(TensorParallelError, match="rank 1 exited"):
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
         assert time.monotonic() - start < 30
+        for _ in range(2):  # dead for good: every later step says so, whatever is queued
+            with pytest.raises(EngineDeadError, match="restart the engine"):
+                engine.step()
     finally:
         engine.close()
     # a new engine starts afterwards, on fresh ports

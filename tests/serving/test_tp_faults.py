@@ -17,9 +17,17 @@ import torch
 pytest.importorskip("torch.distributed")
 
 from paged_kv import PagedKVCache
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import (
+    Engine,
+    EngineDeadError,
+    SamplingParams,
+    TinyLlama,
+    TinyLlamaConfig,
+    parallel,
+)
 from paged_kv.serving import engine as engine_module
 from paged_kv.serving.parallel import apply_ops
+from paged_kv.serving.sharding import ModelSpec
 
 from ..conftest import ROOT, tiny_config
 
@@ -85,6 +93,23 @@ def test_a_failed_construction_leaves_the_process_usable(monkeypatch):
         patch.setattr(engine_module, "EngineMetrics", broken_metrics)
         with pytest.raises(RuntimeError, match="after the workers joined"):
             Engine(model, config, tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+    want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    with Engine(model, config, tensor_parallel_size=2) as engine:
+        got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
+    """Bug 5, the rendezvous itself failing (the issue's "did not join ... initialize the
+    default process group twice"): torch keeps the failed group's number, so the next
+    group's keys never meet its fresh workers' and every retry timed out."""
+    model = TinyLlama(CONFIG, seed=1)
+    config = model.cache_config(num_blocks=32)
+    with monkeypatch.context() as patch:
+        patch.setattr(parallel.sys, "executable", "/bin/false")  # workers exit at once
+        with pytest.raises(EngineDeadError, match="did not join"):
+            parallel.TensorParallelGroup(ModelSpec.of(model), config, 2, timeout_s=2)
     assert not torch.distributed.is_initialized()
     want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     with Engine(model, config, tensor_parallel_size=2) as engine:
@@ -163,3 +188,31 @@ def test_sigint_to_the_workers_does_not_kill_them():
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0
         assert "after sigint 2" in out
+
+def test_a_failed_tensor_parallel_step_leaves_the_engine_dead(monkeypatch):
+    """A model error on rank 0 after the plan went out leaves the ranks out of step: unlike
+    a single-process engine, which fails the step's requests and goes on, the engine
+    raises `EngineDeadError` from that step and from every one after; `close` then stops
+    the workers at once (they sit in an all-reduce rank 0 never joins: a polite stop would
+    wait out the collective's 60 s timeout)."""
+    model = TinyLlama(CONFIG, seed=1)
+    engine = Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2)
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("rank 0's shard failed")
+
+        monkeypatch.setattr(engine.runner.model, "forward", broken)
+        engine.add_request([4, 5, 6], SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError, match="shard failed"):
+            engine.step()
+        monkeypatch.undo()
+        for _ in range(2):
+            with pytest.raises(EngineDeadError, match="restart the engine"):
+                engine.step()
+    finally:
+        start = time.monotonic()
+        engine.close()
+    assert time.monotonic() - start < 10, "close() waited for the stuck workers"
+    assert all(p.poll() is not None for p in engine.runner.group.processes)

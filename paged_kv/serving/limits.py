@@ -1,0 +1,71 @@
+"""What the engine accepts: its configuration, and a request it can ever run (ValueError or
+TypeError naming the problem, before anything changes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..config import CacheConfig
+from .sampling import SamplingParams
+
+
+def check_limits(cache_config: CacheConfig, preemption: str, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+    """ValueError naming the argument, before anything is built."""
+    if preemption not in ("recompute", "swap"):
+        raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
+    if preemption == "swap" and not cache_config.num_host_blocks:
+        raise ValueError("preemption='swap' needs cache_config.num_host_blocks > 0")
+    for name, value in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{name}: expected >= 1, got {value}")
+
+
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model_config: Any,
+                  max_num_seqs: int, cache_config: CacheConfig) -> list[int]:
+    """The prompt as a list, or the error for a request that can never run.
+
+    Parameters
+    ----------
+    prompt_token_ids : sequence of int
+    params : SamplingParams
+    model_config : object
+        The model's ``config``: its ``vocab_size`` and ``max_position``.
+    max_num_seqs : int
+        The engine's limit (a request's `n` samples run at once).
+    cache_config : CacheConfig
+        The pool, which must hold the longest sequence the request can reach.
+
+    Raises
+    ------
+    TypeError
+        `params` is not a `SamplingParams`.
+    ValueError
+        Naming the problem.
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise ValueError("prompt_token_ids: empty prompt; give at least one token")
+    vocab = model_config.vocab_size
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
+           or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt_token_ids: token ids must be ints in [0, {vocab}), "
+                         f"got {bad[:5]}")
+    if params.n > max_num_seqs:
+        raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs}")
+    total = len(prompt) + params.max_tokens
+    if total > model_config.max_position:
+        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = "
+                         f"{total} exceeds the model's max_position "
+                         f"({model_config.max_position})")
+    needed = cache_config.blocks_for(total - 1)
+    if needed > cache_config.num_usable_blocks:
+        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs "
+                         f"{needed} blocks, more than the pool's "
+                         f"{cache_config.num_usable_blocks}; raise num_blocks")
+    return prompt
