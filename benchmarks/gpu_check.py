@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from paged_kv.bench.workloads.kernels import PagedSetup  # noqa: E402
+from paged_kv.bench.workloads.kernels import PagedSetup, copy_baseline  # noqa: E402
 from paged_kv.kernels._triton import triton  # noqa: E402
 from paged_kv.kernels.attention import (  # noqa: E402
     paged_attention_reference,
@@ -93,9 +93,7 @@ def bench(fn: Callable[[], object]) -> float:
 def copy_ms(num_bytes: int, dtype: torch.dtype) -> float:
     """Milliseconds of ``dst.copy_(src)`` moving `num_bytes` (half read, half written)."""
     numel = max(1, num_bytes // 2 // dtype.itemsize)
-    src = torch.empty(numel, dtype=dtype, device=DEVICE)
-    dst = torch.empty_like(src)
-    return bench(lambda: dst.copy_(src))
+    return bench(copy_baseline(numel, dtype, DEVICE, copies=1))
 
 
 def make_batch(args: argparse.Namespace, dtype: torch.dtype) -> PagedSetup:
@@ -282,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; this script needs a GPU "
-              "(on CPU run tests/test_triton_kernels.py instead)", file=sys.stderr)
+              "(on CPU run tests/kernels/test_triton_kernels.py instead)", file=sys.stderr)
         return 2
     if triton is None:
         print("gpu_check: triton is not installed (pip install 'paged_kv[triton]')",

@@ -7,17 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_kv.bench.workloads.kernels import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, PagedSetup
+from paged_kv.bench.workloads.kernels import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    PagedSetup,
+    copy_baseline,
+)
 from paged_kv.kernels import copy_blocks, gather_kv, gather_kv_packed, paged_attention, write_kv
 
 CPU = torch.device("cpu")
 SETUP = PagedSetup(num_seqs=4, max_len=512, dtype=torch.float16, device=CPU)
-
-
-def _copy(num_elements: int):
-    src = [torch.randn(num_elements).half() for _ in range(2)]
-    dst = [torch.empty_like(s) for s in src]
-    return lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)]
 
 
 def _ops():
@@ -57,7 +57,7 @@ def test_bandwidth(benchmark, op, path):
     fn, num_elements = OPS[op]
     benchmark.group = f"{op} vs copy_ of the same bytes"
     benchmark.extra_info["bytes"] = 2 * num_elements * 2
-    benchmark(fn if path == "paged" else _copy(num_elements))
+    benchmark(fn if path == "paged" else copy_baseline(num_elements, torch.float16, CPU))
 
 
 ATTENTION = PagedSetup(num_seqs=4, max_len=512, dtype=torch.float32, device=CPU)

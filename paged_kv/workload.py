@@ -13,9 +13,15 @@ import numpy as np
 import torch
 
 from .accounting import CacheStats
+from .bench.trace import LognormalLengths, PromptSource, PromptSpec, UniformLengths
 from .cache import PagedKVCache
 from .config import CacheConfig
 from .errors import OutOfBlocksError
+
+# prompts of 1 + lognormal(5, 0.8) tokens (median ~150, at most 2049) after the system
+# prompt, when there is one; 8 to 95 generated tokens
+PROMPT_LENGTHS = LognormalLengths(5.0, 0.8, low=0, high=2048, shift=1)
+OUTPUT_LENGTHS = UniformLengths(8, 95)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,13 +88,10 @@ def _requests(rng: np.random.Generator, num_sequences: int, block_size: int,
               ) -> list[tuple[str, list[int], int]]:
     """``(seq_id, prompt, output length)``: long-tailed prompts, every other one behind a
     shared system prompt."""
-    system = rng.integers(0, 32000, 4 * block_size + 3).tolist()
-    waiting = []
-    for i in range(num_sequences):
-        prompt = rng.integers(0, 32000, int(min(rng.lognormal(5.0, 0.8), 2048)) + 1).tolist()
-        waiting.append((f"req{i}", (system + prompt) if i % 2 == 0 else prompt,
-                        int(rng.integers(8, 96))))
-    return waiting
+    prompts = PromptSource(PromptSpec(PROMPT_LENGTHS, system_prompt_len=4 * block_size + 3,
+                                      shared_fraction=0.5), rng)
+    return [(f"req{i}", prompts.draw()[0], OUTPUT_LENGTHS.draw(rng))
+            for i in range(num_sequences)]
 
 
 def _advance(cache: PagedKVCache, request: dict[str, list[int]],

@@ -1,7 +1,8 @@
 """The benchmark suite behind ``paged-kv bench``: every claim a ratio against a baseline
 measured in the same run, written to a report with plots.
 
-    trace.py      a seeded serving trace, saved and loaded as JSON lines
+    trace.py      seeded prompts (every workload's and the demo's) and the serving trace,
+                  saved and loaded as JSON lines
     replay.py     replay a trace through any block manager's bookkeeping
     baselines.py  the same-run baselines: a Python-object block manager, the seeds' caches
     workloads/    allocator, kernels, step_cost, memory, serving, quantised, peers (one ``run``

@@ -1,20 +1,158 @@
-"""A seeded synthetic serving trace, saved and loaded as JSON lines (one request per line).
+"""Seeded synthetic prompts and serving traces: the one source of every workload's requests.
 
-Requests arrive over discrete steps (Poisson arrivals per step); prompt and output lengths
-are long-tailed (lognormal, clipped); half of the prompts start with one shared system
-prompt. Any allocator can replay the very same trace from the file: each line holds the
-request's arrival step, its prompt token ids and how many tokens it generates; the ids of
-generated tokens are `output_token_id`, a pure function of the request and position.
+`PromptSpec` says how prompts are drawn (lengths, a shared system prompt, token ids) and
+`PromptSource` draws them one by one from a numpy generator, so that a caller can interleave
+its own draws (arrival counts, output lengths) and keep its seeded sequence. The demo's
+synthetic workload, the allocator and serving traces, the service and the peers workloads all
+draw their prompts here.
+
+A trace is saved and loaded as JSON lines (one request per line). Requests arrive over
+discrete steps (Poisson arrivals per step); prompt and output lengths are long-tailed
+(lognormal, clipped); half of the prompts start with one shared system prompt. Any allocator
+can replay the very same trace from the file: each line holds the request's arrival step, its
+prompt token ids and how many tokens it generates; the ids of generated tokens are
+`output_token_id`, a pure function of the request and position.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LognormalLengths:
+    """Long-tailed token counts: ``int(clip(lognormal(mu, sigma), low, high)) + shift``.
+
+    Examples
+    --------
+    >>> lengths = LognormalLengths.with_median(150, 0.6, low=8, high=512)
+    >>> rng = np.random.default_rng(0)
+    >>> all(8 <= lengths.draw(rng) <= 512 for _ in range(100))
+    True
+    """
+
+    mu: float
+    sigma: float
+    low: float = 1
+    high: float = math.inf
+    shift: int = 0  # added after rounding down: the demo's lengths are 1 + a lognormal
+
+    @classmethod
+    def with_mean(cls, mean: float, sigma: float = 1.0, **bounds) -> LognormalLengths:
+        """Lengths whose lognormal (before clipping) has mean `mean`."""
+        return cls(np.log(mean) - sigma**2 / 2, sigma, **bounds)
+
+    @classmethod
+    def with_median(cls, median: float, sigma: float, **bounds) -> LognormalLengths:
+        """Lengths whose lognormal (before clipping) has median `median`."""
+        return cls(np.log(median), sigma, **bounds)
+
+    def draw(self, rng: np.random.Generator, high: float | None = None) -> int:
+        """One length, at most `high` as well when given (before `shift`)."""
+        limit = self.high if high is None else min(self.high, high)
+        return int(np.clip(rng.lognormal(self.mu, self.sigma), self.low, limit)) + self.shift
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UniformLengths:
+    """Token counts uniform in ``[low, high]`` (both included)."""
+
+    low: int
+    high: int
+
+    def draw(self, rng: np.random.Generator, high: float | None = None) -> int:
+        """One length, at most `high` as well when given."""
+        limit = self.high if high is None else int(min(self.high, high))
+        return int(rng.integers(self.low, limit + 1))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptSpec:
+    """How prompts are drawn: their lengths, the shared system prompt, the token ids.
+
+    Parameters
+    ----------
+    lengths : LognormalLengths or UniformLengths
+        The drawn length: of the part after the system prompt, or of the whole prompt when
+        `length_counts_system`.
+    vocab_size, min_token_id : int
+        Token ids are uniform in ``[min_token_id, vocab_size)`` (1: keep 0 for padding).
+    system_prompt_len : int
+        Tokens of the one system prompt, drawn first.
+    shared_fraction : float
+        Share of the prompts that start with the system prompt.
+    random_share : bool
+        Whether a prompt shares it is a uniform draw per prompt; else it goes by index, the
+        first and then evenly (every second one at 0.5), without a draw.
+    length_counts_system : bool
+        The drawn length is the whole prompt's; the part after the system prompt is the rest
+        (at least 1 token).
+    max_len : int, optional
+        The whole prompt's length at most: the part after the system prompt is cut to fit
+        (at least 1 token).
+    """
+
+    lengths: LognormalLengths | UniformLengths
+    vocab_size: int = 32000
+    min_token_id: int = 0
+    system_prompt_len: int = 0
+    shared_fraction: float = 0.0
+    random_share: bool = False
+    length_counts_system: bool = False
+    max_len: int | None = None
+
+
+class PromptSource:
+    """Prompts of a `PromptSpec` drawn one by one from `rng` (the system prompt on creation).
+
+    Examples
+    --------
+    >>> spec = PromptSpec(UniformLengths(4, 8), system_prompt_len=3, shared_fraction=0.5)
+    >>> source = PromptSource(spec, np.random.default_rng(0))
+    >>> [source.draw()[1] for _ in range(4)]  # system prompt tokens of each
+    [3, 0, 3, 0]
+    """
+
+    def __init__(self, spec: PromptSpec, rng: np.random.Generator) -> None:
+        self.spec, self._rng, self._count = spec, rng, 0
+        self.system = rng.integers(spec.min_token_id, spec.vocab_size,
+                                   spec.system_prompt_len).tolist()
+
+    def draw(self) -> tuple[list[int], int]:
+        """The next prompt, and how many of its first tokens are the system prompt (0: none)."""
+        spec, rng, index = self.spec, self._rng, self._count
+        self._count += 1
+        if spec.random_share:
+            shares = bool(rng.random() < spec.shared_fraction)
+        else:  # of the first i prompts, ceil(i * fraction) share
+            shares = math.ceil((index + 1) * spec.shared_fraction) > math.ceil(
+                index * spec.shared_fraction)
+        prefix = self.system if shares else []
+        if spec.length_counts_system:
+            own = max(1, spec.lengths.draw(rng) - len(prefix))
+        else:
+            limit = None if spec.max_len is None else max(spec.max_len - len(prefix), 1)
+            own = spec.lengths.draw(rng, limit)
+        return prefix + rng.integers(spec.min_token_id, spec.vocab_size, own).tolist(), len(prefix)
+
+
+def make_prompts(spec: PromptSpec, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """`num_prompts` seeded prompts of `spec`.
+
+    Examples
+    --------
+    >>> prompts = make_prompts(PromptSpec(UniformLengths(16, 128), vocab_size=100), 3)
+    >>> len(prompts), all(16 <= len(p) <= 128 for p in prompts)
+    (3, True)
+    """
+    source = PromptSource(spec, np.random.default_rng(seed))
+    return [source.draw()[0] for _ in range(num_prompts)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,31 +202,27 @@ def make_trace(spec: TraceSpec = TraceSpec(), seed: int = 0) -> list[TraceReques
     True
     """
     rng = np.random.default_rng(seed)
-    system = rng.integers(0, spec.vocab_size, spec.system_prompt_len).tolist()
     # lognormal, sigma 1: median ~0.6 x mean and a long tail; the unique part's mean is set so
     # the prompt (system prompt included for the shared fraction) averages mean_prompt_len
     shared_mean = spec.shared_fraction * spec.system_prompt_len
-    unique_mean = max(spec.mean_prompt_len - shared_mean, 1.0)
-    requests, step = [], 0
+    unique = LognormalLengths.with_mean(max(spec.mean_prompt_len - shared_mean, 1.0))
+    prompts = PromptSource(PromptSpec(
+        unique, vocab_size=spec.vocab_size, system_prompt_len=spec.system_prompt_len,
+        shared_fraction=spec.shared_fraction, random_share=True,
+        max_len=spec.max_prompt_len), rng)
+    outputs = LognormalLengths.with_mean(spec.mean_output_len, high=spec.max_output_len)
+    requests: list[TraceRequest] = []
+    step = 0
     while len(requests) < spec.num_requests:
         for _ in range(int(rng.poisson(spec.arrival_rate))):
             if len(requests) == spec.num_requests:
                 break
-            shares = bool(rng.random() < spec.shared_fraction)
-            prefix = system if shares else []
-            limit = max(spec.max_prompt_len - len(prefix), 1)
-            unique_len = _lognormal_int(rng, unique_mean, limit)
-            prompt = prefix + rng.integers(0, spec.vocab_size, unique_len).tolist()
+            prompt, system_len = prompts.draw()
             requests.append(TraceRequest(
                 request_id=len(requests), arrival_step=step, prompt_token_ids=tuple(prompt),
-                output_len=_lognormal_int(rng, spec.mean_output_len, spec.max_output_len),
-                system_prompt_len=len(prefix)))
+                output_len=outputs.draw(rng), system_prompt_len=system_len))
         step += 1
     return requests
-
-
-def _lognormal_int(rng: np.random.Generator, mean: float, limit: int) -> int:
-    return int(np.clip(rng.lognormal(np.log(mean) - 0.5, 1.0), 1, limit))
 
 
 def output_token_id(request_id: int, index: int, vocab_size: int = 32000) -> int:

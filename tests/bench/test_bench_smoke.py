@@ -26,6 +26,13 @@ from paged_kv.bench import (
 from paged_kv.bench.cli import WORKLOADS
 from paged_kv.bench.replay import paged_block_ops, simple_block_ops
 from paged_kv.bench.scale import QUICK
+from paged_kv.bench.trace import (
+    LognormalLengths,
+    PromptSource,
+    PromptSpec,
+    UniformLengths,
+    make_prompts,
+)
 from paged_kv.bench.workloads import peers
 from paged_kv.cli import main
 
@@ -97,6 +104,25 @@ def test_trace_round_trip_and_shape(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         load_trace(tmp_path / "bad.jsonl")
 
+
+
+def test_prompts_share_the_system_prompt_and_lengths_as_specified():
+    """The one prompt source: seeded, ids in range, the system prompt by index (counted in
+    the drawn length) or by a draw (the whole prompt at most max_len)."""
+    counted = PromptSpec(LognormalLengths.with_median(40, 0.6, low=8, high=64), vocab_size=50,
+                         min_token_id=1, system_prompt_len=10, shared_fraction=0.5,
+                         length_counts_system=True)
+    prompts = make_prompts(counted, 30, seed=2)
+    assert prompts == make_prompts(counted, 30, seed=2) != make_prompts(counted, 30, seed=3)
+    assert all(p[:10] == prompts[0][:10] for p in prompts[::2])
+    assert all(p[:10] != prompts[0][:10] for p in prompts[1::2])
+    assert all(8 <= len(p) <= 64 and min(p) >= 1 and max(p) < 50 for p in prompts)
+    drawn = PromptSpec(UniformLengths(1, 100), system_prompt_len=30, shared_fraction=0.3,
+                       random_share=True, max_len=60)
+    source = PromptSource(drawn, np.random.default_rng(0))
+    shares = [source.draw() for _ in range(200)]
+    assert all(len(p) <= 60 and p[:n] == source.system[:n] for p, n in shares)
+    assert 0.15 < sum(n > 0 for _, n in shares) / 200 < 0.45
 
 def test_both_managers_replay_the_same_schedule_and_block_operations():
     trace = make_trace(SMALL_TRACE, seed=1)

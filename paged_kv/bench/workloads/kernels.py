@@ -8,6 +8,8 @@ already mapped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -59,8 +61,11 @@ class PagedSetup:
         return slots[positions[None, :] < self.seq_lens[:, None]]
 
 
-def _copy_baseline(num_elements: int, dtype: torch.dtype, device: torch.device):
-    src = [torch.randn(num_elements).to(dtype).to(device) for _ in range(2)]
+def copy_baseline(num_elements: int, dtype: torch.dtype, device: torch.device | str,
+                  copies: int = 2) -> Callable[[], object]:
+    """The roofline of a kernel moving K and V: ``dst.copy_(src)`` of `copies` random
+    tensors of `num_elements` each (K and V: 2) into preallocated ones."""
+    src = [torch.randn(num_elements).to(dtype).to(device) for _ in range(copies)]
     dst = [torch.empty_like(s) for s in src]
     return lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)]
 
@@ -69,7 +74,7 @@ def _bandwidth_figure(name: str, op, num_elements: int, setup: PagedSetup,
                       repeats: int, device: torch.device) -> Figure:
     """GB/s of `op` (moving K and V of `num_elements` each) against copy_ of those bytes."""
     nbytes = 2 * num_elements * setup.key_cache.element_size()
-    baseline = _copy_baseline(num_elements, setup.key_cache.dtype, device)
+    baseline = copy_baseline(num_elements, setup.key_cache.dtype, device)
     paged, copied = time_interleaved([op, baseline], repeats=repeats, device=device)
     return Figure(name, paged.inverse(nbytes / 1e9, "GB/s"), COPY,
                   copied.inverse(nbytes / 1e9, "GB/s"), higher_is_better=True)

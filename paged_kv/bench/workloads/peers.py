@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import trace
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -121,18 +122,11 @@ def build_checkpoint(path: Path, *, hidden: int, layers: int, heads: int, kv_hea
 def make_prompts(num_requests: int, *, vocab: int, seed: int = 0,
                  max_prompt_len: int = 512) -> list[list[int]]:
     """Lognormal prompt lengths (median `MEDIAN_PROMPT_LEN`), every second one behind one
-    shared `SYSTEM_PROMPT_LEN`-token system prompt counted in its length."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(1, vocab, SYSTEM_PROMPT_LEN).tolist()
-    prompts = []
-    for i in range(num_requests):
-        length = int(np.clip(rng.lognormal(np.log(MEDIAN_PROMPT_LEN), 0.6), 8, max_prompt_len))
-        if i % 2 == 0:
-            own = max(1, length - SYSTEM_PROMPT_LEN)
-            prompts.append(system + rng.integers(1, vocab, own).tolist())
-        else:
-            prompts.append(rng.integers(1, vocab, length).tolist())
-    return prompts
+    shared `SYSTEM_PROMPT_LEN`-token system prompt counted in its length; ids from 1 (0 pads)."""
+    lengths = trace.LognormalLengths.with_median(MEDIAN_PROMPT_LEN, 0.6, low=8, high=max_prompt_len)
+    return trace.make_prompts(trace.PromptSpec(
+        lengths, vocab_size=vocab, min_token_id=1, system_prompt_len=SYSTEM_PROMPT_LEN,
+        shared_fraction=0.5, length_counts_system=True), num_requests, seed)
 
 
 def run_engine(runner: torch.nn.Module, prompts: list[list[int]], new_tokens: int,

@@ -20,9 +20,9 @@ from ...kernels import gather_kv, write_kv
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, time_interleaved
-from ..trace import TraceRequest, scale_trace
+from ..trace import TraceRequest
 from .kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PagedSetup
-from .serving import ServingRun, serve_config, stat_of
+from .serving import ServingRun, serve_config, served_model, stat_of
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 SERVED = ("int8", "fp8_e4m3")  # e5m2 serves like e4m3 (same bytes); its accuracy is below
@@ -84,15 +84,8 @@ def serving_figures(scale: Scale, trace: Sequence[TraceRequest],
                     ) -> tuple[list[Figure], dict, dict[str, list[ServingRun]]]:
     """Concurrency, throughput and greedy agreement per served format against float16;
     also the facts and every run."""
-    from ...serving import TinyLlama, TinyLlamaConfig
-
-    config = TinyLlamaConfig(num_layers=scale.serving_layers, hidden_size=scale.serving_hidden,
-                             intermediate_size=2 * scale.serving_hidden, num_heads=4,
-                             num_kv_heads=2, head_dim=64)
-    model = TinyLlama(config, seed=0)
-    requests = scale_trace(trace[:scale.serving_requests], scale.serving_scale,
-                           config.vocab_size)
-    max_len = max(r.total_len for r in requests)
+    model, requests, max_len = served_model(scale, trace, num_heads=4, num_kv_heads=2,
+                                            head_dim=64)
     probe = {k: model.cache_config(num_blocks=2, kv_cache_dtype=k) for k in SERVED}
     fp16_probe = model.cache_config(num_blocks=2, dtype=torch.float16)
     budget = SLABS * max_len * fp16_probe.bytes_per_token

@@ -24,6 +24,7 @@ import numpy as np
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
+from ..trace import PromptSpec, UniformLengths, make_prompts
 
 RATE_FRACTIONS = (0.25, 0.5, None)  # of the in-process saturated request rate; None = at once
 OUTPUT_LEN = 32
@@ -38,9 +39,8 @@ DESCRIPTION = (
 
 
 def _requests(num_requests: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, int(rng.integers(16, 129))).tolist()
-            for _ in range(num_requests)]
+    return make_prompts(PromptSpec(UniformLengths(16, 128), vocab_size=vocab_size),
+                        num_requests, seed)
 
 
 def _arrivals(num_requests: int, rate: float | None, seed: int = 1) -> list[float]:

@@ -101,16 +101,23 @@ def run_to_completion(engine, requests: Sequence[TraceRequest]) -> tuple[list, l
     return outputs, running, time.perf_counter() - start
 
 
-def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
-    """Both engines on the first ``scale.serving_requests`` requests, lengths scaled down."""
+def served_model(scale: Scale, trace: Sequence[TraceRequest], **shape,
+                 ) -> tuple[object, list[TraceRequest], int]:
+    """The serving workloads' TinyLlama at `scale` (seed 0; `shape` sets its heads), the
+    first ``scale.serving_requests`` requests with lengths divided by ``scale.serving_scale``,
+    and the longest one's total length."""
     from ...serving import TinyLlama, TinyLlamaConfig
 
     config = TinyLlamaConfig(num_layers=scale.serving_layers, hidden_size=scale.serving_hidden,
-                             intermediate_size=2 * scale.serving_hidden)
-    model = TinyLlama(config, seed=0)
+                             intermediate_size=2 * scale.serving_hidden, **shape)
     requests = scale_trace(trace[:scale.serving_requests], scale.serving_scale,
                            config.vocab_size)
-    max_len = max(r.total_len for r in requests)
+    return TinyLlama(config, seed=0), requests, max(r.total_len for r in requests)
+
+
+def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
+    """Both engines on the first ``scale.serving_requests`` requests, lengths scaled down."""
+    model, requests, max_len = served_model(scale, trace)
     budget = SLABS * max_len
     serve(model, requests[:2], paged=True, budget_tokens=budget, max_len=max_len)  # warm-up
     runs: dict[str, list[ServingRun]] = {PAGED: [], CONTIGUOUS: []}
@@ -118,7 +125,7 @@ def run(scale: Scale, trace: Sequence[TraceRequest]) -> WorkloadResult:
         for name in runs:
             runs[name].append(serve(model, requests, paged=name == PAGED, budget_tokens=budget,
                                     max_len=max_len))
-    return _result(scale, requests, runs, budget, max_len, config)
+    return _result(scale, requests, runs, budget, max_len, model.config)
 
 
 def stat_of(runs: list[ServingRun], metric, unit: str) -> Stat:
