@@ -58,8 +58,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests that would wait for a running slot: those queued for the engine and
         waiting inside it, less the slots free now (so an idle server has none)."""
-        scheduler = self.engine.scheduler
-        free = scheduler.max_num_seqs - len(scheduler.running)
+        free = self.engine.max_num_seqs - self.engine.stats().num_running
         return self._inbox.qsize() + self.engine.num_waiting_requests - free
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -139,10 +138,7 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         """Fail every request in the engine with `message` (its clients get an error)."""
-        scheduler = self.engine.scheduler
-        ids = {seq.request.request_id for seq in
-               (*scheduler.running, *scheduler.waiting, *scheduler.swapped)}
-        for request_id in ids:
+        for request_id in self.engine.unfinished_request_ids():
             with contextlib.suppress(Exception):  # a dead engine may fail to free too
                 self.engine.abort(request_id, error=message)
 

@@ -47,7 +47,7 @@ def _run(model: TinyLlama, size: int, budget: int, requests: list[list[int]],
             return out
 
         engine.model.forward = timed
-        collectives = engine.runner.group.collectives if size > 1 else None
+        collectives = engine.runner.collectives
         while engine.has_unfinished_requests:
             start = time.perf_counter()
             engine.step()
