@@ -30,7 +30,9 @@ NULL_BLOCK = 0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockEvent:
-    """One allocator event: ``kind`` is allocated / freed / cached / evicted / hit."""
+    """One allocator event: ``kind`` is allocated / freed / cached / evicted / hit, or
+    stored / removed (blocks entered into / taken out of the prefix index by `register*` /
+    `unregister`; an evicted block leaves the index too)."""
 
     kind: str
     block_ids: tuple[int, ...]
@@ -321,6 +323,24 @@ class BlockAllocator:
         self._tokens[ids] = tokens
         self._indexed[ids] = True
         self._protected[ids] = True
+        self._events.append(BlockEvent("stored", tuple(block_ids)))
+
+    def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
+        """Take `block_ids` out of the prefix index (those not indexed are skipped): their
+        K/V was never written, so no later prefix may find them. A cached one becomes free.
+        Returns how many left the index."""
+        ids = [b for b in dict.fromkeys(np.asarray(block_ids, dtype=np.int64).tolist())
+               if self._indexed[b]]
+        for block_id in ids:
+            del self._index[self._keys[block_id].tobytes()]
+            if block_id in self._cached:
+                del self._cached[block_id]
+                self._free.append(block_id)
+        if ids:
+            self._indexed[ids] = False
+            self._protected[ids] = self._refcount[ids] > 1
+            self._events.append(BlockEvent("removed", tuple(ids)))
+        return len(ids)
 
     def reset_prefix_cache(self) -> int:
         """Free every cached block and empty the index; returns how many blocks were dropped."""
@@ -332,6 +352,7 @@ class BlockAllocator:
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
             self._events.append(BlockEvent("freed", tuple(dropped)))
+        self._events.append(BlockEvent("cleared", ()))
         return len(dropped)
 
     def take_events(self) -> list[BlockEvent]:

@@ -94,3 +94,11 @@ def index_row_blocks(allocator: BlockAllocator, tables: PageTables, row: int, fi
     data = encode_tokens(tables.token_ids[row, first * block_size: end * block_size])
     keys = allocator.register_chain(tables.block_ids[row, first:end].tolist(), chain, data)
     tables.set_chain(row, keys[-1])
+
+
+def forget_unwritten(allocator: BlockAllocator, tables: PageTables, seq_id: object,
+                     num_written: int, block_size: int) -> int:
+    """Take out of the index every block of `seq_id` past its first `num_written` tokens
+    (a failed step indexed them when it planned them, but their K/V was never written).
+    Call before truncating the sequence back to `num_written`; returns how many left."""
+    return allocator.unregister(tables.blocks(seq_id)[num_written // block_size:])

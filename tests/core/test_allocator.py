@@ -83,6 +83,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.owners[self.next_owner] = [block]
         self.next_owner += 1
 
+    @precondition(lambda self: self.indexed)
+    @rule(data=st.data())
+    def unregister(self, data):
+        blocks = data.draw(st.lists(st.sampled_from(sorted(self.indexed)), min_size=1))
+        free_before = self.allocator.num_free_blocks
+        unowned = {b for b in blocks if self._model_refcount()[b] == 0}
+        assert self.allocator.unregister(blocks) == len(set(blocks))
+        for block in set(blocks):
+            assert self.allocator.lookup(self.indexed.pop(block),
+                                         np.array([block, 7], dtype="<i4").tobytes()) is None
+        assert self.allocator.num_free_blocks == free_before + len(unowned), \
+            "a cached block taken out of the index is free"
+
     @rule()
     def reset(self):
         cached = self.allocator.num_cached_blocks
@@ -137,3 +150,18 @@ def test_events_are_bounded():
     for _ in range(5):
         allocator.free(allocator.allocate(1))
     assert len(allocator.take_events()) == 3
+
+
+def test_index_changes_are_events():
+    allocator = BlockAllocator(6)
+    ids = allocator.allocate(2).tolist()
+    for b in ids:
+        allocator.register(b, bytes([b]) * 32, bytes([b]))
+    allocator.free(ids)
+    assert allocator.unregister([ids[0], ids[0], 5]) == 1, "repeats and unindexed skipped"
+    allocator.reset_prefix_cache()
+    kinds = [(e.kind, e.block_ids) for e in allocator.take_events()
+             if e.kind in ("stored", "removed", "cleared")]
+    assert kinds == [("stored", (ids[0],)), ("stored", (ids[1],)), ("removed", (ids[0],)),
+                     ("cleared", ())]
+    allocator.check_invariants()

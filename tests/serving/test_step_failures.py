@@ -157,3 +157,29 @@ def test_the_queues_are_read_through_stats_and_unfinished_request_ids(model):
         engine.abort(request_id, error="the engine died")
     assert engine.unfinished_request_ids() == [] and not engine.has_unfinished_requests
     assert engine.stats().num_live_blocks == 0
+
+
+def test_blocks_a_failed_step_planned_are_never_found_by_a_later_prompt(model, monkeypatch):
+    """A step indexes the full blocks it plans before the model writes them; when the model
+    then fails, those blocks hold no K/V of their tokens. They must leave the prefix index:
+    the same prompt sent again computes them instead of being served garbage."""
+    prompt_ids = prompt(40, 7)  # five full blocks of 8, and more
+    want = alone(model, prompt_ids, GREEDY)
+    engine = make_engine(model)
+    real_forward = model.forward
+    failing = [True]
+
+    def forward(*args, **kwargs):
+        if failing[0]:
+            raise RuntimeError("the model failed")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    [failed] = engine.generate([prompt_ids], GREEDY)
+    assert failed.error is not None
+    engine.cache.check()
+    assert engine.cache.allocator.num_cached_blocks == 0, "unwritten blocks stayed cached"
+    failing[0] = False
+    [out] = engine.generate([prompt_ids], GREEDY)
+    assert out.prefix_hit_tokens == 0
+    assert out.outputs[0].token_ids == want
