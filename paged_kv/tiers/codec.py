@@ -1,0 +1,116 @@
+"""Self-verifying block values: a fixed header, then the block's bytes.
+
+Header (little-endian, 80 bytes): magic ``PKVB``, format version, checksum kind, the full
+chained key (32), the fingerprint (16), the payload length, the payload's checksum
+(xxh3-64 when ``xxhash`` is installed, else CRC-32; the kind says which). A value
+verifies only when every field matches what the reader asked for and the payload's
+checksum is right: a truncated, torn, foreign or colliding value is a miss.
+
+The store key is the fingerprint's namespace and the chained key in hex: the same in every
+process and on every machine (sha256, never Python's ``hash``), and the tenant's salt is
+inside the chain, so two tenants' blocks never share a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import zlib
+
+from ..config import CacheConfig
+
+try:
+    import xxhash
+except ImportError:  # the tiers extra brings it; CRC-32 verifies as well, more slowly
+    xxhash = None
+
+MAGIC, VERSION = b"PKVB", 1
+CHECK_CRC32, CHECK_XXH3 = 1, 2
+HEADER = struct.Struct("<4sHH32s16sQQ")
+KEY_HEX_CHARS = 64  # tests shorten it to force collisions (see `store_key`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """Everything a block's bytes depend on besides its tokens: blocks of another model,
+    dtype, page format, block size, shape or tensor-parallel rank never match."""
+
+    model_id: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def of(cls, config: CacheConfig, model_id: str, tp_rank: int = 0,
+           tp_size: int = 1) -> Fingerprint:
+        """The fingerprint of a cache's blocks (`config` as this rank holds it)."""
+        return cls(model_id, str(config.dtype), config.kv_cache_dtype, config.block_size,
+                   config.num_layers, config.num_kv_heads, config.head_dim, tp_rank, tp_size)
+
+    @property
+    def digest(self) -> bytes:
+        """16 bytes of sha256 over every field."""
+        fields = dataclasses.astuple(self)
+        return hashlib.sha256(repr(fields).encode()).digest()[:16]
+
+    @property
+    def namespace(self) -> str:
+        """The key prefix of this fingerprint's blocks in every store."""
+        return self.digest.hex()
+
+
+def store_key(namespace: str, key: bytes) -> str:
+    """The store's key of the block chained to `key` (a sha256) under `namespace`."""
+    return f"{namespace}:{key.hex()[:KEY_HEX_CHARS]}"
+
+
+def checksum(payload: bytes | memoryview) -> tuple[int, int]:
+    """``(kind, value)`` of `payload`: xxh3-64 when available, else CRC-32."""
+    if xxhash is not None:
+        return CHECK_XXH3, xxhash.xxh3_64_intdigest(payload)
+    return CHECK_CRC32, zlib.crc32(payload)
+
+
+def encode(key: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
+    """The stored value of one block: header + payload.
+
+    Parameters
+    ----------
+    key : bytes
+        The block's full chained key (32 bytes).
+    digest : bytes
+        `Fingerprint.digest` of the writer.
+    payload : bytes
+        The block's bytes (`paged_kv.offload.read_blocks`: all layers, K and V, scales).
+    """
+    kind, value = checksum(payload)
+    return HEADER.pack(MAGIC, VERSION, kind, key, digest, len(payload), value) + bytes(payload)
+
+
+def decode(value: bytes | None, key: bytes, digest: bytes, payload_len: int,
+           ) -> memoryview | None:
+    """The payload of `value` when it is the block `key` of fingerprint `digest` with
+    `payload_len` bytes and an intact checksum; None otherwise (a miss)."""
+    if value is None or len(value) != HEADER.size + payload_len:
+        return None
+    magic, version, kind, stored_key, stored_digest, length, value_sum = HEADER.unpack_from(
+        value)
+    if (magic, version, stored_key, stored_digest, length) != (MAGIC, VERSION, key, digest,
+                                                               payload_len):
+        return None
+    payload = memoryview(value)[HEADER.size:]
+    if kind == CHECK_XXH3:
+        if xxhash is None:
+            return None  # cannot verify: a miss, never served unchecked
+        ok = xxhash.xxh3_64_intdigest(payload) == value_sum
+    elif kind == CHECK_CRC32:
+        ok = zlib.crc32(payload) == value_sum
+    else:
+        ok = False
+    return payload if ok else None
