@@ -31,8 +31,7 @@ NULL_BLOCK = 0
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockEvent:
     """One allocator event: ``kind`` is allocated / freed / cached / evicted / hit, or
-    stored / removed (blocks entered into / taken out of the prefix index by `register*` /
-    `unregister`; an evicted block leaves the index too)."""
+    stored / removed / cleared (the prefix index gained / lost blocks, or was emptied)."""
 
     kind: str
     block_ids: tuple[int, ...]

@@ -129,3 +129,32 @@ class KVPool:
         for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
                                             strict=True):
             swap_blocks(host_plane, device_plane, src, dst)
+
+    # -- whole blocks as bytes (the tiers' unit) ----------------------------------------
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block as `read_blocks` returns it (every layer, K and V, scales)."""
+        return sum(plane[:, :, 0].nbytes for plane in self._planes())
+
+    def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Copy device blocks out: ``[n, block_nbytes]`` uint8 on the CPU, each row one
+        block (its planes' bytes in layer, K/V, token order), independent of the pool."""
+        ids = self._ids(block_ids, self.kv.device)
+        rows = [plane.index_select(2, ids).movedim(2, 0).contiguous().view(torch.uint8)
+                .reshape(ids.numel(), -1) for plane in self._planes()]
+        return torch.cat(rows, dim=1).cpu()
+
+    def write_blocks(self, block_ids: np.ndarray, data: torch.Tensor) -> None:
+        """Fill device blocks from `read_blocks` rows (``[n, block_nbytes]`` uint8)."""
+        if data.dtype != torch.uint8 or data.shape != (len(block_ids), self.block_nbytes):
+            raise ValueError(f"write_blocks(): expected uint8 [{len(block_ids)}, "
+                             f"{self.block_nbytes}], got {data.dtype} {tuple(data.shape)}")
+        ids = self._ids(block_ids, self.kv.device)
+        start = 0
+        for plane in self._planes():
+            block_shape = plane[:, :, 0].shape
+            width = plane[:, :, 0].nbytes
+            rows = data[:, start:start + width].to(self.kv.device).contiguous()
+            blocks = rows.view(plane.dtype).reshape(len(block_ids), *block_shape)
+            plane.index_copy_(2, ids, blocks.movedim(0, 2))
+            start += width

@@ -102,3 +102,29 @@ def forget_unwritten(allocator: BlockAllocator, tables: PageTables, seq_id: obje
     (a failed step indexed them when it planned them, but their K/V was never written).
     Call before truncating the sequence back to `num_written`; returns how many left."""
     return allocator.unregister(tables.blocks(seq_id)[num_written // block_size:])
+
+
+def missing_blocks(allocator: BlockAllocator, token_ids: np.ndarray, block_size: int,
+                   salt: str | None = None) -> tuple[int, list[bytes], np.ndarray]:
+    """The full blocks of a prompt the device index lacks, as a lower tier would know them.
+
+    Returns
+    -------
+    num_hit : int
+        Blocks found on the device (the prefix `match_prefix` counts).
+    keys : list of bytes
+        The chained keys of the prompt's remaining full blocks, in order (never the block
+        holding the last token, which is always computed).
+    token_ids : np.ndarray
+        ``[len(keys) * block_size]`` those blocks' token ids.
+    """
+    chain = root_hash(salt)
+    tokens = tokens_to_array("missing_blocks(): token_ids", token_ids)
+    chain, hits = lookup_prefix(allocator, chain, tokens, block_size)
+    start, end = len(hits) * block_size, (len(tokens) - 1) // block_size * block_size
+    rest = tokens[start:end] if end > start else tokens[:0]
+    keys = []
+    for piece in split_blocks(encode_tokens(rest), len(rest) // block_size):
+        chain = hash_block(chain, piece)
+        keys.append(chain)
+    return len(hits), keys, rest

@@ -12,6 +12,8 @@ import torch
 from .._threads import ThreadGovernor, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
+from ..tiers import TierConfig
+from ..tiers.manager import open_tiers
 from .errors import EngineDeadError
 from .limits import check_limits, check_request
 from .metrics import EngineMetrics
@@ -55,6 +57,10 @@ class Engine:
         gloo on CPU); the engine starts the workers itself and stops them on `close` (see
         `paged_kv.serving.parallel`). The model must be a `TinyLlama` or an `HFCausalLM` loaded
         with ``from_pretrained``; `cache_config` is the whole model's.
+    kv_tiers : TierConfig, optional
+        Tiers behind the device pool (host RAM, disk, Redis): stored blocks are written
+        down in the background and a prompt's missing blocks fetched back when that beats
+        recomputing them (see `paged_kv.tiers`). Not with tensor parallelism yet.
     num_threads : int, optional
         torch intra-op threads while the engine runs a step (restored after each step).
         Default on the CPU: torch's count while the cores are free, fewer (at least one)
@@ -75,13 +81,16 @@ class Engine:
     def __init__(self, model: torch.nn.Module, cache_config: CacheConfig | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  preemption: str = "recompute", memory_fraction: float | None = None,
-                 num_threads: int | None = None, tensor_parallel_size: int = 1) -> None:
+                 num_threads: int | None = None, tensor_parallel_size: int = 1,
+                 kv_tiers: TierConfig | None = None) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
         if cache_config is None:
             cache_config = cache_config_for_free_memory(
                 model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
         check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
+        if kv_tiers is not None and kv_tiers.enabled and tensor_parallel_size != 1:
+            raise ValueError("kv_tiers: not supported with tensor_parallel_size > 1 yet")
         # CPU steps run on the cores other processes leave free (see paged_kv._threads)
         self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
                          or num_threads is not None else None)
@@ -94,9 +103,10 @@ class Engine:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
                            else TensorParallelRunner(model, self.cache, group))
+            self.tiers = open_tiers(kv_tiers, self.cache, model)
             self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens,
-                                       preemption=preemption)
+                                       preemption=preemption, tiers=self.tiers)
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
         except BaseException:
             if group is not None:  # no half-built engine leaves the group initialised
@@ -160,7 +170,7 @@ class Engine:
     @property
     def num_waiting_requests(self) -> int:
         """Sequences waiting to be admitted (a request's samples count once until forked)."""
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.scheduler.loading)
 
     def _validate(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> list[int]:
         return check_request(prompt_token_ids, params, self.model.config,
@@ -217,12 +227,16 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan:
+            if self.scheduler.loading:  # only fetches to wait for: let their thread run
+                time.sleep(0.001)
             return []
         step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
         samples = self._sample(step)
         for sample in samples:  # each sample's output streams as soon as it is updated
             self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
+        if self.tiers is not None:  # the blocks this step wrote, copied out for the tiers
+            self.tiers.after_step(self.cache.allocator.take_events())
         self.metrics.observe(self.stats(), len(samples))
         finished = dict.fromkeys(seq.request for seq in step.sampled if seq.request.is_finished)
         return [request.output(request.finish_time) for request in finished
@@ -234,7 +248,10 @@ class Engine:
         is a property of some request's input as often as of the step)."""
         try:
             batch = self.cache.prepare(self.scheduler.step_tokens(plan))
+            start = time.perf_counter()
             step = self.runner.run(plan, batch)  # on an error it gave the slots back
+            if self.tiers is not None:  # the recompute rate a fetch must beat
+                self.tiers.observe_prefill(batch.num_tokens, time.perf_counter() - start)
         except EngineDeadError as exc:  # the runner cannot go on (a rank died, or is behind)
             self._dead = f"{exc}; restart the engine"
             raise
@@ -324,6 +341,8 @@ class Engine:
         (`step` raises `EngineDeadError`)."""
         self._dead = self._dead or "the engine was closed"
         self.runner.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -342,7 +361,9 @@ class Engine:
             num_cached_blocks=allocator.num_cached_blocks,
             num_free_blocks=allocator.num_free_blocks,
             prefix_query_tokens=allocator.prefix_query_tokens,
-            prefix_hit_tokens=allocator.prefix_hit_tokens)
+            prefix_hit_tokens=allocator.prefix_hit_tokens,
+            num_loading=len(scheduler.loading),
+            tiers=None if self.tiers is None else self.tiers.stats())
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""

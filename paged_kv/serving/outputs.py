@@ -4,6 +4,7 @@ streaming. Plain values; the scheduler and the server import them without the en
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,4 +76,6 @@ class EngineStats:
     num_cached_blocks: int
     num_free_blocks: int
     prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # from the device pool and every tier below it
+    num_loading: int = 0  # waiting for their prompts' blocks from a lower tier
+    tiers: Any = None  # tiers.TiersStats when the engine has tiers

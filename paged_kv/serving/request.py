@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,9 +14,11 @@ from .sampling import SamplingParams
 
 
 class Status(enum.Enum):
-    """Where a sample is: waiting to be admitted, running, swapped to the host, finished."""
+    """Where a sample is: waiting to be admitted (or loading its prefix from a tier),
+    running, swapped to the host, finished."""
 
     WAITING = "waiting"
+    LOADING = "loading"  # waiting for its prompt's blocks from a lower tier
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
@@ -79,6 +82,8 @@ class Sequence:
     token_times: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
+    fetch: Any = None  # its prompt's blocks being fetched from the tiers (a tiers.Fetch)
+    tiered: bool = False  # the tiers were asked for its prompt since it last waited
 
     @property
     def seq_id(self) -> tuple[int, int]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
-from ..prefix import match_prefix
+from ..prefix import match_prefix, missing_blocks
 from .request import Request, Sequence, Status
 
 
@@ -23,7 +24,7 @@ class Scheduler:
     add / free / swap for sequences."""
 
     def __init__(self, cache: PagedKVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption: str) -> None:
+                 preemption: str, tiers: Any = None) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -31,17 +32,21 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.swapped: collections.deque[Sequence] = collections.deque()
+        self.loading: list[Sequence] = []  # waiting for their prompts' blocks from the tiers
+        self.tiers = tiers  # a tiers.TierManager, or None
         self.num_preemptions = 0
         self._reserved = 0  # blocks this step's scheduled sequences will take
 
     @property
     def has_work(self) -> bool:
         """Whether any sequence is waiting, running or swapped out."""
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     def schedule(self) -> dict[Sequence, int]:
         """This step's new tokens per sequence; may preempt, swap in, and admit."""
         step: dict[Sequence, int] = {}
+        if self.loading:
+            self._land_fetches()
         preempted, budget = self._schedule_running(step)
         if not preempted:
             budget = self._schedule_swapped(step, budget)
@@ -105,6 +110,9 @@ class Scheduler:
             if self._num_slots() + slots > self.max_num_seqs:
                 return
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
+            if reuse and self.tiers is not None and not seq.tiered and self._start_fetch(seq):
+                self.waiting.popleft()  # loading while the others step
+                continue
             hit = match_prefix(self.cache.allocator, seq.token_ids, self.cache.config.block_size,
                                salt=seq.request.salt) if reuse else 0
             num_new = min(len(seq.token_ids) - hit, budget)
@@ -123,6 +131,38 @@ class Scheduler:
             self._reserved += need
             budget -= num_new
 
+    def _start_fetch(self, seq: Sequence) -> bool:
+        """Ask the tiers for the prompt's full blocks the device lacks; True when a fetch
+        started (`seq` is loading)."""
+        seq.tiered = True
+        _, keys, tokens = missing_blocks(self.cache.allocator, seq.token_ids,
+                                         self.cache.config.block_size, seq.request.salt)
+        seq.fetch = self.tiers.start_fetch(keys, tokens)
+        if seq.fetch is None:
+            return False
+        seq.status = Status.LOADING
+        self.loading.append(seq)
+        return True
+
+    def _land_fetches(self) -> None:
+        """Finished fetches load their blocks as cached device blocks (sparing a block per
+        running sequence); expired ones are given up. Either way the sequence waits at the
+        front again, where admission finds the loaded prefix like any cached one."""
+        still, back = [], []
+        for seq in self.loading:
+            if seq.fetch.done:
+                spare = self.cache.allocator.num_obtainable_blocks - len(self.running)
+                self.tiers.land(seq.fetch, spare)
+            elif seq.fetch.expired:
+                self.tiers.fell_back(seq.fetch)
+            else:
+                still.append(seq)
+                continue
+            seq.fetch, seq.status = None, Status.WAITING
+            back.append(seq)
+        self.loading = still
+        self.waiting.extendleft(reversed(back))
+
     def _preempt(self, seq: Sequence) -> None:
         """Make room: swap `seq` to the host pool, or free it to be recomputed later."""
         self.running.remove(seq)
@@ -138,7 +178,7 @@ class Scheduler:
                 self.swapped.append(seq)
                 return
         self.cache.free(seq.seq_id)
-        seq.num_computed, seq.status = 0, Status.WAITING
+        seq.num_computed, seq.status, seq.tiered = 0, Status.WAITING, False
         self.waiting.appendleft(seq)
 
     def add(self, seq: Sequence) -> None:
@@ -212,9 +252,11 @@ class Scheduler:
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;
         `reason` is "abort" (the client's) or "error" (the engine's)."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.loading):
             if seq in queue:
                 queue.remove(seq)
+        if seq.fetch is not None:
+            seq.fetch.cancelled, seq.fetch = True, None
         if seq.seq_id in self.cache:
             self.cache.free(seq.seq_id)
         seq.status, seq.finish_reason = Status.FINISHED, reason

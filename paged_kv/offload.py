@@ -1,0 +1,69 @@
+"""The cache's side of the tiers: which blocks a step stored, and blocks loaded back.
+
+Functions over the cache's public owners (allocator, pool): the tiers' manager copies the
+bytes of newly indexed blocks out after the step that wrote them, and loads fetched blocks
+into fresh device blocks, indexed and cached, where the next admission finds them as any
+prefix hit. Nothing here knows a store, a file or a socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from .allocator import BlockAllocator, BlockEvent, encode_tokens, split_blocks
+from .cache import PagedKVCache
+
+
+def stored_blocks(allocator: BlockAllocator, events: Iterable[BlockEvent],
+                  ) -> tuple[np.ndarray, list[bytes]]:
+    """The blocks `events` stored that are still indexed now, with their keys.
+
+    Returns
+    -------
+    block_ids : np.ndarray
+        ``[n]`` int64, each block once, in the order they were stored.
+    keys : list of bytes
+        Each block's chained key (as indexed now: a block stored, evicted and stored again
+        under another key in the same events is read with its present key).
+    """
+    ids = dict.fromkeys(b for event in events if event.kind == "stored"
+                        for b in event.block_ids)
+    indexed = [(b, allocator.block_hash(b)) for b in ids]
+    indexed = [(b, key) for b, key in indexed if key is not None]
+    return (np.array([b for b, _ in indexed], dtype=np.int64), [key for _, key in indexed])
+
+
+def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
+                payload: torch.Tensor) -> int:
+    """Put fetched blocks into the device pool as cached blocks under their keys.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+    keys : list of bytes
+        The blocks' chained keys, a prompt's consecutive full blocks in order.
+    token_ids : np.ndarray
+        ``[len(keys) * block_size]`` the blocks' token ids.
+    payload : torch.Tensor
+        ``[len(keys), pool.block_nbytes]`` uint8, the blocks as `KVPool.read_blocks` gave them.
+
+    Returns
+    -------
+    int
+        Blocks loaded (0 when the pool cannot spare them; nothing changed then). A key the
+        device has indexed meanwhile keeps its block; the copy is freed.
+    """
+    n = len(keys)
+    allocator = cache.allocator
+    if n == 0 or not allocator.enable_prefix_caching or not allocator.can_allocate(n):
+        return 0
+    block_ids = allocator.allocate(n)
+    cache.pool.write_blocks(block_ids, payload)
+    pieces = split_blocks(encode_tokens(token_ids), n)
+    for block_id, key, piece in zip(block_ids.tolist(), keys, pieces, strict=True):
+        allocator.register(block_id, key, piece)
+    allocator.free(block_ids, unique=True)  # cached, the tail evicted first
+    return n

@@ -1,0 +1,372 @@
+"""`TierManager`: writes stored blocks down the tiers and fetches a prompt's blocks back.
+
+Two background threads, so a step never waits on a tier. The writer takes batches of
+(key, bytes) that the engine's thread copied out of the pool right after the step that
+wrote them, encodes them (`codec`) and puts them into every tier; its queue is bounded and
+a batch that does not fit is dropped and counted. The fetcher takes one `Fetch` at a time:
+one lookup per tier for the whole run of keys (one round trip on Redis), the longest
+contiguous run any tier holds, whether fetching it beats recomputing (the engine's
+measured prefill rate against the tier's measured fetch rate), then the values in
+batches, each verified; it gives up at the fetch's deadline. The engine's thread polls a
+fetch and loads what arrived (`paged_kv.offload.load_blocks`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ..cache import PagedKVCache
+from ..offload import load_blocks, stored_blocks
+from . import codec
+from .base import Store, TierConfig
+from .memory import HostStore
+
+logger = logging.getLogger(__name__)
+
+FETCH_BATCH = 64  # blocks per get: one round trip each
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    """One tier's counters (cumulative) and contents (now)."""
+
+    tier: str
+    blocks: int
+    bytes: int
+    hit_tokens: int  # prompt tokens whose K/V came from this tier
+    misses: int  # blocks looked up here and not held
+    verify_failures: int  # values that failed verification: deleted, never served
+    written_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TiersStats:
+    """The tiers together: per-tier stats and the manager's own counters."""
+
+    tiers: tuple[TierStats, ...]
+    dropped_writes: int  # blocks not written: the write queue was full
+    deadline_fallbacks: int  # fetches past their deadline: the request recomputed
+    skipped_fetches: int  # fetches not started or cut: recomputing was faster
+    loaded_blocks: int
+    fetches: int  # finished fetches
+    recent_fetch_seconds: tuple[float, ...]  # the last (up to 256) fetches' durations
+
+
+class Fetch:
+    """One prompt's missing blocks being fetched; the engine's thread polls `done`."""
+
+    def __init__(self, keys: list[bytes], token_ids: np.ndarray, deadline: float) -> None:
+        self.keys, self.token_ids, self.deadline = keys, token_ids, deadline
+        self.started = time.monotonic()
+        self.done = False  # set last, by the fetcher
+        self.cancelled = False  # set by the engine's thread: the fetcher stops early
+        self.payload: torch.Tensor | None = None  # [n, block_nbytes], the run fetched
+        self.sources: list[str] = []  # the tier of each fetched block
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+class TierManager:
+    """The tiers behind one cache (one process, tensor parallelism refused by the engine).
+
+    Parameters
+    ----------
+    config : TierConfig
+    cache : PagedKVCache
+        Whose pool the blocks are copied from and loaded into.
+    model_id : str
+        The weights' identity for the fingerprint (`weights_id`).
+    """
+
+    def __init__(self, config: TierConfig, cache: PagedKVCache, model_id: str) -> None:
+        self.config, self.cache = config, cache
+        fingerprint = codec.Fingerprint.of(cache.config, model_id)
+        self._digest, self._namespace = fingerprint.digest, fingerprint.namespace
+        self._nbytes = cache.pool.block_nbytes
+        self.stores: list[Store] = _open_stores(config)
+        self._counts = {s.name: collections.Counter() for s in self.stores}
+        self._totals: collections.Counter = collections.Counter()
+        self._fetch_seconds: collections.deque[float] = collections.deque(maxlen=256)
+        self._written: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # measured rates: seconds per prefill token; per tier, seconds per call and per byte
+        self._token_s: float | None = None
+        self._call_s = {s.name: 0.0 for s in self.stores}
+        self._byte_s = {s.name: 0.0 for s in self.stores}
+        self._writes: queue.Queue = queue.Queue(maxsize=max(1, config.queue_blocks))
+        self._fetches: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=fn, name=f"paged-kv-tier-{name}", daemon=True)
+                         for name, fn in (("writer", self._write_loop),
+                                          ("fetcher", self._fetch_loop))]
+        for thread in self._threads:
+            thread.start()
+
+    # -- the write path (engine thread: copy out; writer thread: encode, put) ------------
+    def after_step(self, events: list) -> None:
+        """Copy the blocks `events` stored (and still indexed) out of the pool and queue
+        them for the tiers; a batch that does not fit the queue is dropped and counted."""
+        block_ids, keys = stored_blocks(self.cache.allocator, events)
+        new = [i for i, key in enumerate(keys) if key not in self._written]
+        if not new:
+            return
+        keys = [keys[i] for i in new]
+        data = self.cache.pool.read_blocks(block_ids[new])  # before the slot can be reused
+        try:
+            self._writes.put_nowait((keys, data))
+        except queue.Full:
+            self._totals["dropped_writes"] += len(keys)
+            return
+        self._remember(keys)
+
+    def _remember(self, keys: list[bytes]) -> None:
+        written = self._written
+        written.update(dict.fromkeys(keys))
+        while len(written) > 1 << 20:  # a bounded memory of what was queued
+            written.popitem(last=False)
+
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                keys, data = self._writes.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                rows = data.numpy()
+                items = [(codec.store_key(self._namespace, key),
+                          codec.encode(key, self._digest, rows[i].data))
+                         for i, key in enumerate(keys)]
+                for store in self.stores:
+                    self._counts[store.name]["written_blocks"] += store.put(items)
+            except Exception:  # a tier's failure must not end the writer
+                logger.exception("paged_kv tiers: a write batch failed")
+            finally:
+                self._writes.task_done()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued write reached the tiers; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    # -- the read path ------------------------------------------------------------------
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """One step's computed tokens and its model time: the recompute rate."""
+        if num_tokens >= 32 and seconds > 0:  # decode-only steps say little per token
+            rate = seconds / num_tokens
+            self._token_s = rate if self._token_s is None else 0.8 * self._token_s + 0.2 * rate
+
+    def recompute_seconds(self, num_tokens: int) -> float | None:
+        """Estimated seconds to recompute `num_tokens` (None before any prefill was seen)."""
+        return None if self._token_s is None else self._token_s * num_tokens
+
+    def start_fetch(self, keys: list[bytes], token_ids: np.ndarray) -> Fetch | None:
+        """Start fetching the blocks of `keys` (a prompt's missing full blocks, in order);
+        None when there is nothing to fetch."""
+        if not keys or not self.stores:
+            return None
+        deadline_s = self.config.fetch_deadline_s
+        if deadline_s is None:
+            estimate = self.recompute_seconds(len(token_ids))
+            deadline_s = 1.0 if estimate is None else max(0.02, 0.75 * estimate)
+        fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s)
+        self._fetches.put(fetch)
+        return fetch
+
+    def land(self, fetch: Fetch, spare_blocks: int) -> int:
+        """Load a finished fetch's blocks as cached device blocks (at most `spare_blocks`);
+        returns how many, counted as hits of the tiers they came from."""
+        if fetch.payload is None or not len(fetch.sources):
+            return 0
+        n = min(len(fetch.sources), max(0, spare_blocks))
+        size = self.cache.config.block_size
+        loaded = load_blocks(self.cache, fetch.keys[:n], fetch.token_ids[:n * size],
+                             fetch.payload[:n])
+        self._remember(fetch.keys[:loaded])  # already in the tiers: never written again
+        for source in fetch.sources[:loaded]:
+            self._counts[source]["hit_tokens"] += size
+        self._totals["loaded_blocks"] += loaded
+        return loaded
+
+    def fell_back(self, fetch: Fetch) -> None:
+        """The engine gave up waiting for `fetch` (its deadline passed)."""
+        fetch.cancelled = True
+        self._totals["deadline_fallbacks"] += 1
+
+    def _fetch_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                fetch = self._fetches.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                if not (fetch.cancelled or fetch.expired):
+                    self._fetch(fetch)
+            except Exception:
+                logger.exception("paged_kv tiers: a fetch failed; the request recomputes")
+                fetch.payload, fetch.sources = None, []
+            finally:
+                self._fetch_seconds.append(time.monotonic() - fetch.started)
+                self._totals["fetches"] += 1
+                fetch.done = True
+
+    def _fetch(self, fetch: Fetch) -> None:
+        names = [codec.store_key(self._namespace, key) for key in fetch.keys]
+        held = []
+        for store in self.stores:  # one lookup per tier for the whole run
+            start = time.monotonic()
+            found = store.contains(names)
+            self._rate(store.name, time.monotonic() - start, 0)
+            self._counts[store.name]["misses"] += found.count(False)
+            held.append(found)
+        sources = []
+        for i in range(len(names)):  # each block from the first tier that holds it
+            tier = next((t for t, found in enumerate(held) if found[i]), None)
+            if tier is None:
+                break
+            sources.append(tier)
+        if not sources or not self._worth_it(sources):
+            self._totals["skipped_fetches"] += bool(sources)
+            return
+        rows: list[torch.Tensor] = []
+        for start in range(0, len(sources), FETCH_BATCH):
+            if fetch.cancelled or fetch.expired:
+                break
+            got = self._get_batch(fetch, names, sources, start)
+            rows += got
+            if len(got) < len(sources[start:start + FETCH_BATCH]):
+                break
+        if rows:
+            fetch.payload = torch.stack(rows)
+            fetch.sources = [self.stores[t].name for t in sources[:len(rows)]]
+
+    def _get_batch(self, fetch: Fetch, names: list[str], sources: list[int],
+                   start: int) -> list[torch.Tensor]:
+        """Blocks ``start ..`` of the run (one get per tier involved), verified, up to the
+        first that fails."""
+        batch = range(start, min(start + FETCH_BATCH, len(sources)))
+        values: dict[int, bytes | None] = {}
+        for tier in sorted({sources[i] for i in batch}):
+            store, wanted = self.stores[tier], [i for i in batch if sources[i] == tier]
+            began = time.monotonic()
+            for i, value in zip(wanted, store.get([names[i] for i in wanted]), strict=True):
+                values[i] = value
+            nbytes = len(wanted) * self._nbytes
+            self._rate(store.name, time.monotonic() - began, nbytes)
+        rows = []
+        for i in batch:
+            payload = codec.decode(values[i], fetch.keys[i], self._digest, self._nbytes)
+            if payload is None:
+                store = self.stores[sources[i]]
+                if values[i] is not None:  # present but wrong: never served, never again
+                    self._counts[store.name]["verify_failures"] += 1
+                    store.delete([names[i]])
+                else:
+                    self._counts[store.name]["misses"] += 1
+                break
+            rows.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return rows
+
+    def _rate(self, tier: str, seconds: float, nbytes: int) -> None:
+        if nbytes:
+            per_byte = seconds / nbytes
+            self._byte_s[tier] = 0.8 * self._byte_s[tier] + 0.2 * per_byte \
+                if self._byte_s[tier] else per_byte
+        else:
+            self._call_s[tier] = 0.8 * self._call_s[tier] + 0.2 * seconds \
+                if self._call_s[tier] else seconds
+
+    def _worth_it(self, sources: list[int]) -> bool:
+        """Whether fetching the run beats recomputing its tokens (true until the engine
+        has measured a prefill)."""
+        recompute = self.recompute_seconds(len(sources) * self.cache.config.block_size)
+        if recompute is None:
+            return True
+        fetch = 0.0
+        for tier in set(sources):
+            name = self.stores[tier].name
+            blocks = sources.count(tier)
+            calls = -(-blocks // FETCH_BATCH)
+            fetch += calls * self._call_s[name] + blocks * self._nbytes * self._byte_s[name]
+        return fetch < recompute
+
+    # -- observation and lifetime -------------------------------------------------------
+    def stats(self) -> TiersStats:
+        """Counters so far and each tier's contents now."""
+        tiers = []
+        for store in self.stores:
+            blocks, nbytes = store.usage()
+            counts = self._counts[store.name]
+            tiers.append(TierStats(store.name, blocks, nbytes, counts["hit_tokens"],
+                                   counts["misses"], counts["verify_failures"],
+                                   counts["written_blocks"]))
+        totals = self._totals
+        return TiersStats(tuple(tiers), totals["dropped_writes"], totals["deadline_fallbacks"],
+                          totals["skipped_fetches"], totals["loaded_blocks"],
+                          totals["fetches"], tuple(self._fetch_seconds))
+
+    def close(self) -> None:
+        """Stop the threads (queued writes are given a moment) and close the stores."""
+        self.flush(timeout=2.0)
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        for store in self.stores:
+            with contextlib.suppress(Exception):
+                store.close()
+
+
+def open_tiers(config: TierConfig | None, cache: PagedKVCache,
+               model: torch.nn.Module) -> TierManager | None:
+    """The tiers behind `cache`, or None when none is configured; blocks are namespaced by
+    the weights' identity (`weights_id`) unless the config names the model."""
+    if config is None or not config.enabled:
+        return None
+    return TierManager(config, cache, config.model_id or weights_id(model))
+
+
+def _open_stores(config: TierConfig) -> list[Store]:
+    """The configured tiers, fastest first."""
+    stores: list[Store] = []
+    if config.host_mib:
+        stores.append(HostStore(int(config.host_mib * MIB)))
+    if config.disk_dir is not None:
+        from .disk import DiskStore
+
+        stores.append(DiskStore(config.disk_dir, int(config.disk_mib * MIB)))
+    if config.remote_url is not None:
+        from .remote import RedisStore
+
+        stores.append(RedisStore(config.remote_url))
+    return stores
+
+
+def weights_id(model: torch.nn.Module) -> str:
+    """A short identity of a model's weights for the fingerprint: sha256 over every
+    parameter's name, shape, dtype and a sample of its bytes (the first and last 4 KiB and
+    a strided sample), so different weights, seeds or checkpoints never share blocks."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1).cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        raw = flat.view(torch.uint8) if flat.numel() else flat
+        step = max(1, raw.numel() // 4096)
+        for part in (raw[:4096], raw[-4096:], raw[::step][:4096]):
+            digest.update(part.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]
