@@ -16,6 +16,7 @@ from .bench.cli import add_bench_parser
 from .config import KV_CACHE_DTYPES, CacheConfig
 from .workload import run_synthetic
 
+DEMO_HOST_MIB = 64.0  # the demo shows a host tier at work by default
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -86,7 +87,9 @@ def _demo(args: argparse.Namespace) -> int:
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       progress=not args.json and sys.stderr.isatty(),
                       kv_cache_dtype=args.kv_cache_dtype,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      kv_tiers=tier_config(args, 0.0 if args.tensor_parallel_size > 1
+                                           else DEMO_HOST_MIB))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -156,6 +159,39 @@ def _api_keys(text: str) -> dict[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _writable_dir(text: str) -> str:
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create {text!r}: {exc.strerror}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a writable directory")
+    return text
+
+
+def _redis_url(text: str) -> str:
+    if not text.startswith(("redis://", "rediss://")) or len(text.split("://", 1)[1]) == 0:
+        raise argparse.ArgumentTypeError(f"expected redis://HOST:PORT/DB, got {text!r}")
+    return text
+
+
+def tier_config(args: argparse.Namespace, host_mib_default: float = 0.0):
+    """The `TierConfig` of the tier flags (None: no tier); exits 2 naming a flag that lacks
+    its partner."""
+    from .tiers import TierConfig
+
+    if (args.kv_disk is None) != (args.kv_disk_mib is None):
+        given, missing = (("--kv-disk", "--kv-disk-mib") if args.kv_disk is not None
+                          else ("--kv-disk-mib", "--kv-disk"))
+        print(f"paged-kv {args.command}: error: argument {given}: needs {missing}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    host = host_mib_default if args.kv_host_mib is None else args.kv_host_mib
+    config = TierConfig(host_mib=host, disk_dir=args.kv_disk, disk_mib=args.kv_disk_mib or 0.0,
+                        remote_url=args.kv_remote)
+    return config if config.enabled else None
+
+
 def _engine_flags() -> argparse.ArgumentParser:
     """Cache and engine flags shared by ``demo`` and ``serve`` (one parent, so a flag added
     here applies to both)."""
@@ -182,6 +218,18 @@ def _engine_flags() -> argparse.ArgumentParser:
                         help="sequences running at once")
     parent.add_argument("--max-num-batched-tokens", type=positive, default=512,
                         help="tokens per engine step (prefill chunks and decodes)")
+    tiers = parent.add_argument_group("cache tiers behind the device pool")
+    tiers.add_argument("--kv-host-mib", type=_at_least(float, 0), default=None, metavar="MIB",
+                       help="host RAM for blocks written down from the pool (demo default "
+                            "64, serve 0: off)")
+    tiers.add_argument("--kv-disk", type=_writable_dir, default=None, metavar="DIR",
+                       help="a directory keeping blocks across restarts (with --kv-disk-mib)")
+    tiers.add_argument("--kv-disk-mib", type=_at_least(float, 0, strict=True), default=None,
+                       metavar="MIB", help="the disk tier's cap")
+    tiers.add_argument("--kv-remote", type=_redis_url, default=None,
+                       metavar="redis://HOST:PORT/DB",
+                       help="a Redis every replica shares (give it maxmemory and "
+                            "maxmemory-policy allkeys-lru)")
     parent.add_argument("--model", metavar="PATH", type=_model_dir, default=None,
                         help="serve a Hugging Face causal LM from this local directory "
                              "(needs the hf extra) instead of the embedded TinyLlama")

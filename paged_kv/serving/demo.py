@@ -9,6 +9,8 @@ import torch
 
 from ..accounting import CacheStats
 from ..config import CacheConfig
+from ..tiers import TierConfig
+from ..tiers.manager import TiersStats
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
 from .sampling import SamplingParams
@@ -45,14 +47,14 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
              seed: int = 0, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
              progress: bool = True, model: torch.nn.Module | None = None,
              memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
-             tensor_parallel_size: int = 1) -> dict:
+             tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None) -> dict:
     """Serve `make_workload(num_requests)` and return the report as a dict.
 
     `model` defaults to the embedded `TinyLlama(model_config)`; any model the `Engine`
     drives works (e.g. `HFCausalLM.from_pretrained(path)`). The pool takes `memory_mib`, or,
     when given, `memory_fraction` of the free memory (`cache_config_for_free_memory`).
     `kv_cache_dtype` picks 8-bit pages (`CacheConfig.kv_cache_dtype`): more blocks in the
-    same memory.
+    same memory. `kv_tiers` puts tiers behind the pool (the report counts their hits).
     """
     torch.manual_seed(seed)
     model = model if model is not None else TinyLlama(model_config, seed=seed)
@@ -60,7 +62,7 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
                                          preemption, kv_cache_dtype)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
-                    tensor_parallel_size=tensor_parallel_size)
+                    tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers)
     max_prompt_len = min(1024, model.config.max_position // 2)
     workload = make_workload(num_requests, vocab_size=model.config.vocab_size, seed=seed,
                              max_prompt_len=max_prompt_len,
@@ -72,10 +74,41 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
     elapsed = time.perf_counter() - start
     engine.check()
     report = _report(workload, outputs, elapsed, peak, engine, concurrency, budget)
+    if engine.tiers is not None:
+        report["tiers replay"] = _replay_from_tiers(engine, workload, outputs)
+        report["tiers"] = tiers_report(engine.stats().tiers)
     if engine.tensor_parallel_size > 1:
         report["tensor parallel"] = {"ranks": engine.tensor_parallel_size,
                                      "pool bytes per rank": engine.pool_bytes_per_rank()}
     engine.close()
+    return report
+
+
+def _replay_from_tiers(engine: Engine, workload: list, outputs: list, count: int = 8) -> dict:
+    """Drop the device's prefix cache (as a restart would) and send the first `count`
+    prompts again for one token each: their prefixes come back from the tiers. Returns
+    their time to first token against the first time, and the tokens the tiers served."""
+    engine.tiers.flush()
+    engine.cache.reset_prefix_cache()
+    before = {t.tier: t.hit_tokens for t in engine.stats().tiers.tiers}
+    first = {out.request_id: out.time_to_first_token for out in outputs}
+    again = engine.generate([p for p, _ in workload[:count]], SamplingParams(max_tokens=1))
+    after = engine.stats().tiers.tiers
+    return {"requests": len(again),
+            "ttft_median_ms": 1e3 * float(np.median([o.time_to_first_token for o in again])),
+            "first_ttft_median_ms": 1e3 * float(np.median([first[i] for i in range(count)])),
+            "tier_hit_tokens": sum(t.hit_tokens - before[t.tier] for t in after),
+            "prompt_tokens": sum(len(p) for p, _ in workload[:count])}
+
+
+def tiers_report(stats: TiersStats) -> dict:
+    """Per tier: blocks and MiB held, blocks written, prompt tokens served, misses,
+    verification failures; and the fetches' fallbacks."""
+    report = {t.tier: {"blocks": t.blocks, "mib": t.bytes / 2**20, "written": t.written_blocks,
+                       "hit_tokens": t.hit_tokens, "misses": t.misses,
+                       "verify_failures": t.verify_failures} for t in stats.tiers}
+    report["fetches"] = {"done": stats.fetches, "deadline_fallbacks": stats.deadline_fallbacks,
+                         "skipped": stats.skipped_fetches, "dropped_writes": stats.dropped_writes}
     return report
 
 
@@ -195,6 +228,16 @@ def format_report(report: dict) -> str:
                                           f"same memory (paged ran up to "
                                           f"{report['max_running']})"),
     ]
+    for tier, t in report.get("tiers", {}).items():
+        if tier != "fetches":
+            rows.append((f"{tier} tier: blocks (MiB) / written / hit tokens",
+                         f"{t['blocks']} ({t['mib']:.1f}) / {t['written']} / {t['hit_tokens']}"))
+    if "tiers replay" in report:
+        replay = report["tiers replay"]
+        rows.append((f"{replay['requests']} prompts again, device cache dropped",
+                     f"{replay['tier_hit_tokens']} / {replay['prompt_tokens']} prompt tokens "
+                     f"from the tiers, TTFT median {replay['ttft_median_ms']:.0f} ms "
+                     f"(first time {replay['first_ttft_median_ms']:.0f} ms)"))
     if "tensor parallel" in report:
         parallel = report["tensor parallel"]
         rows.append(("tensor-parallel ranks", f"{parallel['ranks']}, KV pool per rank " + ", ".join(
