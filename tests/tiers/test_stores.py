@@ -11,8 +11,8 @@ import pytest
 from paged_kv.tiers.disk import DiskStore
 from paged_kv.tiers.memory import HostStore
 
-KINDS = ["host", "disk"]
-CAPPED_KINDS = KINDS
+KINDS = ["host", "disk", "remote"]
+CAPPED_KINDS = ["host", "disk"]  # the remote tier's cap is the server's maxmemory
 
 
 def key(i: object, namespace: str = "0" * 32) -> str:
@@ -28,8 +28,12 @@ def make_store(request, tmp_path):
     def make(kind: str, cap_bytes: int = 1 << 20):
         if kind == "host":
             store = HostStore(cap_bytes)
-        else:
+        elif kind == "disk":
             store = DiskStore(str(tmp_path / "disk"), cap_bytes)
+        else:
+            from paged_kv.tiers.remote import RedisStore
+
+            store = RedisStore(request.getfixturevalue("redis_server"), timeout_s=1.0)
         stores.append(store)
         return store
 
