@@ -1,20 +1,16 @@
 """`DiskStore`: the local-disk tier, one file per block under a byte cap, kept across restarts.
 
-Layout: the store key ``<namespace>:<hash hex>`` names the file
-``directory/<namespace>/<first 2 hash hex>/<rest of the hash hex>`` (256 subdirectories per
-namespace, so no directory grows huge). A value is written to a temp file beside its final
-name and renamed over it (`os.replace`, atomic): a writer killed mid-value leaves only a
-temp file, and a store opening the directory removes them. Nothing is fsynced: a value torn
-by a power cut fails the codec's checksum and is a miss, like any other.
+The key ``<namespace>:<hash hex>`` names the file ``directory/<namespace>/<first 2 hash
+hex>/<the rest>`` (256 subdirectories a namespace: no directory grows huge). A value is
+written to a temp file beside it and renamed over it (`os.replace`, atomic): a writer killed
+mid-value leaves only a temp file, removed at the next start. Nothing is fsynced: a value
+torn by a power cut fails the codec's checksum and is a miss, like any other.
 
-The index (key -> bytes, least recently used first) lives in memory and is rebuilt at start
-from the files, ordered by modification time; every write and every hit stamps the file's
-mtime from a strictly increasing clock, so the order survives restarts. One directory
-belongs to one store at a time: the index and the cap are that process's.
-
-Files are read and written outside the lock (a fetch never waits behind a batch of writes);
-the index, the cap's accounting, renames and removals are under it, so the files named in
-the index are the files on disk.
+The index (key -> bytes, least recently used first) is in memory, rebuilt at start from the
+files' mtimes, which every write and hit stamps from a strictly increasing clock: the LRU
+order survives restarts. One directory belongs to one store at a time. Files are read and
+written outside the lock (a fetch never waits behind a batch of writes); the index, the
+cap's accounting, renames and removals are under it, so the index names the files on disk.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ class DiskStore:
     Parameters
     ----------
     directory : str
-        Where the files live (created when missing); what is there from an earlier run is
-        indexed and kept, down to the cap.
+        Where the files live (created when missing); an earlier run's files are kept.
     cap_bytes : int
         Bytes of values on disk at most, temp files included (a value larger than the cap is
         not stored).
@@ -111,10 +106,8 @@ class DiskStore:
 
     def put(self, items: list[tuple[str, bytes]]) -> int:
         paths = [self._path(key) for key, _ in items]  # a bad key raises before any write
-        written = 0
-        for (key, value), path in zip(items, paths, strict=True):
-            written += self._put_one(key, value, path)
-        return written
+        return sum(self._put_one(key, value, path)
+                   for (key, value), path in zip(items, paths, strict=True))
 
     def delete(self, keys: list[str]) -> None:
         with self._lock:
@@ -130,9 +123,21 @@ class DiskStore:
         """Nothing is held open between calls; the files stay for the next store."""
 
     def drop_page_cache(self, keys: list[str] | None = None) -> int:
-        """Ask the kernel to drop these files (all when None) from the page cache, so a
-        benchmark reads them from the disk; best effort, a no-op without
-        ``os.posix_fadvise``. Returns how many files were dropped."""
+        """Drop files from the OS page cache, so a benchmark reads them from the disk.
+
+        Best effort: dirty pages are written out first (dropping skips them); nothing
+        happens without ``os.posix_fadvise``.
+
+        Parameters
+        ----------
+        keys : list of str, optional
+            The blocks whose files to drop; default every block held.
+
+        Returns
+        -------
+        int
+            How many files were dropped (keys not held are skipped).
+        """
         if not hasattr(os, "posix_fadvise"):
             return 0
         with self._lock:
@@ -145,7 +150,7 @@ class DiskStore:
             except OSError:
                 continue
             try:
-                os.fdatasync(fd)  # dirty pages are not dropped: write them out first
+                os.fdatasync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 dropped += 1
             except OSError:
@@ -185,8 +190,7 @@ class DiskStore:
         return True
 
     def _failed(self, size: int, exc: OSError) -> None:
-        """A write that failed: release its room, count it, warn the first time. Called
-        under the lock."""
+        """A failed write: free its room, count it, warn once. Called under the lock."""
         self._reserved -= size
         self.num_errors += 1
         log = logger.debug if self._warned else logger.warning
@@ -211,8 +215,7 @@ class DiskStore:
         return path
 
     def _remove(self, key: str) -> bool:
-        """Forget `key` and remove its file; whether there was a file. Called under the
-        lock."""
+        """Forget `key`, remove its file; whether there was one. Called under the lock."""
         self._bytes -= self._index.pop(key)
         try:
             os.unlink(self._path(key))
@@ -251,16 +254,13 @@ class DiskStore:
                     if entry.name.startswith(TEMP_PREFIX):
                         _unlink(entry.path)  # left by a writer that died mid-value
                     elif len(prefix.name) == 2 and _KEY.fullmatch(key):
-                        try:
+                        with contextlib.suppress(OSError):  # vanished since it was listed
                             stat = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        found.append((stat.st_mtime_ns, key, stat.st_size))
-        found.sort()
-        for _, key, size in found:
+                            found.append((stat.st_mtime_ns, key, stat.st_size))
+        for mtime, key, size in sorted(found):
             self._index[key] = size
             self._bytes += size
-        self._clock = found[-1][0] if found else 0
+            self._clock = mtime
 
 
 def _entries(path: str, dirs: bool) -> list[os.DirEntry]:
