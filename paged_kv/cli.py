@@ -14,6 +14,7 @@ import torch
 from .accounting import CacheStats
 from .bench.cli import add_bench_parser
 from .config import KV_CACHE_DTYPES, CacheConfig
+from .tiers import TierConfig
 from .workload import run_synthetic
 
 DEMO_HOST_MIB = 64.0  # the demo shows a host tier at work by default
@@ -88,7 +89,7 @@ def _demo(args: argparse.Namespace) -> int:
                       progress=not args.json and sys.stderr.isatty(),
                       kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
-                      kv_tiers=tier_config(args, 0.0 if args.tensor_parallel_size > 1
+                      kv_tiers=TierConfig.from_args(args, 0.0 if args.tensor_parallel_size > 1
                                            else DEMO_HOST_MIB))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
@@ -173,23 +174,6 @@ def _redis_url(text: str) -> str:
     if not text.startswith(("redis://", "rediss://")) or len(text.split("://", 1)[1]) == 0:
         raise argparse.ArgumentTypeError(f"expected redis://HOST:PORT/DB, got {text!r}")
     return text
-
-
-def tier_config(args: argparse.Namespace, host_mib_default: float = 0.0):
-    """The `TierConfig` of the tier flags (None: no tier); exits 2 naming a flag that lacks
-    its partner."""
-    from .tiers import TierConfig
-
-    if (args.kv_disk is None) != (args.kv_disk_mib is None):
-        given, missing = (("--kv-disk", "--kv-disk-mib") if args.kv_disk is not None
-                          else ("--kv-disk-mib", "--kv-disk"))
-        print(f"paged-kv {args.command}: error: argument {given}: needs {missing}",
-              file=sys.stderr)
-        raise SystemExit(2)
-    host = host_mib_default if args.kv_host_mib is None else args.kv_host_mib
-    config = TierConfig(host_mib=host, disk_dir=args.kv_disk, disk_mib=args.kv_disk_mib or 0.0,
-                        remote_url=args.kv_remote)
-    return config if config.enabled else None
 
 
 def _engine_flags() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import uvicorn
 
 from ..serving import Engine
 from ..serving.sizing import cache_config_for_free_memory
+from ..tiers import TierConfig
 
 logger = logging.getLogger("paged_kv.server")
 
@@ -43,7 +44,7 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
 def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
                  memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
-                 tensor_parallel_size: int = 1) -> Engine:
+                 tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None) -> Engine:
     """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
     memory (the host pool as much again for swap)."""
     probe = model.cache_config(num_blocks=2, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
@@ -60,7 +61,7 @@ def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                                       kv_cache_dtype=kv_cache_dtype)
     return Engine(model, cache_config, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
-                  tensor_parallel_size=tensor_parallel_size)
+                  tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -84,7 +85,8 @@ def serve(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           preemption=args.preemption, memory_fraction=args.memory_fraction,
                           kv_cache_dtype=args.kv_cache_dtype,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          kv_tiers=TierConfig.from_args(args))
     config = engine.cache.config
     logger.info("model %s; KV pool %d blocks of %d tokens (%.1f MiB)", name, config.num_blocks,
                 config.block_size, config.num_blocks * config.bytes_per_block / 2**20)

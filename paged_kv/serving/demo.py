@@ -88,6 +88,7 @@ def _replay_from_tiers(engine: Engine, workload: list, outputs: list, count: int
     """Drop the device's prefix cache (as a restart would) and send the first `count`
     prompts again for one token each: their prefixes come back from the tiers. Returns
     their time to first token against the first time, and the tokens the tiers served."""
+    count = min(count, len(workload))
     engine.tiers.flush()
     engine.cache.reset_prefix_cache()
     before = {t.tier: t.hit_tokens for t in engine.stats().tiers.tiers}
@@ -196,6 +197,22 @@ def _report(workload, outputs, elapsed: float, peak: CacheStats, engine: Engine,
     }
 
 
+def _tier_rows(report: dict) -> list[tuple[str, str]]:
+    """The report's rows about the tiers (none without them)."""
+    rows = []
+    for tier, t in report.get("tiers", {}).items():
+        if tier != "fetches":
+            rows.append((f"{tier} tier: blocks (MiB) / written / hit tokens",
+                         f"{t['blocks']} ({t['mib']:.1f}) / {t['written']} / {t['hit_tokens']}"))
+    if "tiers replay" in report:
+        replay = report["tiers replay"]
+        rows.append((f"{replay['requests']} prompts again, device cache dropped",
+                     f"{replay['tier_hit_tokens']} / {replay['prompt_tokens']} prompt tokens "
+                     f"from the tiers, TTFT median {replay['ttft_median_ms']:.0f} ms "
+                     f"(first time {replay['first_ttft_median_ms']:.0f} ms)"))
+    return rows
+
+
 def format_report(report: dict) -> str:
     """The report as the text table `paged-kv demo` prints."""
     mib = 2**20
@@ -228,16 +245,7 @@ def format_report(report: dict) -> str:
                                           f"same memory (paged ran up to "
                                           f"{report['max_running']})"),
     ]
-    for tier, t in report.get("tiers", {}).items():
-        if tier != "fetches":
-            rows.append((f"{tier} tier: blocks (MiB) / written / hit tokens",
-                         f"{t['blocks']} ({t['mib']:.1f}) / {t['written']} / {t['hit_tokens']}"))
-    if "tiers replay" in report:
-        replay = report["tiers replay"]
-        rows.append((f"{replay['requests']} prompts again, device cache dropped",
-                     f"{replay['tier_hit_tokens']} / {replay['prompt_tokens']} prompt tokens "
-                     f"from the tiers, TTFT median {replay['ttft_median_ms']:.0f} ms "
-                     f"(first time {replay['first_ttft_median_ms']:.0f} ms)"))
+    rows += _tier_rows(report)
     if "tensor parallel" in report:
         parallel = report["tensor parallel"]
         rows.append(("tensor-parallel ranks", f"{parallel['ranks']}, KV pool per rank " + ", ".join(

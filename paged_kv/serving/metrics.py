@@ -4,11 +4,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
+    from ..tiers.manager import TiersStats
     from .outputs import EngineStats
+
+# per-tier counters: TierStats field -> (metric name, help)
+TIER_COUNTERS = {
+    "hit_tokens": ("paged_kv_tier_hit_tokens", "Prompt tokens whose K/V came from the tier"),
+    "misses": ("paged_kv_tier_misses", "Blocks looked up in the tier and not found"),
+    "verify_failures": ("paged_kv_tier_verify_failures",
+                        "Values that failed verification (deleted, never served)"),
+    "written_blocks": ("paged_kv_tier_written_blocks", "Blocks written to the tier"),
+}
+# the tiers' own counters: TiersStats field -> (metric name, help)
+FETCH_COUNTERS = {
+    "dropped_writes": ("paged_kv_tier_dropped_writes",
+                       "Blocks not written down: the write queue was full"),
+    "deadline_fallbacks": ("paged_kv_tier_deadline_fallbacks",
+                           "Fetches past their deadline (the request recomputed)"),
+    "skipped_fetches": ("paged_kv_tier_skipped_fetches",
+                        "Fetches not made: recomputing was estimated faster"),
+}
 
 
 class EngineMetrics:
@@ -36,6 +55,7 @@ class EngineMetrics:
         for rank, nbytes in enumerate(pool_bytes_per_rank):
             self.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._seen = (0, 0, 0)
+        self._tier_metrics: _TierMetrics | None = None
         # label children resolved once: observe() runs every step
         self._block_gauges = tuple(self.blocks.labels(state=state)
                                    for state in ("live", "cached", "free"))
@@ -52,6 +72,10 @@ class EngineMetrics:
                                         totals, self._seen, strict=True):
             counter.inc(total - seen)
         self._seen = totals
+        if stats.tiers is not None:
+            if self._tier_metrics is None:
+                self._tier_metrics = _TierMetrics(self.registry)
+            self._tier_metrics.observe(stats.tiers)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting + stats.num_swapped)
         self.generated.inc(num_generated)
@@ -62,3 +86,39 @@ class EngineMetrics:
         self.live_tokens.set(stats.num_live_tokens)
         self.empty_slots.set(stats.num_empty_slots)
         return generate_latest(self.registry).decode()
+
+
+class _TierMetrics:
+    """The tiers' metrics: contents by tier, counters by tier, fetch durations."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.blocks = Gauge("paged_kv_tier_blocks", "Blocks held by tier", ["tier"],
+                            registry=registry)
+        self.bytes = Gauge("paged_kv_tier_bytes", "Bytes held by tier", ["tier"],
+                           registry=registry)
+        self.counters = {field: Counter(name, doc, ["tier"], registry=registry)
+                         for field, (name, doc) in TIER_COUNTERS.items()}
+        self.fetch_counters = {field: Counter(name, doc, registry=registry)
+                               for field, (name, doc) in FETCH_COUNTERS.items()}
+        self.fetch_seconds = Histogram(
+            "paged_kv_tier_fetch_seconds", "Seconds from a fetch's start to its end",
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0), registry=registry)
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def _advance(self, counter, key: tuple[str, str], total: int) -> None:
+        counter.inc(total - self._seen.get(key, 0))
+        self._seen[key] = total
+
+    def observe(self, stats: TiersStats) -> None:
+        for tier in stats.tiers:
+            self.blocks.labels(tier=tier.tier).set(tier.blocks)
+            self.bytes.labels(tier=tier.tier).set(tier.bytes)
+            for field, counter in self.counters.items():
+                self._advance(counter.labels(tier=tier.tier), (tier.tier, field),
+                              getattr(tier, field))
+        for field, counter in self.fetch_counters.items():
+            self._advance(counter, ("", field), getattr(stats, field))
+        new = stats.fetches - self._seen.get(("", "fetches"), 0)
+        for seconds in stats.recent_fetch_seconds[-new:] if new > 0 else ():
+            self.fetch_seconds.observe(seconds)
+        self._seen[("", "fetches")] = stats.fetches

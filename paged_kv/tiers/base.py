@@ -97,6 +97,20 @@ class TierConfig:
         if not isinstance(self.queue_blocks, int) or self.queue_blocks < 1:
             raise ValueError(f"queue_blocks: expected an int >= 1, got {self.queue_blocks!r}")
 
+    @classmethod
+    def from_args(cls, args: object, host_mib_default: float = 0.0) -> TierConfig | None:
+        """The tiers of the ``--kv-*`` flags of ``paged-kv demo`` / ``serve`` (None: no
+        tier); ValueError naming a flag given without its partner."""
+        disk, disk_mib = args.kv_disk, args.kv_disk_mib
+        if (disk is None) != (disk_mib is None):
+            given, missing = (("--kv-disk", "--kv-disk-mib") if disk is not None
+                              else ("--kv-disk-mib", "--kv-disk"))
+            raise ValueError(f"argument {given}: needs {missing}")
+        host = host_mib_default if args.kv_host_mib is None else args.kv_host_mib
+        config = cls(host_mib=host, disk_dir=disk, disk_mib=disk_mib or 0.0,
+                     remote_url=args.kv_remote)
+        return config if config.enabled else None
+
     @property
     def enabled(self) -> bool:
         """Whether any tier is configured."""
