@@ -13,7 +13,8 @@ from pathlib import Path
 
 WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised", "peers",
              "tensor_parallel")
-OPTIONAL_WORKLOADS = ("service",)  # only when named: it starts `paged-kv serve`
+# only when named: they start `paged-kv serve`, redis-server and writer processes
+OPTIONAL_WORKLOADS = ("service", "tiers")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -31,7 +32,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                             "instead of generating one")
     bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
                        default=list(WORKLOADS),
-                       help="which workloads to run ('service' runs only when named)")
+                       help="which workloads to run ('service' and 'tiers' run only when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "
@@ -115,6 +116,7 @@ def _run_workload(key: str, scale, trace, device):
         serving,
         step_cost,
         tensor_parallel,
+        tiers,
     )
 
     if key == "allocator":
@@ -127,6 +129,8 @@ def _run_workload(key: str, scale, trace, device):
         return memory.run(scale, trace)
     if key == "service":
         return service.run(scale)
+    if key == "tiers":
+        return tiers.run(scale)
     if key == "tensor_parallel":
         return tensor_parallel.run(scale)
     if key == "quantised":

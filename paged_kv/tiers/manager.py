@@ -95,7 +95,7 @@ class TierManager:
         fingerprint = codec.Fingerprint.of(cache.config, model_id)
         self._digest, self._namespace = fingerprint.digest, fingerprint.namespace
         self._nbytes = cache.pool.block_nbytes
-        self.stores: list[Store] = _open_stores(config)
+        self.stores: list[Store] = _open_stores(config, codec.HEADER.size + self._nbytes)
         self._counts = {s.name: collections.Counter() for s in self.stores}
         self._totals: collections.Counter = collections.Counter()
         self._fetch_seconds: collections.deque[float] = collections.deque(maxlen=256)
@@ -339,7 +339,7 @@ def open_tiers(config: TierConfig | None, cache: PagedKVCache,
     return TierManager(config, cache, config.model_id or weights_id(model))
 
 
-def _open_stores(config: TierConfig) -> list[Store]:
+def _open_stores(config: TierConfig, value_bytes: int) -> list[Store]:
     """The configured tiers, fastest first."""
     stores: list[Store] = []
     if config.host_mib:
@@ -351,7 +351,7 @@ def _open_stores(config: TierConfig) -> list[Store]:
     if config.remote_url is not None:
         from .remote import RedisStore
 
-        stores.append(RedisStore(config.remote_url))
+        stores.append(RedisStore(config.remote_url, value_bytes=value_bytes))
     return stores
 
 

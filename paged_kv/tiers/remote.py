@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "pkv:"
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
+# a value longer than this is stored as parts of at most this many bytes: Redis allocates
+# a string in jemalloc size classes (64 KiB, then 80 KiB), so a 64 KiB block plus its header
+# in one string would take 80 KiB; in parts it takes 64 KiB and a small tail
+PART_BYTES = (1 << 16) - 64
 MAX_TRACKED_KEYS = 1 << 18  # bounds `usage`'s bookkeeping: ~270 B a key, ~70 MB at most
 
 T = TypeVar("T")
@@ -50,6 +54,10 @@ class RedisStore:
     timeout_s : float
         Longest a connect or a reply may take before the call is a miss and the backoff
         starts.
+    value_bytes : int, optional
+        The length of every value (the encoded block): values this long and over
+        `PART_BYTES` are stored in parts under ``KEY``, ``KEY|1``, ... and read back in the
+        same one MGET; a missing part makes the value a miss.
 
     Raises
     ------
@@ -80,13 +88,16 @@ class RedisStore:
 
     name = "remote"
 
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, value_bytes: int | None = None,
+                 ) -> None:
         self._where = _check_url(url)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
         if redis is None:
             raise ImportError("RedisStore needs the redis client: pip install 'paged_kv[tiers]'")
         self.timeout_s = float(timeout_s)
+        self.value_bytes = value_bytes
+        self._parts = 1 if value_bytes is None else max(1, -(-value_bytes // PART_BYTES))
         self.num_errors = 0  # failed calls and refused writes; none of them raised
         self._lock = threading.Lock()  # the counters and the backoff: several threads call
         self._backoff_s = 0.0  # 0 while the store answers
@@ -109,9 +120,10 @@ class RedisStore:
 
         def exists() -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(PREFIX + key)
-            return [bool(count) for count in pipe.execute()]
+            for key in keys:  # the first and the last part: a half-evicted value is absent
+                names = self._names(key)
+                pipe.exists(*{names[0], names[-1]})
+            return [count == min(2, self._parts) for count in pipe.execute()]
 
         found = self._call(exists)
         if found is None:
@@ -122,9 +134,13 @@ class RedisStore:
     def get(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
-        values = self._call(lambda: self._client.mget([PREFIX + key for key in keys]))
+        parts = self._parts
+        values = self._call(lambda: self._client.mget([n for k in keys for n in self._names(k)]))
         if values is None:
             return [None] * len(keys)
+        if parts > 1:
+            values = [None if None in values[i:i + parts] else b"".join(values[i:i + parts])
+                      for i in range(0, len(values), parts)]
         self._observe(keys, [value is not None for value in values])
         return values
 
@@ -135,7 +151,11 @@ class RedisStore:
         def set_all() -> list:
             pipe = self._client.pipeline(transaction=False)
             for key, value in items:
-                pipe.set(PREFIX + key, value)
+                if len(value) == self.value_bytes and self._parts > 1:
+                    pipe.mset({name: value[i * PART_BYTES:(i + 1) * PART_BYTES]
+                               for i, name in enumerate(self._names(key))})
+                else:
+                    pipe.set(PREFIX + key, value)
             return pipe.execute(raise_on_error=False)  # a refused SET (OOM) is one error
 
         results = self._call(set_all)
@@ -154,7 +174,7 @@ class RedisStore:
     def delete(self, keys: list[str]) -> None:
         if not keys:
             return
-        self._call(lambda: self._client.delete(*[PREFIX + key for key in keys]))
+        self._call(lambda: self._client.delete(*[n for k in keys for n in self._names(k)]))
         self._observe(keys, [False] * len(keys))
 
     def usage(self) -> tuple[int, int]:
@@ -166,6 +186,11 @@ class RedisStore:
         with self._lock:
             self._retry_at = math.inf  # every later call is a miss, with no network
         self._pool.disconnect()
+
+    def _names(self, key: str) -> list[str]:
+        """The Redis keys of `key`'s parts (one unless values are split)."""
+        first = PREFIX + key
+        return [first] + [f"{first}|{i}" for i in range(1, self._parts)]
 
     def _call(self, request: Callable[[], T]) -> T | None:
         """`request()`'s answer, or None: in backoff (no network), failed or refused."""

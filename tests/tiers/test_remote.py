@@ -185,3 +185,28 @@ def test_bad_url_message_hides_the_password():
     with pytest.raises(ValueError) as raised:
         RedisStore("http://user:hunter2@127.0.0.1:6379/0")
     assert "hunter2" not in str(raised.value) and "user:***@" in str(raised.value)
+
+
+def test_values_over_a_part_are_split_and_read_in_one_round_trip(redis_server, round_trips):
+    """A 64 KiB block and its header in one Redis string take an 80 KiB allocation; stored
+    in parts they take about their size. Every part comes back in the one MGET, and a value
+    missing any part is a miss (never a shorter value)."""
+    size = 65536 + 80
+    store = RedisStore(redis_server, value_bytes=size)
+    admin = redis.Redis.from_url(redis_server)
+    values = {key(i): bytes([i]) * size for i in range(8)}
+    assert store.put(list(values.items())) == 8
+    round_trips["sends"] = 0
+    assert store.get(list(values)) == list(values.values())
+    assert round_trips["sends"] == 1
+    used = admin.info("memory")["used_memory"]
+    assert store.put([(key(100 + i), bytes([i]) * size) for i in range(32)]) == 32
+    per_byte = (admin.info("memory")["used_memory"] - used) / (32 * 65536)
+    assert per_byte < 1.02, f"{per_byte:.3f} bytes of Redis memory per payload byte"
+    admin.delete(f"pkv:{key(3)}|1")  # the tail of one value evicted
+    assert store.contains([key(2), key(3)]) == [True, False]
+    assert store.get([key(3)]) == [None]
+    assert store.put([(key(9), b"short")]) == 1 and store.get([key(9)]) == [None], \
+        "a value of another length is stored whole and read as a miss"
+    admin.close()
+    store.close()
