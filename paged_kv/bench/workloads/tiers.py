@@ -169,14 +169,7 @@ def _store_figures(url: str, repeats: int, nbytes: int) -> tuple[list[Figure], d
     store.put([(codec.store_key("bench", k), codec.encode(k, digest, p))
                for k, p in zip(keys, payloads, strict=True)])
     per_byte = (raw.info("memory")["used_memory"] - used) / (count * nbytes)
-    proxy = DelayProxy(int(url.rsplit(":", 1)[1].split("/")[0]), DELAY_S)
-    far = RedisStore(f"redis://127.0.0.1:{proxy.port}/0")
-    far.contains([codec.store_key("bench", keys[0])])  # connect first
-    start = time.perf_counter()
-    far.contains([codec.store_key("bench", k) for k in keys])
-    trips = (time.perf_counter() - start) / (2 * DELAY_S)  # each round trip adds 2 delays
-    far.close()
-    proxy.close()
+    trips = _lookup_round_trips(url, keys)
     store.close()
     mib = count * nbytes / 2**20
     figure = Figure(f"store {count} blocks of {nbytes // 1024} KiB", Stat(tuple(
@@ -185,6 +178,22 @@ def _store_figures(url: str, repeats: int, nbytes: int) -> tuple[list[Figure], d
     return [figure], {"round trips per 64-block lookup (its time / the added RTT)":
                       round(trips, 2),
                       "Redis memory / payload bytes": round(per_byte, 4)}
+
+
+def _lookup_round_trips(url: str, keys: list[bytes]) -> float:
+    """Round trips of one lookup of `keys` through a proxy adding `DELAY_S` each way: its
+    time over the time a round trip adds."""
+    from ...tiers.remote import RedisStore
+
+    proxy = DelayProxy(int(url.rsplit(":", 1)[1].split("/")[0]), DELAY_S)
+    far = RedisStore(f"redis://127.0.0.1:{proxy.port}/0")
+    far.contains([codec.store_key("bench", keys[0])])  # connect first
+    start = time.perf_counter()
+    far.contains([codec.store_key("bench", k) for k in keys])
+    trips = (time.perf_counter() - start) / (2 * DELAY_S)
+    far.close()
+    proxy.close()
+    return trips
 
 
 def run(scale: Scale) -> WorkloadResult:
