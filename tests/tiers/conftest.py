@@ -116,3 +116,139 @@ def _missing(what: str) -> None:
 def redis_server(redis_servers: Callable[..., RedisServer]) -> str:
     """The URL of a fresh ``redis-server``: ``redis://127.0.0.1:PORT/0``."""
     return redis_servers().url
+
+
+# -- engines with tiers (test_engine_tiers.py, test_tiers_adversarial.py) -------------------
+TIER_MODEL = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+                  intermediate_size=128, vocab_size=256, max_position=1024)
+BLOCK_SIZE = 16
+MAX_TOKENS = 8
+ENGINE_TIMEOUT_S = 30.0  # bound on serving one batch of requests
+
+
+def full_block_tokens(prompt: list[int], block_size: int = BLOCK_SIZE) -> int:
+    """Prompt tokens a full prefix hit covers: whole blocks, never the last token's."""
+    return (len(prompt) - 1) // block_size * block_size
+
+
+def random_prompts(count: int, length: int, seed: int, vocab: int = 256) -> list[list[int]]:
+    """`count` distinct random prompts of `length` tokens (greedy outputs on these differ)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def serve_prompts(engine, prompts: list[list[int]], salt: str | None = None,
+          timeout_s: float = ENGINE_TIMEOUT_S) -> list:
+    """`RequestOutput` of each prompt (greedy, `MAX_TOKENS`), stepping the engine by hand
+    (so a tenant's `salt` can be given) until all finished, bounded by `timeout_s`."""
+    import time
+
+    from paged_kv.serving import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    ids = [engine.add_request(prompt, params, salt=salt) for prompt in prompts]
+    done: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    while any(i not in done for i in ids):
+        assert time.monotonic() < deadline, f"requests not done in {timeout_s} s"
+        done.update((out.request_id, out) for out in engine.step())
+    return [done[i] for i in ids]
+
+
+def tokens_of(outputs: list) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def tier_stats(engine) -> dict:
+    """``{tier name: TierStats}`` of an engine's tiers now."""
+    return {tier.tier: tier for tier in engine.stats().tiers.tiers}
+
+
+def store_keys(engine, prompt: list[int], salt: str | None = None) -> list[str]:
+    """The store keys (`codec.store_key`, as patched now) of `prompt`'s full blocks, as
+    `engine`'s tiers name them."""
+    import numpy as np
+
+    from paged_kv.allocator import encode_tokens, hash_block, root_hash
+    from paged_kv.tiers import codec
+    from paged_kv.tiers.manager import weights_id
+
+    size = engine.cache.config.block_size
+    model_id = engine.tiers.config.model_id or weights_id(engine.model)
+    namespace = codec.Fingerprint.of(engine.cache.config, model_id).namespace
+    tokens = np.asarray(prompt, dtype=np.int64)
+    chain, keys = root_hash(salt), []
+    for start in range(0, full_block_tokens(prompt, size), size):
+        chain = hash_block(chain, encode_tokens(tokens[start:start + size]))
+        keys.append(codec.store_key(namespace, chain))
+    return keys
+
+
+@pytest.fixture(scope="session")
+def tier_model():
+    """``tier_model(seed=0)``: the small `TinyLlama` of `TIER_MODEL`, built once per seed."""
+    from paged_kv.serving import TinyLlama, TinyLlamaConfig
+
+    models: dict[int, object] = {}
+
+    def get(seed: int = 0):
+        if seed not in models:
+            models[seed] = TinyLlama(TinyLlamaConfig(**TIER_MODEL), seed=seed)
+        return models[seed]
+    return get
+
+
+@pytest.fixture
+def tier_engines(tier_model):
+    """``tier_engines(tiers=None, seed=0, block_size=16, kv_cache_dtype="auto",
+    num_blocks=128)``: an `Engine` over `tier_model(seed)`; every one made is closed (its
+    tier threads stopped) at teardown."""
+    from paged_kv.serving import Engine
+
+    engines: list = []
+
+    def make(tiers=None, *, seed: int = 0, block_size: int = BLOCK_SIZE,
+             kv_cache_dtype: str = "auto", num_blocks: int = 128):
+        model = tier_model(seed)
+        engine = Engine(model, model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                                  kv_cache_dtype=kv_cache_dtype),
+                        kv_tiers=tiers)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(engines):
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(tier_model):
+    """``reference_tokens(prompts, seed=0, block_size=16, kv_cache_dtype="auto")``: the
+    greedy tokens of each prompt on an engine without tiers, each computed from scratch
+    (the device prefix cache dropped first); memoised."""
+    from paged_kv.serving import Engine
+
+    engines: dict[tuple, object] = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def run(prompts, *, seed: int = 0, block_size: int = BLOCK_SIZE,
+            kv_cache_dtype: str = "auto") -> list[list[int]]:
+        config = (seed, block_size, kv_cache_dtype)
+        if config not in engines:
+            model = tier_model(seed)
+            engines[config] = Engine(model, model.cache_config(
+                num_blocks=128, block_size=block_size, kv_cache_dtype=kv_cache_dtype))
+        engine = engines[config]
+        for prompt in prompts:
+            if (*config, tuple(prompt)) not in memo:
+                engine.cache.reset_prefix_cache()
+                [out] = serve_prompts(engine, [prompt])
+                assert out.prefix_hit_tokens == 0
+                memo[(*config, tuple(prompt))] = out.outputs[0].token_ids
+        return [memo[(*config, tuple(prompt))] for prompt in prompts]
+
+    yield run
+    for engine in engines.values():
+        engine.close()
