@@ -21,6 +21,7 @@ from paged_kv.config import KV_CACHE_DTYPES
 from paged_kv.serving import Engine
 from paged_kv.serving import engine as engine_module
 from paged_kv.tiers import TierConfig, codec
+from paged_kv.tiers.manager import TierManager
 
 from ..conftest import prometheus_value
 from .conftest import (
@@ -32,6 +33,8 @@ from .conftest import (
 )
 
 MIB = 1 << 20
+
+pytestmark = pytest.mark.usefixtures("fetch_always")  # hits must not depend on load
 DTYPES = ["auto", "int8", pytest.param(
     "fp8_e4m3", marks=pytest.mark.skipif(not hasattr(torch, KV_CACHE_DTYPES["fp8_e4m3"]),
                                          reason="this torch has no float8_e4m3fn"))]
@@ -136,6 +139,24 @@ def test_disk_tier_serves_after_a_restart(request, tmp_path, tier_engines, refer
     assert_served_from(restarted, {}, "disk", prompts, serve_prompts(restarted, prompts),
                        expected)
     restarted.check()
+
+
+def test_a_fetch_slower_than_recomputing_is_skipped(request, tmp_path, monkeypatch,
+                                                    tier_engines, reference_tokens):
+    prompts = prompts_of(seed=5)
+    expected = reference_tokens(prompts)
+    engine = tier_engines(tier_config("host", tmp_path, request))
+    serve_prompts(engine, prompts)
+    assert engine.tiers.flush(timeout=10)
+    engine.cache.reset_prefix_cache()
+    monkeypatch.setattr(TierManager, "recompute_seconds", lambda self, num_tokens: 0.0)
+    outputs = serve_prompts(engine, prompts)
+    assert [o.prefix_hit_tokens for o in outputs] == [0] * len(prompts)
+    assert tokens_of(outputs) == expected
+    stats = engine.stats().tiers
+    assert stats.skipped_fetches == len(prompts) and stats.loaded_blocks == 0, stats
+    assert tier_stats(engine)["host"].hit_tokens == 0
+    engine.check()
 
 
 def disk_bytes(directory: str) -> int:
