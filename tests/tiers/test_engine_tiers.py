@@ -248,3 +248,22 @@ def test_tensor_parallel_with_tiers_is_refused_before_workers_start(tier_model, 
         Engine(model, model.cache_config(num_blocks=64), tensor_parallel_size=2,
                kv_tiers=tiers)
     assert started == []
+
+
+@pytest.mark.xfail(strict=True, reason="TierManager remembers every key it ever queued "
+                   "(`_written`) and never writes it again, even after the tier lost it")
+def test_a_block_evicted_from_a_tier_is_written_again_once_recomputed(request, tmp_path,
+                                                                      tier_engines):
+    engine = tier_engines(tier_config("host", tmp_path, request, host_mib=0.05))  # 6 blocks
+    [prompt, *others] = random_prompts(3, 70, seed=6)  # 4 full blocks each
+
+    def hit() -> int:
+        assert engine.tiers.flush(timeout=10)
+        engine.cache.reset_prefix_cache()
+        return serve_prompts(engine, [prompt])[0].prefix_hit_tokens
+
+    serve_prompts(engine, [prompt])
+    assert hit() == 64
+    serve_prompts(engine, others)  # 8 more blocks: the prompt's are evicted from the host
+    assert hit() == 0  # recomputed: its blocks are stored on the device again ...
+    assert hit() == 64, tier_stats(engine)["host"]  # ... so the tier should have them back
