@@ -191,6 +191,7 @@ class TierManager:
         """Load a finished fetch's blocks as cached device blocks (at most `spare_blocks`);
         returns how many, counted as hits of the tiers they came from."""
         if fetch.payload is None or not len(fetch.sources):
+            self._forget(fetch.keys)
             return 0
         n = min(len(fetch.sources), max(0, spare_blocks))
         size = self.cache.config.block_size
@@ -200,12 +201,20 @@ class TierManager:
         for source in fetch.sources[:loaded]:
             self._counts[source]["hit_tokens"] += size
         self._totals["loaded_blocks"] += loaded
+        self._forget(fetch.keys[loaded:])
         return loaded
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Keys the tiers lack (evicted, flushed, failed verification, dropped): when the
+        request recomputes them they are written down again."""
+        for key in keys:
+            self._written.pop(key, None)
 
     def fell_back(self, fetch: Fetch) -> None:
         """The engine gave up waiting for `fetch` (its deadline passed)."""
         fetch.cancelled = True
         self._totals["deadline_fallbacks"] += 1
+        self._forget(fetch.keys)
 
     def _fetch_loop(self) -> None:
         while not self._stop.is_set():

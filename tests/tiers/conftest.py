@@ -166,24 +166,38 @@ def tier_stats(engine) -> dict:
     return {tier.tier: tier for tier in engine.stats().tiers.tiers}
 
 
-def store_keys(engine, prompt: list[int], salt: str | None = None) -> list[str]:
-    """The store keys (`codec.store_key`, as patched now) of `prompt`'s full blocks, as
-    `engine`'s tiers name them."""
+def chained_keys(prompt: list[int], salt: str | None = None,
+                 block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """The chained keys (`paged_kv.allocator.hash_block`) of `prompt`'s full blocks."""
     import numpy as np
 
     from paged_kv.allocator import encode_tokens, hash_block, root_hash
+
+    tokens = np.asarray(prompt, dtype=np.int64)
+    chain, keys = root_hash(salt), []
+    for start in range(0, full_block_tokens(prompt, block_size), block_size):
+        chain = hash_block(chain, encode_tokens(tokens[start:start + block_size]))
+        keys.append(chain)
+    return keys
+
+
+def fingerprint(engine):
+    """The `codec.Fingerprint` of `engine`'s blocks in its tiers."""
     from paged_kv.tiers import codec
     from paged_kv.tiers.manager import weights_id
 
-    size = engine.cache.config.block_size
     model_id = engine.tiers.config.model_id or weights_id(engine.model)
-    namespace = codec.Fingerprint.of(engine.cache.config, model_id).namespace
-    tokens = np.asarray(prompt, dtype=np.int64)
-    chain, keys = root_hash(salt), []
-    for start in range(0, full_block_tokens(prompt, size), size):
-        chain = hash_block(chain, encode_tokens(tokens[start:start + size]))
-        keys.append(codec.store_key(namespace, chain))
-    return keys
+    return codec.Fingerprint.of(engine.cache.config, model_id)
+
+
+def store_keys(engine, prompt: list[int], salt: str | None = None) -> list[str]:
+    """The store keys (`codec.store_key`, as patched now) of `prompt`'s full blocks, as
+    `engine`'s tiers name them."""
+    from paged_kv.tiers import codec
+
+    namespace = fingerprint(engine).namespace
+    return [codec.store_key(namespace, key)
+            for key in chained_keys(prompt, salt, engine.cache.config.block_size)]
 
 
 @pytest.fixture(scope="session")
@@ -252,3 +266,25 @@ def reference_tokens(tier_model):
     yield run
     for engine in engines.values():
         engine.close()
+
+
+def tiers_summary(engine) -> str:
+    """An engine's tier counters in one short line, for assertion messages."""
+    stats = engine.stats().tiers
+    tiers = "; ".join(f"{t.tier}: hit {t.hit_tokens} miss {t.misses} bad {t.verify_failures} "
+                      f"held {t.blocks} wrote {t.written_blocks}" for t in stats.tiers)
+    return (f"{tiers}; dropped {stats.dropped_writes} fallbacks {stats.deadline_fallbacks} "
+            f"skipped {stats.skipped_fetches} loaded {stats.loaded_blocks} "
+            f"fetches {stats.fetches}")
+
+
+@pytest.fixture
+def fetch_always(monkeypatch):
+    """Engines' tiers fetch whenever a tier holds a prompt's blocks: the estimate of whether
+    a fetch beats recomputing is kept from ever seeing a prefill (until then, as documented,
+    fetching counts as worth it). On this tiny model a fetch and a recompute cost about the
+    same, so the estimate would make hits depend on the machine's load; it is not what
+    these tests check."""
+    from paged_kv.tiers.manager import TierManager
+
+    monkeypatch.setattr(TierManager, "observe_prefill", lambda self, num_tokens, seconds: None)

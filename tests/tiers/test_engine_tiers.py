@@ -21,6 +21,7 @@ from paged_kv.config import KV_CACHE_DTYPES
 from paged_kv.serving import Engine
 from paged_kv.serving import engine as engine_module
 from paged_kv.tiers import TierConfig, codec
+from paged_kv.tiers.manager import TierManager
 
 from ..conftest import prometheus_value
 from .conftest import (
@@ -32,6 +33,8 @@ from .conftest import (
 )
 
 MIB = 1 << 20
+
+pytestmark = pytest.mark.usefixtures("fetch_always")  # hits must not depend on load
 DTYPES = ["auto", "int8", pytest.param(
     "fp8_e4m3", marks=pytest.mark.skipif(not hasattr(torch, KV_CACHE_DTYPES["fp8_e4m3"]),
                                          reason="this torch has no float8_e4m3fn"))]
@@ -138,6 +141,24 @@ def test_disk_tier_serves_after_a_restart(request, tmp_path, tier_engines, refer
     restarted.check()
 
 
+def test_a_fetch_slower_than_recomputing_is_skipped(request, tmp_path, monkeypatch,
+                                                    tier_engines, reference_tokens):
+    prompts = prompts_of(seed=5)
+    expected = reference_tokens(prompts)
+    engine = tier_engines(tier_config("host", tmp_path, request))
+    serve_prompts(engine, prompts)
+    assert engine.tiers.flush(timeout=10)
+    engine.cache.reset_prefix_cache()
+    monkeypatch.setattr(TierManager, "recompute_seconds", lambda self, num_tokens: 0.0)
+    outputs = serve_prompts(engine, prompts)
+    assert [o.prefix_hit_tokens for o in outputs] == [0] * len(prompts)
+    assert tokens_of(outputs) == expected
+    stats = engine.stats().tiers
+    assert stats.skipped_fetches == len(prompts) and stats.loaded_blocks == 0, stats
+    assert tier_stats(engine)["host"].hit_tokens == 0
+    engine.check()
+
+
 def disk_bytes(directory: str) -> int:
     """Bytes of every file under `directory` (temp files too); files that vanish while
     listed are skipped."""
@@ -227,3 +248,20 @@ def test_tensor_parallel_with_tiers_is_refused_before_workers_start(tier_model, 
         Engine(model, model.cache_config(num_blocks=64), tensor_parallel_size=2,
                kv_tiers=tiers)
     assert started == []
+
+
+def test_a_block_evicted_from_a_tier_is_written_again_once_recomputed(request, tmp_path,
+                                                                      tier_engines):
+    engine = tier_engines(tier_config("host", tmp_path, request, host_mib=0.05))  # 6 blocks
+    [prompt, *others] = random_prompts(3, 70, seed=6)  # 4 full blocks each
+
+    def hit() -> int:
+        assert engine.tiers.flush(timeout=10)
+        engine.cache.reset_prefix_cache()
+        return serve_prompts(engine, [prompt])[0].prefix_hit_tokens
+
+    serve_prompts(engine, [prompt])
+    assert hit() == 64
+    serve_prompts(engine, others)  # 8 more blocks: the prompt's are evicted from the host
+    assert hit() == 0  # recomputed: its blocks are stored on the device again ...
+    assert hit() == 64, tier_stats(engine)["host"]  # ... so the tier should have them back
