@@ -148,8 +148,11 @@ class TierManager:
                           codec.encode(key, self._digest, rows[i].data))
                          for i, key in enumerate(keys)]
                 for store in self.stores:
-                    self._counts[store.name]["written_blocks"] += store.put(items)
-            except Exception:  # a tier's failure must not end the writer
+                    try:  # one tier's failure must not cost the others the batch
+                        self._counts[store.name]["written_blocks"] += store.put(items)
+                    except Exception:
+                        logger.exception("paged_kv tiers: a write to %s failed", store.name)
+            except Exception:  # nor end the writer
                 logger.exception("paged_kv tiers: a write batch failed")
             finally:
                 self._writes.task_done()
