@@ -90,7 +90,8 @@ def encode(key: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
         The block's bytes (`paged_kv.offload.read_blocks`: all layers, K and V, scales).
     """
     kind, value = checksum(payload)
-    return HEADER.pack(MAGIC, VERSION, kind, key, digest, len(payload), value) + bytes(payload)
+    return b"".join((HEADER.pack(MAGIC, VERSION, kind, key, digest, len(payload), value),
+                     payload))  # one copy of the payload
 
 
 def decode(value: bytes | None, key: bytes, digest: bytes, payload_len: int,

@@ -180,8 +180,8 @@ class TierManager:
     def start_fetch(self, keys: list[bytes], token_ids: np.ndarray) -> Fetch | None:
         """Start fetching the blocks of `keys` (a prompt's missing full blocks, in order);
         None when there is nothing to fetch."""
-        if not keys or not self.stores:
-            return None
+        if not keys or not any(getattr(s, "available", True) for s in self.stores):
+            return None  # nothing to fetch, or every store is down: recompute at once
         deadline_s = self.config.fetch_deadline_s
         if deadline_s is None:
             estimate = self.recompute_seconds(len(token_ids))

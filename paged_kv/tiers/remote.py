@@ -187,6 +187,12 @@ class RedisStore:
             self._retry_at = math.inf  # every later call is a miss, with no network
         self._pool.disconnect()
 
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure (calls are misses without the network),
+        so the manager starts no fetch that could only miss."""
+        return time.monotonic() >= self._retry_at
+
     def _names(self, key: str) -> list[str]:
         """The Redis keys of `key`'s parts (one unless values are split)."""
         first = PREFIX + key
