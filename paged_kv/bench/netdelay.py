@@ -4,6 +4,7 @@ adds latency (a store "50 ms away") and counts the round trips through it."""
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import shutil
 import socket
@@ -13,6 +14,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+START_TIMEOUT_S = 5.0
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
@@ -21,39 +24,76 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class RedisServer:
+    """One ``redis-server`` on a free 127.0.0.1 port, persisting nothing; `stop` and
+    `start` keep its port, so a store pointed at it sees the same server come back.
+    FileNotFoundError when the binary is missing; RuntimeError when it does not answer
+    PING within `START_TIMEOUT_S`."""
+
+    def __init__(self, directory: str, maxmemory: str | None = None,
+                 policy: str = "allkeys-lru") -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed "
+                                    "(apt-get install redis-server)")
+        os.makedirs(directory, exist_ok=True)
+        self.port = free_port()
+        self.args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", str(directory),
+                     "--maxmemory-policy", policy]
+        if maxmemory is not None:
+            self.args += ["--maxmemory", maxmemory]
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start the server and wait (bounded) until it answers PING."""
+        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _pings(self.port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop(kill=True)
+                raise RuntimeError(f"redis-server on port {self.port} did not answer PING "
+                                   f"within {START_TIMEOUT_S} s")
+            time.sleep(0.02)
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server (SIGKILL when `kill`: a crash) and reap it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.kill() if kill else self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+def _pings(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def redis_server(maxmemory: str | None = None) -> Iterator[str]:
-    """A ``redis-server`` on a free loopback port, persisting nothing, stopped on exit;
-    yields its URL. FileNotFoundError when the binary is missing."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
+    """A `RedisServer` in a temporary directory, stopped on exit; yields its URL."""
     with tempfile.TemporaryDirectory() as directory:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", directory, "--maxmemory-policy", "allkeys-lru"]
-        if maxmemory:
-            args += ["--maxmemory", maxmemory]
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = RedisServer(directory, maxmemory)
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(
-                        ("127.0.0.1", port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        break
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
+            yield server.url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            server.stop()
 
 
 class DelayProxy:

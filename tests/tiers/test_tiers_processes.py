@@ -14,13 +14,14 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from paged_kv.bench.netdelay import free_port
 
 from ..conftest import ROOT
 
@@ -79,12 +80,6 @@ class Server:
         return response.json()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def serve_processes(tmp_path):
     """``start(*flags)``: a `Server` running ``paged-kv serve`` with `flags` on a free port
@@ -93,7 +88,7 @@ def serve_processes(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
     def start(*flags: str) -> Server:
-        port = _free_port()
+        port = free_port()
         log = tmp_path / f"serve-{len(servers)}.log"
         with open(log, "w") as out:
             process = subprocess.Popen(
