@@ -15,68 +15,15 @@ tail is evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
-import hashlib
 from collections.abc import Iterable
 
 import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
+from .keys import KEY_BYTES, BlockEvent, hash_block, split_blocks
 
 NULL_BLOCK = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockEvent:
-    """One allocator event: ``kind`` is allocated / freed / cached / evicted / hit, or
-    stored / removed / cleared (the prefix index gained / lost blocks, or was emptied)."""
-
-    kind: str
-    block_ids: tuple[int, ...]
-
-
-TOKEN_BYTES = 4  # one token id in a key: little-endian int32
-KEY_BYTES = 32  # a block key: sha256
-
-
-def encode_tokens(token_ids: np.ndarray) -> bytes:
-    """The canonical bytes of token ids that keys hash: little-endian int32."""
-    return token_ids.astype("<i4", copy=False).tobytes()
-
-
-def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
-    """Chained, process-independent key of a full block.
-
-    Parameters
-    ----------
-    parent_hash : bytes
-        Key of the previous block of the sequence (the salt's root key for the first one).
-    token_ids : bytes
-        The block's token ids, `encode_tokens` of them.
-    """
-    return hashlib.sha256(parent_hash + token_ids).digest()
-
-
-def split_blocks(token_ids: bytes, num_blocks: int) -> list[bytes]:
-    """`token_ids` (the encoding of `num_blocks` whole blocks) cut into one piece a block."""
-    if not num_blocks:
-        return []
-    width = len(token_ids) // num_blocks
-    return [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
-
-
-def root_hash(salt: str | None = None) -> bytes:
-    """Key that the first block of a sequence chains from; a salt isolates tenants."""
-    if salt is not None and not isinstance(salt, str):
-        raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
-    return _root_hash(salt or "")
-
-
-@functools.lru_cache(maxsize=4096)  # one per tenant, asked for at every admission
-def _root_hash(salt: str) -> bytes:
-    return hashlib.sha256(b"paged_kv:" + salt.encode()).digest()
 
 
 class BlockAllocator:
@@ -211,10 +158,11 @@ class BlockAllocator:
         if from_free < num_blocks:
             evicted = [self._cached.popitem(last=False)[0] for _ in range(num_blocks - from_free)]
             index, keys = self._index, self._keys[evicted].tobytes()
-            for start in range(0, len(keys), KEY_BYTES):
-                del index[keys[start:start + KEY_BYTES]]
+            gone = [keys[start:start + KEY_BYTES] for start in range(0, len(keys), KEY_BYTES)]
+            for key in gone:
+                del index[key]
             self._indexed[evicted] = False
-            self._events.append(BlockEvent("evicted", tuple(evicted)))
+            self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
             taken += evicted
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1
@@ -260,11 +208,13 @@ class BlockAllocator:
         if freed:
             self._events.append(BlockEvent("freed", tuple(freed)))
 
-    def register(self, block_id: int, key: bytes, token_ids: bytes) -> bool:
-        """Index a live, full block under `key`; False when that key is already indexed."""
+    def register(self, block_id: int, key: bytes, token_ids: bytes,
+                 parent_key: bytes = b"") -> bool:
+        """Index a live, full block under `key` (chained from `parent_key`, which events
+        report); False when that key is already indexed."""
         if not self.enable_prefix_caching or key in self._index:
             return False
-        self._insert([key], [block_id], token_ids)
+        self._insert([key], [block_id], token_ids, [parent_key])
         return True
 
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
@@ -280,7 +230,7 @@ class BlockAllocator:
                 for parent, piece in zip(parent_keys, split_blocks(token_ids, len(block_ids)),
                                          strict=True)]
         if self.enable_prefix_caching and keys:
-            self._insert(keys, block_ids, token_ids)
+            self._insert(keys, block_ids, token_ids, parent_keys)
         return keys
 
     def register_chain(self, block_ids: list[int], parent_key: bytes,
@@ -293,12 +243,13 @@ class BlockAllocator:
             key = hash_block(key, piece)
             keys.append(key)
         if self.enable_prefix_caching and keys:
-            self._insert(keys, block_ids, token_ids)
+            self._insert(keys, block_ids, token_ids, [parent_key, *keys[:-1]])
         return keys
 
-    def _insert(self, keys: list[bytes], block_ids: list[int], token_ids: bytes) -> None:
-        """Index blocks in bulk (``block_ids[i]`` holds slice i of `token_ids`); a key indexed
-        before (or twice here) keeps its first block."""
+    def _insert(self, keys: list[bytes], block_ids: list[int], token_ids: bytes,
+                parents: list[bytes]) -> None:
+        """Index blocks in bulk (``block_ids[i]`` holds slice i of `token_ids` and chains
+        from ``parents[i]``); a key indexed before (or twice here) keeps its first block."""
         index = self._index
         if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
             pieces = split_blocks(token_ids, len(keys))
@@ -309,6 +260,7 @@ class BlockAllocator:
             chosen = list(first.values())
             keys = [keys[i] for i in chosen]
             block_ids = [block_ids[i] for i in chosen]
+            parents = [parents[i] for i in chosen]
             token_ids = b"".join(pieces[i] for i in chosen)
             if not keys:
                 return
@@ -322,7 +274,8 @@ class BlockAllocator:
         self._tokens[ids] = tokens
         self._indexed[ids] = True
         self._protected[ids] = True
-        self._events.append(BlockEvent("stored", tuple(block_ids)))
+        self._events.append(BlockEvent("stored", tuple(block_ids), tuple(keys),
+                                       tuple(parents), token_ids))
 
     def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
         """Take `block_ids` out of the prefix index (those not indexed are skipped): their
@@ -330,15 +283,16 @@ class BlockAllocator:
         Returns how many left the index."""
         ids = [b for b in dict.fromkeys(np.asarray(block_ids, dtype=np.int64).tolist())
                if self._indexed[b]]
-        for block_id in ids:
-            del self._index[self._keys[block_id].tobytes()]
+        keys = [self._keys[block_id].tobytes() for block_id in ids]
+        for block_id, key in zip(ids, keys, strict=True):
+            del self._index[key]
             if block_id in self._cached:
                 del self._cached[block_id]
                 self._free.append(block_id)
         if ids:
             self._indexed[ids] = False
             self._protected[ids] = self._refcount[ids] > 1
-            self._events.append(BlockEvent("removed", tuple(ids)))
+            self._events.append(BlockEvent("removed", tuple(ids), tuple(keys)))
         return len(ids)
 
     def reset_prefix_cache(self) -> int:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .allocator import BlockAllocator, encode_tokens
+from .allocator import BlockAllocator
 from .batch import SeqId
 from .errors import InvariantError, OutOfBlocksError
+from .keys import encode_tokens
 from .page_table import PageTables
 from .pool import KVPool
 
@@ -68,10 +69,12 @@ class HostTier:
         self._tables.set_swapped(seq_id, block_ids, False)
         token_ids = self._tables.token_ids[self._tables.row_of[seq_id]]
         size = self._tables.block_size
+        parent = b""  # events report the first block's parent as unknown
         for j, key in enumerate(self._keys.pop(seq_id)):
             if key is not None:
                 block_tokens = encode_tokens(token_ids[j * size:(j + 1) * size])
-                self._device.register(int(block_ids[j]), key, block_tokens)
+                self._device.register(int(block_ids[j]), key, block_tokens, parent)
+            parent = key or b""
 
     def drop(self, seq_id: SeqId, host_ids: np.ndarray) -> None:
         """Forget a swapped sequence that is being freed; its host blocks return here."""

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .allocator import BlockAllocator, BlockEvent, encode_tokens, split_blocks
+from .allocator import BlockAllocator
 from .cache import PagedKVCache
+from .keys import BlockEvent, encode_tokens, split_blocks
 
 
 def stored_blocks(allocator: BlockAllocator, events: Iterable[BlockEvent],
@@ -63,7 +64,9 @@ def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
     block_ids = allocator.allocate(n)
     cache.pool.write_blocks(block_ids, payload)
     pieces = split_blocks(encode_tokens(token_ids), n)
-    for block_id, key, piece in zip(block_ids.tolist(), keys, pieces, strict=True):
-        allocator.register(block_id, key, piece)
+    parents = [b"", *keys[:-1]]  # the first one's parent is on the device (or the root)
+    for block_id, key, piece, parent in zip(block_ids.tolist(), keys, pieces, parents,
+                                            strict=True):
+        allocator.register(block_id, key, piece, parent)
     allocator.free(block_ids, unique=True)  # cached, the tail evicted first
     return n

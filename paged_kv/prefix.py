@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._tokens import tokens_to_array
-from .allocator import BlockAllocator, encode_tokens, hash_block, root_hash, split_blocks
+from .allocator import BlockAllocator
+from .keys import encode_tokens, hash_block, root_hash, split_blocks
 from .page_table import PageTables
 
 

@@ -23,10 +23,11 @@ import numpy as np
 
 from ._checks import read_only
 from ._tokens import Step
-from .allocator import BlockAllocator, root_hash
+from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .errors import OutOfBlocksError
+from .keys import root_hash
 from .page_table import PageTables
 from .pool import KVPool
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix

@@ -21,8 +21,8 @@ from collections.abc import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..allocator import root_hash
 from ..errors import OutOfBlocksError
+from ..keys import root_hash
 
 
 class Block:

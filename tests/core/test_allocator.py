@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_kv import BlockAllocator, OutOfBlocksError
-from paged_kv.allocator import hash_block, root_hash
+from paged_kv.keys import hash_block, root_hash
 
 NUM_BLOCKS = 12
 
@@ -165,3 +165,34 @@ def test_index_changes_are_events():
     assert kinds == [("stored", (ids[0],)), ("stored", (ids[1],)), ("removed", (ids[0],)),
                      ("cleared", ())]
     allocator.check_invariants()
+
+
+def test_index_events_carry_keys_parents_and_tokens_as_they_were():
+    """A subscriber in another process rebuilds the index from the events alone, so they
+    hold the keys when they happen: a block id is reused, its key is not."""
+    allocator = BlockAllocator(4)  # 3 usable blocks
+    root = root_hash("tenant")
+    tokens = np.arange(8, dtype="<i4").tobytes()  # two blocks of 4 tokens
+    ids = allocator.allocate(2).tolist()
+    keys = allocator.register_chain(ids, root, tokens)
+    assert keys == [hash_block(root, tokens[:16]), hash_block(keys[0], tokens[16:])]
+    allocator.free(ids)
+    allocator.allocate(3)  # two evictions: both keys leave the index
+    events = {e.kind: e for e in allocator.take_events()}
+    stored, evicted = events["stored"], events["evicted"]
+    assert stored.block_ids == tuple(ids) and stored.keys == tuple(keys)
+    assert stored.parents == (root, keys[0]) and stored.token_ids == tokens
+    assert sorted(evicted.keys) == sorted(keys) and allocator.block_hash(ids[0]) is None
+    allocator.check_invariants()
+
+
+def test_removed_and_batch_stored_events_carry_their_keys():
+    allocator = BlockAllocator(6)
+    ids = allocator.allocate(2).tolist()
+    parents = [b"p" * 32, b"q" * 32]
+    tokens = np.arange(4, dtype="<i4").tobytes()
+    keys = allocator.register_blocks(ids, parents, tokens)
+    allocator.unregister([ids[1]])
+    stored, removed = [e for e in allocator.take_events() if e.kind in ("stored", "removed")]
+    assert stored.parents == tuple(parents) and stored.keys == tuple(keys)
+    assert removed.block_ids == (ids[1],) and removed.keys == (keys[1],)

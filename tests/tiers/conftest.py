@@ -106,10 +106,10 @@ def tier_stats(engine) -> dict:
 
 def chained_keys(prompt: list[int], salt: str | None = None,
                  block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """The chained keys (`paged_kv.allocator.hash_block`) of `prompt`'s full blocks."""
+    """The chained keys (`paged_kv.keys.hash_block`) of `prompt`'s full blocks."""
     import numpy as np
 
-    from paged_kv.allocator import encode_tokens, hash_block, root_hash
+    from paged_kv.keys import encode_tokens, hash_block, root_hash
 
     tokens = np.asarray(prompt, dtype=np.int64)
     chain, keys = root_hash(salt), []

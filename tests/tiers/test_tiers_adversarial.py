@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from paged_kv.allocator import encode_tokens, hash_block, root_hash
+from paged_kv.keys import encode_tokens, hash_block, root_hash
 from paged_kv.tiers import TierConfig, codec
 
 from .conftest import (

@@ -1,0 +1,74 @@
+"""Block keys and block events: what identifies a full block's K/V across processes.
+
+A key is sha256 over its parent's key and the block's token ids (little-endian int32), the
+first block chaining from a tenant's root, so equal prefixes give equal keys in any process
+(no Python `hash`) and tenants never share one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """One allocator event: ``kind`` is allocated / freed / cached / evicted / hit, or
+    stored / removed / cleared (the prefix index gained / lost blocks, or was emptied).
+
+    The index's events carry what a subscriber in another process needs, taken when they
+    happen (a block id is reused at once): ``keys`` of stored, evicted and removed blocks;
+    for stored ones each block's parent key in ``parents`` and their tokens, in order, in
+    ``token_ids`` (`encode_tokens` bytes).
+    """
+
+    kind: str
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
+    parents: tuple[bytes, ...] = ()
+    token_ids: bytes = b""
+
+
+TOKEN_BYTES = 4  # one token id in a key: little-endian int32
+KEY_BYTES = 32  # a block key: sha256
+
+
+def encode_tokens(token_ids: np.ndarray) -> bytes:
+    """The canonical bytes of token ids that keys hash: little-endian int32."""
+    return token_ids.astype("<i4", copy=False).tobytes()
+
+
+def hash_block(parent_hash: bytes, token_ids: bytes) -> bytes:
+    """Chained, process-independent key of a full block.
+
+    Parameters
+    ----------
+    parent_hash : bytes
+        Key of the previous block of the sequence (the salt's root key for the first one).
+    token_ids : bytes
+        The block's token ids, `encode_tokens` of them.
+    """
+    return hashlib.sha256(parent_hash + token_ids).digest()
+
+
+def split_blocks(token_ids: bytes, num_blocks: int) -> list[bytes]:
+    """`token_ids` (the encoding of `num_blocks` whole blocks) cut into one piece a block."""
+    if not num_blocks:
+        return []
+    width = len(token_ids) // num_blocks
+    return [token_ids[i:i + width] for i in range(0, len(token_ids), width)]
+
+
+def root_hash(salt: str | None = None) -> bytes:
+    """Key that the first block of a sequence chains from; a salt isolates tenants."""
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"salt: expected a str, got {type(salt).__name__}")
+    return _root_hash(salt or "")
+
+
+@functools.lru_cache(maxsize=4096)  # one per tenant, asked for at every admission
+def _root_hash(salt: str) -> bytes:
+    return hashlib.sha256(b"paged_kv:" + salt.encode()).digest()
