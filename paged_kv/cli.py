@@ -259,6 +259,18 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
                             "429 with Retry-After (0: none waits)")
     serve.add_argument("--drain-timeout", type=_at_least(float, 0), default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    events = serve.add_argument_group("KV events, for cache-aware routers (the events extra)")
+    events.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                        help="publish the prefix index's changes in vLLM's wire format on this "
+                             "ZMQ PUB endpoint, e.g. tcp://*:5557 (GET /kv_events tells "
+                             "routers where)")
+    events.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
+                        help="the replay socket (default: the next port; 'off': none)")
+    events.add_argument("--kv-events-topic", default=None,
+                        help="first frame of each message (default kv@HOST:PORT@MODEL)")
+    events.add_argument("--kv-events-token-ids", action="store_true",
+                        help="put token ids in BlockStored events: they are the tenants' "
+                             "prompts, so off unless you allow it")
     serve.set_defaults(run=_serve)
 
 

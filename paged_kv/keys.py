@@ -32,6 +32,9 @@ class BlockEvent:
     token_ids: bytes = b""
 
 
+# how keys are made, named for routers that recompute them (change it with the scheme)
+HASH_SCHEME = ("paged_kv-sha256-v1: sha256(parent + int32-LE tokens), "
+               "root sha256('paged_kv:' + tenant)")
 TOKEN_BYTES = 4  # one token id in a key: little-endian int32
 KEY_BYTES = 32  # a block key: sha256
 

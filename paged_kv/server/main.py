@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from ..events import KVEventsConfig
 from ..serving import Engine
 from ..serving.sizing import cache_config_for_free_memory
 from ..tiers import TierConfig
@@ -41,10 +42,27 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
     return keys
 
 
+def events_config(args: argparse.Namespace, model_name: str) -> KVEventsConfig | None:
+    """The ``--kv-events*`` flags as a config (None: off). The replay socket defaults to
+    the next port; the topic to ``kv@HOST:PORT@MODEL``, the form llm-d reads."""
+    if args.kv_events is None:
+        return None
+    replay = args.kv_events_replay
+    if replay is None:
+        base, _, port = args.kv_events.rpartition(":")
+        replay = f"{base}:{int(port) + 1}" if port.isdigit() else f"{base}:*"
+    topic = args.kv_events_topic
+    if topic is None:
+        topic = f"kv@{args.host}:{args.port}@{model_name}"
+    return KVEventsConfig(args.kv_events, None if replay == "off" else replay, topic=topic,
+                          token_ids=args.kv_events_token_ids)
+
+
 def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
                  memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
-                 tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None) -> Engine:
+                 tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None,
+                 kv_events: KVEventsConfig | None = None) -> Engine:
     """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
     memory (the host pool as much again for swap)."""
     probe = model.cache_config(num_blocks=2, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
@@ -61,7 +79,8 @@ def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                                       kv_cache_dtype=kv_cache_dtype)
     return Engine(model, cache_config, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
-                  tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers)
+                  tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
+                  kv_events=kv_events)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -86,10 +105,14 @@ def serve(args: argparse.Namespace) -> int:
                           preemption=args.preemption, memory_fraction=args.memory_fraction,
                           kv_cache_dtype=args.kv_cache_dtype,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          kv_tiers=TierConfig.from_args(args))
+                          kv_tiers=TierConfig.from_args(args),
+                          kv_events=events_config(args, name))
     config = engine.cache.config
     logger.info("model %s; KV pool %d blocks of %d tokens (%.1f MiB)", name, config.num_blocks,
                 config.block_size, config.num_blocks * config.bytes_per_block / 2**20)
+    if engine.events is not None:
+        logger.info("KV events on %s (replay %s)", engine.events.endpoint,
+                    engine.events.replay_endpoint)
     if args.api_keys_map is None:
         logger.info("single tenant: no --api-keys file, so no auth and one shared prefix cache")
     else:

@@ -57,6 +57,16 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@router.get("/kv_events")
+async def kv_events(request: Request) -> Response:
+    """Where this replica publishes its KV events, for routers to subscribe (404: off)."""
+    info = service(request).kv_events_info()
+    if info is None:
+        return error_response(404, "KV events are off: start the server with --kv-events",
+                              type_="not_found_error")
+    return JSONResponse(info)
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     svc = service(request)

@@ -8,6 +8,7 @@ import uuid
 
 from prometheus_client import Counter, Histogram
 
+from ..keys import HASH_SCHEME
 from ..serving import EngineDeadError, SamplingParams
 from .generation import Generation
 from .loop import EngineLoop
@@ -157,6 +158,17 @@ class OpenAIService:
         """``/v1/models``."""
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": created, "owned_by": "paged_kv"}]}
+
+    def kv_events_info(self) -> dict | None:
+        """``/kv_events``: the publisher's bound endpoints and how its hashes are made (a
+        router computes the same keys from the prompt), or None when events are off."""
+        publisher = self.loop.engine.events
+        if publisher is None:
+            return None
+        return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                "topic": publisher.config.topic, "block_size": publisher.block_size,
+                "medium": publisher.medium, "token_ids": publisher.config.token_ids,
+                "hash": HASH_SCHEME, "model": self.model_name}
 
     def metrics_text(self) -> str:
         """Prometheus exposition, gauges as of now (run on the engine's thread)."""

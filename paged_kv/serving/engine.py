@@ -12,6 +12,7 @@ import torch
 from .._threads import ThreadGovernor, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
+from ..events import KVEventsConfig, open_publisher
 from ..tiers import TierConfig
 from ..tiers.manager import open_tiers
 from .errors import EngineDeadError
@@ -20,7 +21,7 @@ from .metrics import EngineMetrics
 from .outputs import EngineStats, RequestOutput, StepOutput
 from .request import Request, Sequence
 from .runner import ModelRunner, ModelStep, TensorParallelRunner
-from .sampling import SamplingParams, sample_rows, token_logprobs
+from .sampling import SamplingParams, sample_generator, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 
@@ -61,11 +62,12 @@ class Engine:
         Tiers behind the device pool (host RAM, disk, Redis): stored blocks are written
         down in the background and a prompt's missing blocks fetched back when that beats
         recomputing them (see `paged_kv.tiers`). Not with tensor parallelism yet.
+    kv_events : KVEventsConfig, optional
+        Publish the prefix index's changes after each step (vLLM's KV events over ZMQ, for
+        a cache-aware router; see `paged_kv.events`).
     num_threads : int, optional
-        torch intra-op threads while the engine runs a step (restored after each step).
-        Default on the CPU: torch's count while the cores are free, fewer (at least one)
-        while other processes use them, re-measured every half second, so a busy core
-        cannot stall every step; see `paged_kv._threads`.
+        torch intra-op threads while a step runs. Default on the CPU: torch's count while
+        the cores are free, fewer while other processes use them (`paged_kv._threads`).
 
     Examples
     --------
@@ -82,7 +84,8 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  preemption: str = "recompute", memory_fraction: float | None = None,
                  num_threads: int | None = None, tensor_parallel_size: int = 1,
-                 kv_tiers: TierConfig | None = None) -> None:
+                 kv_tiers: TierConfig | None = None,
+                 kv_events: KVEventsConfig | None = None) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
         if cache_config is None:
@@ -108,6 +111,7 @@ class Engine:
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        preemption=preemption, tiers=self.tiers)
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
+            self.events = open_publisher(kv_events, cache_config.block_size)
         except BaseException:
             if group is not None:  # no half-built engine leaves the group initialised
                 group.close()
@@ -147,7 +151,7 @@ class Engine:
                           on_output=on_output)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        self.scheduler.add(Sequence(request, 0, list(prompt), _generator(params, seed, 0)))
+        self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
         return request.request_id
@@ -235,8 +239,12 @@ class Engine:
         for sample in samples:  # each sample's output streams as soon as it is updated
             self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
-        if self.tiers is not None:  # the blocks this step wrote, copied out for the tiers
-            self.tiers.after_step(self.cache.allocator.take_events())
+        if self.tiers is not None or self.events is not None:
+            events = self.cache.allocator.take_events()
+            if self.tiers is not None:  # the blocks this step wrote, copied out
+                self.tiers.after_step(events)
+            if self.events is not None:  # the index's changes, for routers
+                self.events.publish(events)
         self.metrics.observe(self.stats(), len(samples))
         finished = dict.fromkeys(seq.request for seq in step.sampled if seq.request.is_finished)
         return [request.output(request.finish_time) for request in finished
@@ -303,7 +311,7 @@ class Engine:
             return [seq]
         seed = request.samples[0].generator.initial_seed() if request.samples[0].generator \
             else 0
-        children = [Sequence(request, i, list(seq.token_ids), _generator(request.params,
+        children = [Sequence(request, i, list(seq.token_ids), sample_generator(request.params,
                                                                          seed, i))
                     for i in range(1, request.params.n)]
         self.scheduler.add_children(seq, children)
@@ -332,8 +340,7 @@ class Engine:
         return self.runner.pool_bytes_per_rank()
 
     def check(self) -> None:
-        """`PagedKVCache.check`, and with tensor parallelism that every rank's pool has the
-        same blocks."""
+        """`PagedKVCache.check`; with tensor parallelism, every rank's pool has its blocks."""
         self.runner.check()
 
     def close(self) -> None:
@@ -341,8 +348,9 @@ class Engine:
         (`step` raises `EngineDeadError`)."""
         self._dead = self._dead or "the engine was closed"
         self.runner.close()
-        if self.tiers is not None:
-            self.tiers.close()
+        for part in (self.tiers, self.events):
+            if part is not None:
+                part.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -390,10 +398,3 @@ def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
     for seq, n in plan.items():
         parts.setdefault(seq.request.request_id, {})[seq] = n
     return list(parts.values())
-
-
-def _generator(params: SamplingParams, seed: int, index: int) -> torch.Generator | None:
-    """Sample `index`'s own generator: ``seed + index``, so it equals that seed run alone."""
-    if params.temperature == 0:
-        return None
-    return torch.Generator().manual_seed(seed + index)

@@ -160,3 +160,10 @@ def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[in
         for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
             out.setdefault(index, value)
     return out
+
+
+def sample_generator(params: SamplingParams, seed: int, index: int) -> torch.Generator | None:
+    """Sample `index`'s own generator: ``seed + index``, so it equals that seed run alone."""
+    if params.temperature == 0:
+        return None
+    return torch.Generator().manual_seed(seed + index)

@@ -1,0 +1,28 @@
+"""KV events: the cache's index changes, published in vLLM's wire format and followed.
+
+`wire` turns the allocator's index events into vLLM's ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` arrays (msgpack, array-like, as llm-d decodes them) and back;
+`publisher` sends one batch per step over ZMQ PUB with a replay socket; `subscriber`
+follows one publisher in order, replaying gaps. Sockets live here, never in the cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .wire import MEDIUM_DEVICE, KVEventsConfig, decode_batch, encode_batch, to_wire
+
+if TYPE_CHECKING:
+    from .publisher import EventPublisher
+
+__all__ = ["MEDIUM_DEVICE", "KVEventsConfig", "decode_batch", "encode_batch", "open_publisher",
+           "to_wire"]
+
+
+def open_publisher(config: KVEventsConfig | None, block_size: int) -> EventPublisher | None:
+    """A started publisher for `config` (None: events off). pyzmq is imported only here."""
+    if config is None:
+        return None
+    from .publisher import EventPublisher
+
+    return EventPublisher(config, block_size=block_size)

@@ -1,0 +1,132 @@
+"""`EventPublisher`: one batch of index events per step, over ZMQ PUB, with replay.
+
+The step thread only numbers a batch and queues it (never blocks: a full queue drops the
+batch, and subscribers see the gap); a thread of its own encodes and sends. Frames are
+vLLM's: ``(topic, sequence number as 8 bytes big-endian, msgpack payload)``. The replay
+socket (ROUTER) answers a DEALER's ``(b"", start)`` with every buffered ``(b"", seq,
+payload)`` from `start` on, then ``(b"", -1, b"")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+
+import zmq
+
+from ..keys import BlockEvent
+from .wire import MEDIUM_DEVICE, KVEventsConfig, encode_batch, to_wire
+
+logger = logging.getLogger(__name__)
+
+INDEX_KINDS = frozenset({"stored", "evicted", "removed", "cleared"})
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventPublisher:
+    """Publishes a cache's index events (see `paged_kv.events.wire` for the schema).
+
+    Parameters
+    ----------
+    config : KVEventsConfig
+    block_size : int
+        Tokens per block, in every ``BlockStored``.
+    medium : str
+        The tier the blocks live in (``"GPU"``: the engine's own pool).
+
+    Raises
+    ------
+    ValueError
+        An endpoint that cannot be bound (in use, malformed), before any thread starts.
+    """
+
+    def __init__(self, config: KVEventsConfig, *, block_size: int,
+                 medium: str = MEDIUM_DEVICE) -> None:
+        self.config, self.block_size, self.medium = config, block_size, medium
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay = None
+        try:
+            self._pub.bind(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._context.destroy(linger=0)
+            raise ValueError(f"--kv-events: cannot bind {config.endpoint} "
+                             f"/ {config.replay_endpoint}: {exc}") from None
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = (None if self._replay is None
+                                else self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._topic = config.topic.encode()
+        self._seq = itertools.count()
+        self._queue: queue.Queue[tuple[int, float, list[BlockEvent]]] = \
+            queue.Queue(config.max_queue)
+        self._sent: collections.deque[tuple[int, bytes]] = \
+            collections.deque(maxlen=config.buffer_steps)
+        self.num_published = self.num_dropped = self.num_replays = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paged-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[BlockEvent]) -> None:
+        """Queue one step's events (those that change the index; none: nothing sent)."""
+        if not any(event.kind in INDEX_KINDS for event in events):
+            return
+        seq = next(self._seq)
+        try:
+            self._queue.put_nowait((seq, time.time(), events))
+        except queue.Full:  # the sequence number is spent: subscribers see the gap
+            self.num_dropped += 1
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, close the sockets."""
+        self._stop.set()
+        self._thread.join(5.0)
+        self._context.destroy(linger=0)
+
+    # -- the publisher thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                seq, stamp, events = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+            else:
+                self._send(seq, stamp, events)
+            self._answer_replays()
+
+    def _send(self, seq: int, stamp: float, events: list[BlockEvent]) -> None:
+        try:
+            payload = encode_batch(stamp, to_wire(events, block_size=self.block_size,
+                                                  medium=self.medium,
+                                                  token_ids=self.config.token_ids))
+            number = seq.to_bytes(8, "big")
+            self._pub.send_multipart((self._topic, number, payload), copy=False)
+            self._sent.append((seq, payload))
+            self.num_published += 1
+        except Exception:  # a bad batch must not end the thread (its seq becomes a gap)
+            logger.exception("paged_kv events: batch %d not sent", seq)
+
+    def _answer_replays(self) -> None:
+        while self._replay is not None:
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                logger.warning("paged_kv events: malformed replay request ignored")
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
+            self.num_replays += 1
+            for seq, payload in list(self._sent):
+                if seq >= start:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
