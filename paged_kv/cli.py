@@ -14,6 +14,7 @@ import torch
 from .accounting import CacheStats
 from .bench.cli import add_bench_parser
 from .config import KV_CACHE_DTYPES, CacheConfig
+from .router.cli import add_route_parser
 from .tiers import TierConfig
 from .workload import run_synthetic
 
@@ -281,13 +282,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``paged-kv`` argument parser (``demo``, ``serve``, ``bench``)."""
+    """The ``paged-kv`` argument parser (``demo``, ``serve``, ``bench``, ``route``)."""
     parser = _Parser(prog="paged-kv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     parent = _engine_flags()
     _add_demo_parser(commands, parent)
     _add_serve_parser(commands, parent)
     add_bench_parser(commands)
+    add_route_parser(commands)
     return parser
 
 

@@ -1,0 +1,232 @@
+"""`Router`: a request's keys, the choice of replica, and the forwarding with retries."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from ..server.protocol import ChatCompletionRequest, CompletionRequest, error_response
+from .index import prompt_keys
+from .policy import Choice, choose
+from .replicas import Replica, ReplicaSet, event_lag
+
+logger = logging.getLogger("paged_kv.router")
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})  # the replica cannot take it: try another
+_HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "date",
+                          "server"})
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class RouterError(Exception):
+    """An answer the router gives itself: HTTP status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Router:
+    """Chooses a replica for each request and forwards it, streaming the answer back.
+
+    Parameters
+    ----------
+    replicas : ReplicaSet
+    tokenizer : ByteTokenizer or HFTokenizer
+        The replicas' tokenizer: the router computes the keys they index.
+    policy : {"cache", "round_robin", "least_load"}
+    api_keys : dict, optional
+        ``{key: tenant}``, the replicas' file: the tenant salts the keys, as there.
+    balance_abs, balance_rel : int, float
+        The imbalance guard of `paged_kv.router.policy.choose`.
+    """
+
+    def __init__(self, replicas: ReplicaSet, tokenizer, *, policy: str = "cache",
+                 api_keys: dict[str, str] | None = None, balance_abs: int = 8,
+                 balance_rel: float = 1.5) -> None:
+        self.replicas, self.tokenizer, self.policy = replicas, tokenizer, policy
+        self.api_keys, self.balance = api_keys, (balance_abs, balance_rel)
+        self._turn = itertools.count()
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
+        self.registry = registry = CollectorRegistry()
+        self.decisions = Counter("paged_kv_router_decisions", "Routing decisions by reason",
+                                 ["reason"], registry=registry)
+        self.prompt_tokens = Counter("paged_kv_router_prompt_tokens",
+                                     "Prompt tokens of routed requests", registry=registry)
+        self.hit_tokens = Counter("paged_kv_router_prefix_hit_tokens",
+                                  "Prompt tokens the chosen replica held, by the index",
+                                  registry=registry)
+        self.retries = Counter("paged_kv_router_retries",
+                               "Requests sent again to another replica", ["reason"],
+                               registry=registry)
+        self.requests = Counter("paged_kv_router_requests", "HTTP requests by endpoint and "
+                                "status", ["endpoint", "status"], registry=registry)
+        self.lag = Histogram("paged_kv_router_event_lag_seconds", "KV event publication to "
+                             "index", buckets=_LAG_BUCKETS, registry=registry)
+        self._gauges = {name: Gauge(f"paged_kv_router_{name}", doc, labels, registry=registry)
+                        for name, doc, labels in _GAUGES}
+
+    def on_batch(self, replica: Replica, stamp: float, events: list[list]) -> None:
+        """A replica's batch of events: into the index (on a subscriber's thread)."""
+        self.replicas.index.apply(replica.url, events)
+        self.lag.observe(event_lag(stamp))
+
+    # -- a request ------------------------------------------------------------------------
+    def tenant(self, authorization: str) -> str | None:
+        """The tenant of an ``Authorization`` header (None without api keys)."""
+        if self.api_keys is None:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+            raise RouterError(401, "missing or unknown API key: send Authorization: Bearer KEY")
+        return self.api_keys[key.strip()]
+
+    def prompt(self, path: str, body: bytes) -> list[int]:
+        """The prompt's token ids as a replica computes them (empty when the body is not a
+        valid request: a replica answers it with the right 400)."""
+        try:
+            data = json.loads(body)
+            if path.endswith("/chat/completions"):
+                request = ChatCompletionRequest.model_validate(data)
+                return list(self.tokenizer.apply_chat_template(
+                    [m.as_template_message() for m in request.messages]))
+            prompt = CompletionRequest.model_validate(data).prompt
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except (ValueError, ValidationError, KeyError, TypeError):
+            return []
+
+    def pick(self, tokens: list[int], salt: str | None,
+             exclude: set[str]) -> tuple[Replica, Choice, list[bytes]] | None:
+        """The replica for a prompt (None: none can take it), the decision, its keys."""
+        up = [r for r in self.replicas.up() if r.url not in exclude]
+        if not up:
+            return None
+        keys = prompt_keys(tokens, up[0].block_size, salt)
+        names = [r.url for r in up]
+        scores = self.replicas.index.match(keys, names) if self.policy == "cache" else {}
+        choice = choose(self.policy, names, {r.url: r.in_flight for r in up}, scores,
+                        self._turn, balance_abs=self.balance[0], balance_rel=self.balance[1])
+        return next(r for r in up if r.url == choice.replica), choice, keys
+
+    async def forward(self, path: str, body: bytes, headers: dict[str, str],
+                      tenant: str | None) -> Response:
+        """Send the request to the chosen replica; one that fails before the first byte
+        of its answer reaches the client is marked down and the next one is tried."""
+        tokens = self.prompt(path, body)
+        tried: set[str] = set()
+        while (picked := self.pick(tokens, tenant, tried)) is not None:
+            replica, choice, keys = picked
+            tried.add(replica.url)
+            replica.in_flight += 1
+            try:
+                upstream, chunks, first = await self._open(replica, path, body, headers)
+            except _Retry as exc:
+                replica.in_flight -= 1
+                self.retries.labels(reason=exc.reason).inc()
+                continue
+            self._count(choice, keys, tokens, replica)
+            return StreamingResponse(
+                _relay(first, chunks), status_code=upstream.status_code,
+                headers=_response_headers(upstream),
+                background=BackgroundTask(self._done, replica, upstream))
+        raise RouterError(503, f"no replica can take the request (tried {len(tried)} of "
+                               f"{len(self.replicas.replicas)})")
+
+    async def _open(self, replica: Replica, path: str, body: bytes,
+                    headers: dict[str, str],
+                    ) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        request = self._client.build_request("POST", replica.url + path, content=body,
+                                             headers=headers)
+        upstream = None
+        try:
+            upstream = await self._client.send(request, stream=True)
+            if upstream.status_code in RETRY_STATUSES:
+                await upstream.aclose()
+                if upstream.status_code != 429:
+                    self.replicas.mark_down(replica, f"answered {upstream.status_code}")
+                raise _Retry(str(upstream.status_code))
+            chunks = upstream.aiter_raw()
+            first = await anext(chunks, b"")
+            return upstream, chunks, first
+        except httpx.HTTPError as exc:
+            if upstream is not None:
+                await upstream.aclose()
+            self.replicas.mark_down(replica, f"{type(exc).__name__}: {exc}")
+            raise _Retry("connection") from None
+
+    def _count(self, choice: Choice, keys: list[bytes], tokens: list[int],
+               replica: Replica) -> None:
+        self.decisions.labels(reason=choice.reason).inc()
+        self.prompt_tokens.inc(len(tokens))
+        self.hit_tokens.inc(min(round(choice.hit_blocks) * replica.block_size, len(tokens)))
+        self.replicas.index.guess(replica.url, keys)
+
+    async def _done(self, replica: Replica, upstream: httpx.Response) -> None:
+        replica.in_flight -= 1
+        await upstream.aclose()
+
+    async def models(self) -> Response:
+        """``/v1/models`` of the first replica up."""
+        for replica in self.replicas.up():
+            try:
+                answer = await self._client.get(f"{replica.url}/v1/models")
+            except httpx.HTTPError:
+                continue
+            return Response(answer.content, answer.status_code,
+                            media_type=answer.headers.get("content-type"))
+        return error_response(503, "no replica is up", type_="server_error")
+
+    def observe(self) -> None:
+        """Gauges as of now (before a scrape)."""
+        gauges = self._gauges
+        for replica in self.replicas.replicas:
+            url = replica.url
+            gauges["in_flight"].labels(replica=url).set(replica.in_flight)
+            gauges["replica_up"].labels(replica=url).set(int(replica.up))
+            gauges["index_blocks"].labels(replica=url).set(
+                len(self.replicas.index.blocks_of(url)))
+            counts = {} if replica.subscriber is None else replica.subscriber.counts
+            for outcome in ("batches", "gaps", "replayed", "missed", "malformed", "resets"):
+                gauges["event_batches"].labels(replica=url, outcome=outcome).set(
+                    counts.get(outcome, 0))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+_GAUGES = (("in_flight", "Requests in flight at each replica", ["replica"]),
+           ("replica_up", "1 while the replica answers /health", ["replica"]),
+           ("index_blocks", "Blocks the replica holds, by its KV events", ["replica"]),
+           ("event_batches", "KV event batches from each replica since it was followed, by "
+                             "outcome (batches applied, gaps, replayed, missed, malformed)",
+            ["replica", "outcome"]))
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+async def _relay(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+def _response_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def forward_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The client's headers a replica should see (not the hop-by-hop ones)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
