@@ -41,6 +41,10 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
                             "more than the idlest ...")
     route.add_argument("--balance-rel", type=float, default=1.5,
                        help="... and this many times as many")
+    route.add_argument("--load-tokens", type=float, default=512.0,
+                       help="what a request in flight costs a replica, in prompt tokens to "
+                            "compute: a cached prefix shorter than this per queued request "
+                            "does not outweigh the queue")
     route.add_argument("--probe-interval", type=float, default=1.0,
                        help="seconds between /health probes of each replica")
     route.set_defaults(run=route_main)
@@ -65,7 +69,8 @@ def route_main(args: argparse.Namespace) -> int:
     router = Router(ReplicaSet(args.replica, PrefixIndex(), lambda *a: router.on_batch(*a),
                                interval=args.probe_interval),
                     tokenizer, policy=args.policy, api_keys=api_keys,
-                    balance_abs=args.balance_abs, balance_rel=args.balance_rel)
+                    balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+                    load_tokens=args.load_tokens)
     logger.info("routing (%s) over %d replicas on http://%s:%d", args.policy,
                 len(args.replica), args.host, args.port)
     uvicorn.run(create_router_app(router), host=args.host, port=args.port,

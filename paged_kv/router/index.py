@@ -59,6 +59,10 @@ class PrefixIndex:
         with self._lock:
             return sum(len(held) for held in self._held.values())
 
+    def count(self, replica: str) -> int:
+        """Blocks `replica`'s events say it holds."""
+        return len(self._held.get(replica, ()))
+
     def blocks_of(self, replica: str) -> frozenset[bytes]:
         """The keys `replica`'s events say it holds."""
         with self._lock:

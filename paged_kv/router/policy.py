@@ -19,9 +19,18 @@ class Choice(NamedTuple):
 
 
 def choose(policy: str, replicas: Sequence[str], loads: Mapping[str, int],
-           scores: Mapping[str, float], turn: itertools.count, *,
-           balance_abs: int = 8, balance_rel: float = 1.5) -> Choice:
+           scores: Mapping[str, float], turn: itertools.count, *, num_tokens: int = 0,
+           block_size: int = 16, room: Mapping[str, float] | None = None,
+           load_tokens: float = 512.0, balance_abs: int = 8,
+           balance_rel: float = 1.5) -> Choice:
     """Pick one of `replicas` (non-empty, in a fixed order).
+
+    ``cache`` estimates each replica's cost in prompt tokens: those it would have to
+    compute (the prompt less its cached prefix) plus `load_tokens` for each request it has
+    in flight, and takes the cheapest; ties go to the replica with the most `room` (free
+    or least valuable blocks: where a new prefix evicts the least), then in rotation. So a
+    long cached prefix wins over a short queue, a one-block hit does not (Dynamo's router
+    weighs overlap against active blocks the same way).
 
     Parameters
     ----------
@@ -34,6 +43,12 @@ def choose(policy: str, replicas: Sequence[str], loads: Mapping[str, int],
         Each replica's cached prefix of the request, in tier-weighted blocks.
     turn : itertools.count
         The router's turn counter: round robin, and ties broken in rotation.
+    num_tokens, block_size : int
+        The prompt's length and the replicas' block size.
+    room : mapping, optional
+        Blocks each replica could take without evicting what its index holds.
+    load_tokens : float
+        What one request in flight costs, in prompt tokens to compute.
     balance_abs, balance_rel : int, float
         ``cache`` falls back to least load when the busiest replica has more than
         `balance_abs` requests above the idlest and more than `balance_rel` times its load
@@ -49,9 +64,12 @@ def choose(policy: str, replicas: Sequence[str], loads: Mapping[str, int],
     high, low = max(loads.get(r, 0) for r in replicas), loads.get(least, 0)
     if high - low > balance_abs and high > balance_rel * low:
         return Choice(least, "imbalance", scores.get(least, 0.0))
-    best = max(scores.get(r, 0.0) for r in replicas)
-    if best <= 0:
-        return Choice(least, "no_hit", 0.0)
-    tied = [r for r in rotated if scores.get(r, 0.0) >= best]
-    pick = min(tied, key=lambda r: loads.get(r, 0))
-    return Choice(pick, "cache", best)
+    room = room or {}
+
+    def cost(r: str) -> tuple[float, float]:
+        hit = min(scores.get(r, 0.0) * block_size, num_tokens)
+        return num_tokens - hit + load_tokens * loads.get(r, 0), -room.get(r, 0.0)
+
+    pick = min(rotated, key=cost)
+    hit = scores.get(pick, 0.0)
+    return Choice(pick, "cache" if hit > 0 else "no_hit", hit)

@@ -45,15 +45,17 @@ class Router:
     policy : {"cache", "round_robin", "least_load"}
     api_keys : dict, optional
         ``{key: tenant}``, the replicas' file: the tenant salts the keys, as there.
-    balance_abs, balance_rel : int, float
-        The imbalance guard of `paged_kv.router.policy.choose`.
+    balance_abs, balance_rel, load_tokens : int, float, float
+        The imbalance guard and the cost of a request in flight (see
+        `paged_kv.router.policy.choose`).
     """
 
     def __init__(self, replicas: ReplicaSet, tokenizer, *, policy: str = "cache",
                  api_keys: dict[str, str] | None = None, balance_abs: int = 8,
-                 balance_rel: float = 1.5) -> None:
+                 balance_rel: float = 1.5, load_tokens: float = 512.0) -> None:
         self.replicas, self.tokenizer, self.policy = replicas, tokenizer, policy
         self.api_keys, self.balance = api_keys, (balance_abs, balance_rel)
+        self.load_tokens = load_tokens
         self._turn = itertools.count()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
         self.registry = registry = CollectorRegistry()
@@ -111,9 +113,13 @@ class Router:
             return None
         keys = prompt_keys(tokens, up[0].block_size, salt)
         names = [r.url for r in up]
-        scores = self.replicas.index.match(keys, names) if self.policy == "cache" else {}
+        index = self.replicas.index
+        scores = index.match(keys, names) if self.policy == "cache" else {}
+        room = {r.url: r.capacity - index.count(r.url) for r in up}
         choice = choose(self.policy, names, {r.url: r.in_flight for r in up}, scores,
-                        self._turn, balance_abs=self.balance[0], balance_rel=self.balance[1])
+                        self._turn, num_tokens=len(tokens), block_size=up[0].block_size,
+                        room=room, load_tokens=self.load_tokens,
+                        balance_abs=self.balance[0], balance_rel=self.balance[1])
         return next(r for r in up if r.url == choice.replica), choice, keys
 
     async def forward(self, path: str, body: bytes, headers: dict[str, str],

@@ -26,6 +26,7 @@ class Replica:
         self.up = False
         self.failures = 0
         self.block_size = DEFAULT_BLOCK_SIZE
+        self.capacity = 0  # its pool's blocks, from /kv_events (0: unknown)
         self.events: dict | None = None  # its /kv_events answer; None: none (yet)
         self.subscriber = None  # an EventSubscriber while up and publishing
 
@@ -134,6 +135,7 @@ class ReplicaSet:
         from ..events.subscriber import EventSubscriber
 
         replica.events, replica.block_size = info, int(info.get("block_size", 16))
+        replica.capacity = int(info.get("num_blocks", 0))
         replay = info.get("replay_endpoint")
         replica.subscriber = EventSubscriber(
             reachable_endpoint(info["endpoint"], replica.host),

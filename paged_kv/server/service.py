@@ -167,6 +167,7 @@ class OpenAIService:
             return None
         return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
                 "topic": publisher.config.topic, "block_size": publisher.block_size,
+                "num_blocks": self.loop.engine.cache.config.num_usable_blocks,
                 "medium": publisher.medium, "token_ids": publisher.config.token_ids,
                 "hash": HASH_SCHEME, "model": self.model_name}
 

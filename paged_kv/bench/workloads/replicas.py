@@ -28,15 +28,18 @@ from ..scale import Scale
 from ..timing import Figure, Stat, percentile
 
 NUM_REPLICAS = 4
-MEMORY_MIB = 48  # a replica's pool: 24K tokens of the embedded model, a quarter of the set
+MEMORY_MIB = 16  # `paged-kv serve`'s default pool: 8K tokens of the embedded model
 MODEL_NAME = "paged-kv-tiny-llama"
 ROUTE = "paged-kv route (KV events)"
 ORACLE = "one replica, 4x pool (oracle)"
 DESCRIPTION = (
     "{replicas} paged-kv serve replicas of the embedded TinyLlama (one thread each, "
     "--memory-mib {mib}, --kv-events) on 127.0.0.1, started fresh for each policy; "
-    "{tenants} tenants (one API key each), each with its own {sys_lo}-{sys_hi}-token system "
-    "prompt and {sessions} multi-turn session(s) of {turns} turns (each turn's prompt is the "
+    "{tenants} tenants (one API key each, so one prefix-cache salt each) with "
+    "{sys_lo}-{sys_hi}-token system prompts, in two scenarios: 'own prompts' (every tenant "
+    "its own) and '{apps} apps' (the prompt of one of {apps} apps, each sent by {per_app} "
+    "tenants: the same text, which the salts keep from sharing a block); each tenant runs "
+    "{sessions} multi-turn session(s) of {turns} turns (each turn's prompt is the "
     "last one plus a canned answer and a new question), {clients} clients each running one "
     "session at a time, streaming, {max_tokens} greedy tokens a turn. Hit rate = cached / "
     "prompt tokens from the replicas' usage; load = each replica's running + waiting "
@@ -50,15 +53,20 @@ def _text(rng: np.random.Generator, n: int) -> str:
     return bytes(rng.choice(letters, n)).decode()
 
 
-def sessions(num_tenants: int, per_tenant: int, turns: int, seed: int = 0,
-             system: tuple[int, int] = (1024, 2048)) -> list[tuple[str, list[str]]]:
-    """``(tenant, [prompt of each turn])`` per session, shuffled (tenants interleaved)."""
+def sessions(num_tenants: int, per_tenant: int, turns: int, *, apps: int | None = None,
+             seed: int = 0, system: tuple[int, int] = (1024, 2048),
+             ) -> list[tuple[str, list[str]]]:
+    """``(tenant, [prompt of each turn])`` per session, shuffled (tenants interleaved).
+
+    Tenant t's system prompt is app ``t % apps``'s (default: one app per tenant): tenants
+    of one app send the same text, which their salts keep from sharing a cached block.
+    """
     rng = np.random.default_rng(seed)
+    prompts_of_app = [_text(rng, int(rng.integers(*system))) for _ in range(apps or num_tenants)]
     out = []
     for tenant in range(num_tenants):
-        prefix = _text(rng, int(rng.integers(*system)))
         for _ in range(per_tenant):
-            prompts, text = [], prefix
+            prompts, text = [], prompts_of_app[tenant % len(prompts_of_app)]
             for _ in range(turns):
                 text += "\nUser: " + _text(rng, int(rng.integers(64, 160))) + "\nAssistant:"
                 prompts.append(text)
@@ -233,7 +241,9 @@ POLICIES = {"round robin": "round_robin", "sglang-router cache_aware": "sglang",
 
 
 def run(scale: Scale) -> WorkloadResult | None:
-    """Hit rate, TTFT, throughput, load spread and event lag of each policy."""
+    """Hit rate, TTFT, throughput, load spread and event lag of each policy, in two
+    scenarios: every tenant its own system prompt, and apps whose prompt several tenants
+    send."""
     try:
         import sglang_router  # noqa: F401
     except ImportError:
@@ -243,44 +253,53 @@ def run(scale: Scale) -> WorkloadResult | None:
     quick = scale.name == "quick"
     tenants, per_tenant, turns = (16, 1, 3) if quick else (32, 2, 4)
     clients, max_tokens = 8, 8
-    work = sessions(tenants, per_tenant, turns)
+    scenarios = {"own prompts": None, f"{tenants // 4} apps": tenants // 4}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    results = {}
+    results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         keys_file = os.path.join(tmp, "keys")
         with open(keys_file, "w") as f:
             f.writelines(f"key-tenant{t} tenant{t}\n" for t in range(tenants))
-        for name, policy in policies.items():
-            print(f"  replicas: {name}", file=sys.stderr, flush=True)
-            results[name] = _policy_run(policy, work, keys_file, env, clients, max_tokens)
+        for scenario, apps in scenarios.items():
+            work = sessions(tenants, per_tenant, turns, apps=apps)
+            for name, policy in policies.items():
+                print(f"  replicas, {scenario}: {name}", file=sys.stderr, flush=True)
+                results.setdefault(scenario, {})[name] = _policy_run(
+                    policy, work, keys_file, env, clients, max_tokens)
     return _result(results, DESCRIPTION.format(
         replicas=NUM_REPLICAS, mib=MEMORY_MIB, tenants=tenants, sys_lo=1024, sys_hi=2048,
-        sessions=per_tenant, turns=turns, clients=clients, max_tokens=max_tokens))
+        sessions=per_tenant, turns=turns, clients=clients, max_tokens=max_tokens,
+        apps=tenants // 4, per_app=4))
 
 
-def _result(results: dict[str, dict], description: str) -> WorkloadResult:
-    ours, figures = results[ROUTE], []
-    for name, base in results.items():
-        if name == ROUTE:
-            continue
-        figures.append(Figure(f"prefix hit rate vs {name}", Stat((ours["hit_rate"],), ""),
-                              name, Stat((base["hit_rate"],), ""), True))
-        if name != ORACLE:
+def _result(scenarios: dict[str, dict[str, dict]], description: str) -> WorkloadResult:
+    figures, info, plots = [], {}, []
+    for scenario, results in scenarios.items():
+        ours = results[ROUTE]
+        for name, base in results.items():
+            if name == ROUTE:
+                continue
+            figures.append(Figure(f"{scenario}: prefix hit rate vs {name}",
+                                  Stat((ours["hit_rate"],), ""), name,
+                                  Stat((base["hit_rate"],), ""), True))
+            if name == ORACLE:
+                continue
             for key, label in (("ttft_p50", "TTFT p50"), ("ttft_p95", "TTFT p95")):
-                figures.append(Figure(f"{label} vs {name}", Stat((1e3 * ours[key],), "ms"),
-                                      name, Stat((1e3 * base[key],), "ms"), False))
-            figures.append(Figure(f"throughput vs {name}", Stat((ours["throughput"],), "req/s"),
-                                  name, Stat((base["throughput"],), "req/s"), True))
-    info = {f"{name}: {key}": (round(v, 4) if isinstance(v, float) else v)
-            for name, r in results.items() for key, v in r.items()
-            if key != "lag" and not (name == ORACLE and key == "load_spread")}
-    if ours["lag"] is not None:
-        info["event-to-index lag p50 / p99 (bucket bound, ms)"] = \
-            f"{1e3 * ours['lag'][0]:.1f} / {1e3 * ours['lag'][1]:.1f}"
-    names = tuple(results)
-    plots = [Plot("prefix hit rate by policy", "", "cached / prompt tokens", (
-        Series("hit rate", names, tuple(results[n]["hit_rate"] for n in names)),), kind="bar"),
-             Plot("TTFT p95 by policy", "", "s", (
-        Series("TTFT p95", names, tuple(results[n]["ttft_p95"] for n in names)),), kind="bar")]
+                figures.append(Figure(f"{scenario}: {label} vs {name}",
+                                      Stat((1e3 * ours[key],), "ms"), name,
+                                      Stat((1e3 * base[key],), "ms"), False))
+            figures.append(Figure(f"{scenario}: throughput vs {name}",
+                                  Stat((ours["throughput"],), "req/s"), name,
+                                  Stat((base["throughput"],), "req/s"), True))
+        info.update({f"{scenario}, {name}: {key}": (round(v, 4) if isinstance(v, float) else v)
+                     for name, r in results.items() for key, v in r.items()
+                     if key != "lag" and not (name == ORACLE and key == "load_spread")})
+        if ours["lag"] is not None:
+            info[f"{scenario}: event-to-index lag p50 / p99 (bucket bound, ms)"] = \
+                f"{1e3 * ours['lag'][0]:.1f} / {1e3 * ours['lag'][1]:.1f}"
+        names = tuple(results)
+        plots.append(Plot(f"{scenario}: prefix hit rate by policy", "", "cached / prompt tokens",
+                          (Series("hit rate", names,
+                                  tuple(results[n]["hit_rate"] for n in names)),), kind="bar"))
     return WorkloadResult("replicas", "Replicas: routing policies over four replicas",
                           description, figures, info, plots=plots)
