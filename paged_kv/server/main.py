@@ -107,17 +107,7 @@ def serve(args: argparse.Namespace) -> int:
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_tiers=TierConfig.from_args(args),
                           kv_events=events_config(args, name))
-    config = engine.cache.config
-    logger.info("model %s; KV pool %d blocks of %d tokens (%.1f MiB)", name, config.num_blocks,
-                config.block_size, config.num_blocks * config.bytes_per_block / 2**20)
-    if engine.events is not None:
-        logger.info("KV events on %s (replay %s)", engine.events.endpoint,
-                    engine.events.replay_endpoint)
-    if args.api_keys_map is None:
-        logger.info("single tenant: no --api-keys file, so no auth and one shared prefix cache")
-    else:
-        logger.info("%d API keys, %d tenants; prefix caches are per tenant",
-                    len(args.api_keys_map), len(set(args.api_keys_map.values())))
+    _log_setup(engine, name, args.api_keys_map)
     app = create_app(EngineLoop(engine), tokenizer, model_name=name,
                      api_keys=args.api_keys_map, max_waiting=args.max_waiting)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -128,6 +118,20 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()  # tensor-parallel workers stop with the server
     return 0
+
+
+def _log_setup(engine: Engine, name: str, api_keys: dict[str, str] | None) -> None:
+    config = engine.cache.config
+    logger.info("model %s; KV pool %d blocks of %d tokens (%.1f MiB)", name, config.num_blocks,
+                config.block_size, config.num_blocks * config.bytes_per_block / 2**20)
+    if engine.events is not None:
+        logger.info("KV events on %s (replay %s)", engine.events.endpoint,
+                    engine.events.replay_endpoint)
+    if api_keys is None:
+        logger.info("single tenant: no --api-keys file, so no auth and one shared prefix cache")
+    else:
+        logger.info("%d API keys, %d tenants; prefix caches are per tenant",
+                    len(api_keys), len(set(api_keys.values())))
 
 
 class _Server(uvicorn.Server):
