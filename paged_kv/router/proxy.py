@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
-from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, error_response
@@ -138,11 +137,13 @@ class Router:
                 replica.in_flight -= 1
                 self.retries.labels(reason=exc.reason).inc()
                 continue
+            except BaseException:  # the client left (cancelled) while the replica worked
+                replica.in_flight -= 1
+                raise
             self._count(choice, keys, tokens, replica)
-            return StreamingResponse(
-                _relay(first, chunks), status_code=upstream.status_code,
-                headers=_response_headers(upstream),
-                background=BackgroundTask(self._done, replica, upstream))
+            return StreamingResponse(_relay(first, chunks, self._done(replica, upstream)),
+                                     status_code=upstream.status_code,
+                                     headers=_response_headers(upstream))
         raise RouterError(503, f"no replica can take the request (tried {len(tried)} of "
                                f"{len(self.replicas.replicas)})")
 
@@ -152,7 +153,7 @@ class Router:
         request = self._client.build_request("POST", replica.url + path, content=body,
                                              headers=headers)
         upstream = None
-        try:
+        try:  # (a cancellation closes the upstream too: the replica then aborts the work)
             upstream = await self._client.send(request, stream=True)
             if upstream.status_code in RETRY_STATUSES:
                 await upstream.aclose()
@@ -167,6 +168,10 @@ class Router:
                 await upstream.aclose()
             self.replicas.mark_down(replica, f"{type(exc).__name__}: {exc}")
             raise _Retry("connection") from None
+        except BaseException:
+            if upstream is not None:
+                await upstream.aclose()
+            raise
 
     def _count(self, choice: Choice, keys: list[bytes], tokens: list[int],
                replica: Replica) -> None:
@@ -176,6 +181,7 @@ class Router:
         self.replicas.index.guess(replica.url, keys)
 
     async def _done(self, replica: Replica, upstream: httpx.Response) -> None:
+        """The answer is relayed, or its client left: one request fewer in flight."""
         replica.in_flight -= 1
         await upstream.aclose()
 
@@ -222,11 +228,16 @@ class _Retry(Exception):
         self.reason = reason
 
 
-async def _relay(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for chunk in chunks:
-        yield chunk
+async def _relay(first: bytes, chunks: AsyncIterator[bytes],
+                 done: Awaitable[None]) -> AsyncIterator[bytes]:
+    """The answer's bytes; `done` runs however the relay ends (finished, client gone)."""
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await done
 
 
 def _response_headers(upstream: httpx.Response) -> dict[str, str]:
