@@ -19,10 +19,15 @@ __all__ = ["MEDIUM_DEVICE", "KVEventsConfig", "decode_batch", "encode_batch", "o
            "to_wire"]
 
 
-def open_publisher(config: KVEventsConfig | None, block_size: int) -> EventPublisher | None:
-    """A started publisher for `config` (None: events off). pyzmq is imported only here."""
+def open_publisher(config: KVEventsConfig | None, block_size: int,
+                   tiers=None) -> EventPublisher | None:
+    """A started publisher for `config` (None: events off), which also publishes the
+    changes of `tiers` (a `TierManager`) when given. pyzmq is imported only here."""
     if config is None:
         return None
     from .publisher import EventPublisher
 
-    return EventPublisher(config, block_size=block_size)
+    publisher = EventPublisher(config, block_size=block_size)
+    if tiers is not None:
+        tiers.watch(publisher.publish_tier)
+    return publisher

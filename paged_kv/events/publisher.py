@@ -66,8 +66,9 @@ class EventPublisher:
                                 else self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
         self._topic = config.topic.encode()
         self._seq = itertools.count()
-        self._queue: queue.Queue[tuple[int, float, list[BlockEvent]]] = \
+        self._queue: queue.Queue[tuple[int, float, list[BlockEvent], str]] = \
             queue.Queue(config.max_queue)
+        self._numbering = threading.Lock()  # the step thread and the tiers' writer publish
         self._sent: collections.deque[tuple[int, bytes]] = \
             collections.deque(maxlen=config.buffer_steps)
         self.num_published = self.num_dropped = self.num_replays = 0
@@ -75,15 +76,27 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="paged-kv-events", daemon=True)
         self._thread.start()
 
-    def publish(self, events: list[BlockEvent]) -> None:
-        """Queue one step's events (those that change the index; none: nothing sent)."""
+    def publish(self, events: list[BlockEvent], medium: str | None = None) -> None:
+        """Queue one step's events (those that change the index; none: nothing sent), of
+        blocks in `medium` (default: the engine's pool)."""
         if not any(event.kind in INDEX_KINDS for event in events):
             return
-        seq = next(self._seq)
-        try:
-            self._queue.put_nowait((seq, time.time(), events))
-        except queue.Full:  # the sequence number is spent: subscribers see the gap
-            self.num_dropped += 1
+        with self._numbering:  # numbers in queue order
+            seq = next(self._seq)
+            try:
+                self._queue.put_nowait((seq, time.time(), events, medium or self.medium))
+            except queue.Full:  # the sequence number is spent: subscribers see the gap
+                self.num_dropped += 1
+
+    def publish_tier(self, medium: str, stored: list[bytes], removed: list[bytes]) -> None:
+        """A tier's change (`TierManager.watch`): blocks written to it, blocks it dropped.
+        Their parents and tokens are not known there: each is its own chain."""
+        events = []
+        if stored:
+            events.append(BlockEvent("stored", (), tuple(stored), (b"",) * len(stored)))
+        if removed:
+            events.append(BlockEvent("removed", (), tuple(removed)))
+        self.publish(events, medium)
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets."""
@@ -95,18 +108,18 @@ class EventPublisher:
     def _run(self) -> None:
         while True:
             try:
-                seq, stamp, events = self._queue.get(timeout=0.02)
+                seq, stamp, events, medium = self._queue.get(timeout=0.02)
             except queue.Empty:
                 if self._stop.is_set():
                     return
             else:
-                self._send(seq, stamp, events)
+                self._send(seq, stamp, events, medium)
             self._answer_replays()
 
-    def _send(self, seq: int, stamp: float, events: list[BlockEvent]) -> None:
+    def _send(self, seq: int, stamp: float, events: list[BlockEvent], medium: str) -> None:
         try:
             payload = encode_batch(stamp, to_wire(events, block_size=self.block_size,
-                                                  medium=self.medium,
+                                                  medium=medium,
                                                   token_ids=self.config.token_ids))
             number = seq.to_bytes(8, "big")
             self._pub.send_multipart((self._topic, number, payload), copy=False)

@@ -38,7 +38,7 @@ def prompt_keys(token_ids: Sequence[int], block_size: int, salt: str | None) -> 
 
 
 class PrefixIndex:
-    """Block key → ``{replica: tier}``, from events, plus the router's own routing guesses.
+    """Block key → ``{replica: tiers}``, from events, plus the router's own routing guesses.
 
     Events are applied on the subscribers' threads and matches read on the server's; one
     lock keeps each operation whole. A guess (a prompt's keys at the replica it was sent
@@ -47,7 +47,7 @@ class PrefixIndex:
     """
 
     def __init__(self, guess_ttl: float = 10.0) -> None:
-        self._where: dict[bytes, dict[str, str]] = {}
+        self._where: dict[bytes, dict[str, set[str]]] = {}
         self._held: dict[str, set[bytes]] = {}
         self._guesses: dict[bytes, dict[str, float]] = {}  # key -> {replica: expiry}
         self._ttl = guess_ttl
@@ -76,15 +76,16 @@ class PrefixIndex:
                 if event[0] == "BlockStored":
                     tier = event[6] if len(event) > 6 and event[6] else "GPU"
                     for key in event[1]:
-                        self._where.setdefault(key, {})[replica] = tier
+                        self._where.setdefault(key, {}).setdefault(replica, set()).add(tier)
                         held.add(key)
                         self._guesses.get(key, {}).pop(replica, None)
-                elif event[0] == "BlockRemoved":
+                elif event[0] == "BlockRemoved":  # from one tier (all when none is named)
+                    tier = event[2] if len(event) > 2 else None
                     for key in event[1]:
-                        self._drop(replica, key, held)
-                elif event[0] == "AllBlocksCleared":
-                    self._clear(replica)
-                    held = self._held.setdefault(replica, set())
+                        self._drop(replica, key, held, tier)
+                elif event[0] == "AllBlocksCleared":  # the engine's pool; tiers keep theirs
+                    for key in list(held):
+                        self._drop(replica, key, held, "GPU")
 
     def clear(self, replica: str) -> None:
         """Forget everything about `replica` (it stopped answering, or restarted)."""
@@ -101,20 +102,20 @@ class PrefixIndex:
 
     def match(self, keys: Sequence[bytes], replicas: Iterable[str]) -> dict[str, float]:
         """Per replica, its longest run of `keys` from the first, each block weighted by
-        its tier (`TIER_WEIGHTS`)."""
+        its best tier (`TIER_WEIGHTS`)."""
         score = dict.fromkeys(replicas, 0.0)
         alive, now = set(score), time.monotonic()
         with self._lock:
             for key in keys:
                 where, guesses = self._where.get(key, {}), self._guesses.get(key, {})
                 for replica in list(alive):
-                    tier = where.get(replica)
-                    if tier is None and guesses.get(replica, 0.0) > now:
-                        tier = "ROUTED"
-                    if tier is None:
+                    tiers = where.get(replica)
+                    if not tiers and guesses.get(replica, 0.0) > now:
+                        tiers = ("ROUTED",)
+                    if not tiers:
                         alive.discard(replica)
                     else:
-                        score[replica] += TIER_WEIGHTS.get(tier, 0.5)
+                        score[replica] += max(TIER_WEIGHTS.get(t, 0.5) for t in tiers)
                 if not alive:
                     break
         return score
@@ -130,10 +131,16 @@ class PrefixIndex:
                 else:
                     del self._guesses[key]
 
-    def _drop(self, replica: str, key: bytes, held: set[bytes]) -> None:
+    def _drop(self, replica: str, key: bytes, held: set[bytes],
+              tier: str | None = None) -> None:
+        where = self._where.get(key)
+        tiers = None if where is None else where.get(replica)
+        if tiers is not None and tier is not None:
+            tiers.discard(tier)
+            if tiers:
+                return  # still in another tier of that replica
         held.discard(key)
         self._guesses.get(key, {}).pop(replica, None)
-        where = self._where.get(key)
         if where is not None:
             where.pop(replica, None)
             if not where:

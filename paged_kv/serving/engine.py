@@ -111,7 +111,7 @@ class Engine:
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        preemption=preemption, tiers=self.tiers)
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
-            self.events = open_publisher(kv_events, cache_config.block_size)
+            self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
         except BaseException:
             if group is not None:  # no half-built engine leaves the group initialised
                 group.close()

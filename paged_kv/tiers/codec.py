@@ -17,8 +17,12 @@ import dataclasses
 import hashlib
 import struct
 import zlib
+from typing import TYPE_CHECKING
 
 from ..config import CacheConfig
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import xxhash
@@ -115,3 +119,20 @@ def decode(value: bytes | None, key: bytes, digest: bytes, payload_len: int,
     else:
         ok = False
     return payload if ok else None
+
+
+def weights_id(model: torch.nn.Module) -> str:
+    """A short identity of a model's weights for the fingerprint: sha256 over every
+    parameter's name, shape, dtype and a sample of its bytes (the first and last 4 KiB and
+    a strided sample), so different weights, seeds or checkpoints never share blocks."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1).cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        raw = flat.view(torch.uint8) if flat.numel() else flat
+        step = max(1, raw.numel() // 4096)
+        for part in (raw[:4096], raw[-4096:], raw[::step][:4096]):
+            digest.update(part.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]

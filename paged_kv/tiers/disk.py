@@ -63,6 +63,7 @@ class DiskStore:
     """
 
     name = "disk"
+    medium = "DISK"  # as KV events name where a block lives
 
     def __init__(self, directory: str, cap_bytes: int) -> None:
         self.directory = os.path.abspath(directory)
@@ -78,6 +79,7 @@ class DiskStore:
         self._reserved = 0  # of values being written (their temp files count against the cap)
         self._clock = 0  # the last mtime stamped, ns
         self._lock = threading.Lock()  # the writer and the fetcher are different threads
+        self.removed: collections.deque[str] | None = None  # a deque: keys evicted, deleted
         self._load()
         with self._lock:
             self._evict_to(self.cap_bytes)  # the cap may have been lowered since the last run
@@ -217,6 +219,8 @@ class DiskStore:
     def _remove(self, key: str) -> bool:
         """Forget `key`, remove its file; whether there was one. Called under the lock."""
         self._bytes -= self._index.pop(key)
+        if self.removed is not None:
+            self.removed.append(key)
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:

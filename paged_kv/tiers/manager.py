@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,7 +29,11 @@ from ..cache import PagedKVCache
 from ..offload import load_blocks, stored_blocks
 from . import codec
 from .base import Store, TierConfig
+from .codec import weights_id
 from .memory import HostStore
+
+# medium, stored keys, removed keys (see `TierManager.watch`)
+TierChange = Callable[[str, list[bytes], list[bytes]], None]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +111,7 @@ class TierManager:
         self._byte_s = {s.name: 0.0 for s in self.stores}
         self._writes: queue.Queue = queue.Queue(maxsize=max(1, config.queue_blocks))
         self._fetches: queue.Queue = queue.Queue()
+        self._on_change: TierChange | None = None
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=fn, name=f"paged-kv-tier-{name}", daemon=True)
                          for name, fn in (("writer", self._write_loop),
@@ -149,13 +155,36 @@ class TierManager:
                          for i, key in enumerate(keys)]
                 for store in self.stores:
                     try:  # one tier's failure must not cost the others the batch
-                        self._counts[store.name]["written_blocks"] += store.put(items)
+                        written = store.put(items)
+                        self._counts[store.name]["written_blocks"] += written
+                        self._report(store, keys if written == len(items) else [])
                     except Exception:
                         logger.exception("paged_kv tiers: a write to %s failed", store.name)
             except Exception:  # nor end the writer
                 logger.exception("paged_kv tiers: a write batch failed")
             finally:
                 self._writes.task_done()
+
+    def watch(self, on_change: TierChange) -> None:
+        """Call ``on_change(medium, stored keys, removed keys)`` on the writer thread after
+        each write to a tier that names its medium (host "CPU", disk "DISK"; Redis is
+        shared and evicts by itself, so it is not reported): KV events of the tiers."""
+        self._on_change = on_change
+        for store in self.stores:
+            if getattr(store, "medium", None):
+                store.removed = collections.deque(maxlen=1 << 16)
+
+    def _report(self, store: Store, stored: list[bytes]) -> None:
+        medium = getattr(store, "medium", None)
+        if self._on_change is None or not medium:
+            return
+        removed = []
+        while store.removed:
+            hex_key = store.removed.popleft().rpartition(":")[2]
+            if len(hex_key) == 64:  # a full key (test modes cut them: not reported)
+                removed.append(bytes.fromhex(hex_key))
+        if stored or removed:
+            self._on_change(medium, stored, removed)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued write reached the tiers; False on timeout."""
@@ -366,19 +395,3 @@ def _open_stores(config: TierConfig, value_bytes: int) -> list[Store]:
         stores.append(RedisStore(config.remote_url, value_bytes=value_bytes))
     return stores
 
-
-def weights_id(model: torch.nn.Module) -> str:
-    """A short identity of a model's weights for the fingerprint: sha256 over every
-    parameter's name, shape, dtype and a sample of its bytes (the first and last 4 KiB and
-    a strided sample), so different weights, seeds or checkpoints never share blocks."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1).cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        raw = flat.view(torch.uint8) if flat.numel() else flat
-        step = max(1, raw.numel() // 4096)
-        for part in (raw[:4096], raw[-4096:], raw[::step][:4096]):
-            digest.update(part.contiguous().numpy().tobytes())
-    return digest.hexdigest()[:32]

@@ -24,12 +24,14 @@ class HostStore:
     """
 
     name = "host"
+    medium = "CPU"  # as KV events name where a block lives
 
     def __init__(self, cap_bytes: int) -> None:
         self.cap_bytes = int(cap_bytes)
         self._values: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # the writer and the fetcher are different threads
+        self.removed: collections.deque[str] | None = None  # a deque: keys evicted, deleted
 
     def contains(self, keys: list[str]) -> list[bool]:
         with self._lock:
@@ -55,7 +57,10 @@ class HostStore:
                 if old is not None:
                     self._bytes -= len(old)
                 while self._bytes + len(value) > self.cap_bytes:
-                    self._bytes -= len(self._values.popitem(last=False)[1])
+                    gone, old = self._values.popitem(last=False)
+                    self._bytes -= len(old)
+                    if self.removed is not None:
+                        self.removed.append(gone)
                 self._values[key] = value
                 self._bytes += len(value)
                 written += 1
@@ -67,6 +72,8 @@ class HostStore:
                 value = self._values.pop(key, None)
                 if value is not None:
                     self._bytes -= len(value)
+                    if self.removed is not None:
+                        self.removed.append(key)
 
     def usage(self) -> tuple[int, int]:
         with self._lock:

@@ -87,6 +87,7 @@ class RedisStore:
     """
 
     name = "remote"
+    medium = None  # shared by every replica and evicted by Redis itself: not published
 
     def __init__(self, url: str, timeout_s: float = 1.0, value_bytes: int | None = None,
                  ) -> None:
