@@ -48,8 +48,12 @@ def create_router_app(router: Router) -> FastAPI:
         return await forward(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        try:
+            router.tenant(request.headers.get("authorization", ""))
+        except RouterError as exc:
+            return error_response(exc.status, exc.message, type_="authentication_error")
+        return await router.models(forward_headers(dict(request.headers)))
 
     @app.get("/health")
     async def health() -> Response:

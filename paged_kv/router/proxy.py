@@ -185,11 +185,11 @@ class Router:
         replica.in_flight -= 1
         await upstream.aclose()
 
-    async def models(self) -> Response:
+    async def models(self, headers: dict[str, str]) -> Response:
         """``/v1/models`` of the first replica up."""
         for replica in self.replicas.up():
             try:
-                answer = await self._client.get(f"{replica.url}/v1/models")
+                answer = await self._client.get(f"{replica.url}/v1/models", headers=headers)
             except httpx.HTTPError:
                 continue
             return Response(answer.content, answer.status_code,
