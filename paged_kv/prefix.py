@@ -13,7 +13,7 @@ import numpy as np
 
 from ._tokens import tokens_to_array
 from .allocator import BlockAllocator
-from .keys import encode_tokens, hash_block, root_hash, split_blocks
+from .keys import encode_tokens, hash_chain, root_hash
 from .page_table import PageTables
 
 
@@ -23,20 +23,12 @@ def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
 
     Returns the key of the last block found (or `chain`) and the blocks' ids.
     """
-    hits: list[int] = []
     num_full = (len(tokens) - 1) // block_size
     if num_full <= 0:
-        return chain, hits
-    lookup = allocator.lookup
-    # one pass over the chained keys of one byte string
-    for block_tokens in split_blocks(encode_tokens(tokens[: num_full * block_size]), num_full):
-        key = hash_block(chain, block_tokens)
-        block_id = lookup(key, block_tokens)
-        if block_id is None:
-            break
-        hits.append(block_id)
-        chain = key
-    return chain, hits
+        return chain, []
+    hits, keys = allocator.match(chain, encode_tokens(tokens[: num_full * block_size]),
+                                 num_full)
+    return (keys[len(hits) - 1] if hits else chain), hits
 
 
 def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarray,
@@ -124,8 +116,5 @@ def missing_blocks(allocator: BlockAllocator, token_ids: np.ndarray, block_size:
     chain, hits = lookup_prefix(allocator, chain, tokens, block_size)
     start, end = len(hits) * block_size, (len(tokens) - 1) // block_size * block_size
     rest = tokens[start:end] if end > start else tokens[:0]
-    keys = []
-    for piece in split_blocks(encode_tokens(rest), len(rest) // block_size):
-        chain = hash_block(chain, piece)
-        keys.append(chain)
+    keys, _ = hash_chain(chain, encode_tokens(rest), len(rest) // block_size)
     return len(hits), keys, rest
