@@ -122,6 +122,11 @@ class BlockAllocator:
         self._prefix_tokens[0] += num_tokens
         self._prefix_tokens[1] += num_hit
 
+    def count_cached(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` are cached (unowned, evictable)."""
+        cached = self._cached
+        return sum(block_id in cached for block_id in block_ids)
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `allocate(num_blocks)` would succeed now."""
         return num_blocks <= self.num_obtainable_blocks
@@ -185,28 +190,32 @@ class BlockAllocator:
         taken = free[start:]
         taken.reverse()
         del free[start:]
-        if len(taken) < num_blocks:
+        evicting = len(taken) < num_blocks
+        if evicting:
             popitem = self._cached.popitem
             evicted = [popitem(False)[0] for _ in range(num_blocks - len(taken))]
             gone = list(map(self._key_of.__getitem__, evicted))
             index = self._index
             for key in gone:
                 del index[key]
-            self._indexed[evicted] = False
             self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
             taken += evicted
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1
         self._protected[ids] = False
+        if evicting:  # the blocks from the free list are unindexed already
+            self._indexed[ids] = False
         self._events.append(BlockEvent("allocated", tuple(taken)))
         return ids
 
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        revived = ids[self._refcount[ids] == 0].tolist()
+        cached = self._cached  # a distinct live or cached block is cached iff unowned
+        revived = [b for b in (block_ids if type(block_ids) is list else ids.tolist())
+                   if b in cached]
         for block_id in revived:
-            del self._cached[block_id]
+            del cached[block_id]
         if revived:
             self._events.append(BlockEvent("hit", tuple(revived)))
         self._refcount[ids] += 1

@@ -49,22 +49,21 @@ def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarra
 
 
 def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,
-                        block_size: int) -> None:
-    """Index the block each of `rows` just filled with its last token (a decode step)."""
+                        columns: np.ndarray, block_size: int) -> None:
+    """Index the block each of `rows` just filled with its last token (a decode step):
+    column ``columns[i]`` of row ``rows[i]``."""
     if rows.size == 0:
         return
     row_list = rows.tolist()
     parents = tables.chains(row_list)
     if None in parents:  # rows whose ids are unknown somewhere are never indexed
         keep = [i for i, parent in enumerate(parents) if parent is not None]
-        rows, row_list = rows[keep], [row_list[i] for i in keep]
+        rows, columns, row_list = rows[keep], columns[keep], [row_list[i] for i in keep]
         parents = [parents[i] for i in keep]
-    columns = tables.num_blocks[rows] - 1
     # [rows, blocks, block_size] view: one gather yields each filled block's token ids
     block_tokens = tables.token_ids.reshape(tables.token_ids.shape[0], -1, block_size)
-    token_ids = encode_tokens(block_tokens[rows, columns])
     keys = allocator.register_blocks(tables.block_ids[rows, columns].tolist(), parents,
-                                     token_ids)
+                                     encode_tokens(block_tokens[rows, columns]))
     tables.set_chains(row_list, keys)
 
 

@@ -143,10 +143,16 @@ class StepPlanner:
         count = count if max_tokens is None else min(count, max_tokens)
         plan = self.plan_admission(len(hits), count, hits)
         self.check(plan, "admit()")
-        row = self.add_row(seq_id, tokens, salt, chain, hits)
+        row = self._tables.add(seq_id, chain, root_hash(salt) if self._indexing else None)
+        if hits:
+            self._allocator.share(hits)
+        if chain is not None:
+            self._allocator.count_prefix_lookup(len(tokens), num_hit)
         new_ids = self._allocator.allocate(plan.requested) if plan.requested else _NONE
         end = num_hit + count
-        self._tables.extend_row(row, num_hit, end, new_ids, tokens[num_hit:end])
+        self._tables.extend_row(row, 0, end, np.concatenate((np.array(hits, dtype=np.int64),
+                                                             new_ids)) if hits else new_ids,
+                                tokens[:end])
         # the hits are whole blocks: the prompt's next full blocks are the first new ones
         num_full = end // block_size - len(hits)
         if self._indexing and num_full > 0:
@@ -154,9 +160,15 @@ class StepPlanner:
                 new_ids[:num_full].tolist(), chain,
                 encode_tokens(tokens[num_hit: num_hit + num_full * block_size]))
             self._tables.set_chain(row, keys[-1])
-        num_blocks = len(hits) + new_ids.size
+        return num_hit, self._admission_batch(seq_id, row, len(hits) + new_ids.size, end,
+                                              count, new_ids)
+
+    def _admission_batch(self, seq_id: SeqId, row: int, num_blocks: int, end: int,
+                         count: int, new_ids: np.ndarray) -> StepBatch:
+        """An admission's batch: its `count` new tokens fill `new_ids` from their start."""
+        block_size = self._block_size
         slots = (new_ids[:, None] * block_size + self._offsets).ravel()[:count]
-        return num_hit, StepBatch.from_host(
+        return StepBatch.from_host(
             (seq_id,), self._tables.block_ids[row: row + 1, :num_blocks].copy(),
             np.array([num_blocks]), np.array([end]), np.array([0, count]), slots, count,
             count, block_size, self._device)
@@ -166,7 +178,7 @@ class StepPlanner:
         prefix (full blocks, so nothing to copy); `admit` commits it."""
         block_size = self._block_size
         need = -(-(num_hit_blocks * block_size + count) // block_size) - num_hit_blocks
-        revived = int(np.count_nonzero(self._allocator.refcount[hits] == 0)) if hits else 0
+        revived = self._allocator.count_cached(hits) if hits else 0
         return StepPlan(None, need, np.array([need]), revived=revived)
 
     def _plan_one(self, step: Step) -> StepPlan:
@@ -242,7 +254,9 @@ class StepPlanner:
         if token_ids is None:
             tables.set_chains(rows.tolist(), [None] * rows.size)  # ids unknown: never indexed
         elif self._indexing and filled.size:
-            index_filled_blocks(self._allocator, tables, rows[filled], self._block_size)
+            # the block each filled row just filled is its last: column num_blocks - 1
+            index_filled_blocks(self._allocator, tables, rows[filled], num_blocks[filled] - 1,
+                                self._block_size)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         return StepBatch.from_host(
             step.seq_ids, tables.block_ids[:, : int(num_blocks.max())][rows], num_blocks,
