@@ -120,7 +120,9 @@ def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | N
         return None
     if not lengths or min(lengths) < 1:
         return None
-    flat = list(chain.from_iterable(values))
+    # one sequence (an admission's prompt) as its own list: no flattening copy
+    flat = values[0] if len(values) == 1 and type(values[0]) is list else list(
+        chain.from_iterable(values))
     token_ids = _int_list(flat)
     if token_ids is None:  # numpy's reading of odd values (a leading bool, ...)
         try:

@@ -244,7 +244,8 @@ class Scheduler:
             if token in params.stop_token_ids or (token in eos_token_ids
                                                   and not params.ignore_eos):
                 self.finish(seq, "stop")
-            elif len(seq.output_token_ids) >= params.max_tokens:
+            # the output's length, not sliced out (output_token_ids): this runs every token
+            elif len(seq.token_ids) - len(seq.request.prompt_token_ids) >= params.max_tokens:
                 self.finish(seq, "length")
             if seq.request.is_finished:
                 seq.request.finish_time = now
