@@ -153,12 +153,14 @@ class BlockAllocator:
             Their block ids, in order.
         keys : list of bytes
             The keys hashed on the way: one per hit, then the first missing block's (absent
-            when every block hit), so registering the rest need not hash it again.
+            when every block hit).
         """
         hits: list[int] = []
         keys: list[bytes] = []
+        if not num_blocks:
+            return hits, keys
         get, tokens_of = self._index.get, self._tokens_of
-        width = len(token_ids) // num_blocks if num_blocks else 0
+        width = len(token_ids) // num_blocks
         for start in range(0, num_blocks * width, width):  # lazily: most stop at the first
             piece = token_ids[start:start + width]
             parent_key = hash_block(parent_key, piece)

@@ -284,3 +284,4 @@ def test_match_stops_at_the_first_miss_and_returns_its_key():
     assert allocator.match(root_hash(), other, 2) == (ids[:1], [keys[0],
                                                                hash_block(keys[0], bytes(16))])
     assert pieces[0] == data[:16]
+    assert allocator.match(root_hash(), b"", 0) == ([], [])
