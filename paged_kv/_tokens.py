@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array as _array
 from collections.abc import Mapping
 from itertools import chain
 from typing import NamedTuple
@@ -13,10 +14,15 @@ from .batch import SeqId
 from .page_table import PageTables
 
 MAX_TOKEN_ID = 2**31 - 1
+assert _array.array("i").itemsize == 4, "the list fast path assumes a 32-bit C int"
 
 
 def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
     """Token ids as an int32 array; TypeError / ValueError naming `name` otherwise."""
+    if type(token_ids) is list:
+        array = _int_list(token_ids)
+        if array is not None:
+            return array
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     if isinstance(token_ids, str | bytes) or not hasattr(token_ids, "__len__"):
@@ -31,6 +37,20 @@ def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
         raise ValueError(f"{name}: token ids must be in [0, {MAX_TOKEN_ID}], got "
                          f"min {array.min()} max {array.max()}")
     return array.astype(np.int32)
+
+
+def _int_list(values: list) -> np.ndarray | None:
+    """A non-empty list of ints in range as int32, else None (the caller's general path then
+    names the problem). `array` converts and range-checks it in C at about half numpy's
+    cost (numpy infers a dtype, then casts); a leading bool is left to numpy, which
+    rejects a list of bools."""
+    if not values or type(values[0]) is bool:
+        return None
+    try:
+        array = np.frombuffer(_array.array("i", values), dtype=np.int32)
+    except (TypeError, OverflowError):
+        return None
+    return array if array.min() >= 0 else None
 
 
 class Step(NamedTuple):
@@ -100,19 +120,24 @@ def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | N
         return None
     if not lengths or min(lengths) < 1:
         return None
-    try:
-        token_ids = np.array(list(chain.from_iterable(values)))
-    except ValueError:  # ragged nesting: let the slow path name the sequence
-        return None
-    if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu" or token_ids.size == 0:
-        return None
-    if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
-        return None
+    # one sequence (an admission's prompt) as its own list: no flattening copy
+    flat = values[0] if len(values) == 1 and type(values[0]) is list else list(
+        chain.from_iterable(values))
+    token_ids = _int_list(flat)
+    if token_ids is None:  # numpy's reading of odd values (a leading bool, ...)
+        try:
+            token_ids = np.array(flat)
+        except ValueError:  # ragged nesting: let the slow path name the sequence
+            return None
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu" or token_ids.size == 0:
+            return None
+        if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
+            return None
+        token_ids = token_ids.astype(np.int32)
     # as many tokens as sequences, none empty: one each (a decode step)
     counts = (np.ones(len(lengths), dtype=np.int64) if token_ids.size == len(lengths)
               else np.array(lengths, dtype=np.int64))
-    return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool),
-                token_ids.astype(np.int32))
+    return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool), token_ids)
 
 
 def _parse_mixed(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import KEY_BYTES, BlockEvent, hash_block, split_blocks
+from .keys import BlockEvent, hash_block, hash_chain, split_blocks
 
 NULL_BLOCK = 0
 
@@ -54,10 +54,11 @@ class BlockAllocator:
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # per block, its key and its token bytes (valid where indexed): arrays, so a step
-        # stores a batch of them with one scatter instead of two dict updates per block
-        self._keys = np.zeros((num_blocks, KEY_BYTES), dtype=np.uint8)
-        self._tokens = np.zeros((num_blocks, 0), dtype=np.uint8)  # sized at the first key
+        # per block, its key and its token bytes (valid where indexed): plain lists of the
+        # bytes the hashing made anyway, so storing, evicting and comparing one is a list
+        # access, never a numpy call (those cost ~1 us each, more than the whole access)
+        self._key_of: list[bytes | None] = [None] * num_blocks
+        self._tokens_of: list[bytes | None] = [None] * num_blocks
         self._indexed = np.zeros(num_blocks, dtype=bool)
         # shared or indexed: a write must copy it first (kept up to date by every mutator,
         # so a decode step tests its last blocks with one lookup)
@@ -121,20 +122,54 @@ class BlockAllocator:
         self._prefix_tokens[0] += num_tokens
         self._prefix_tokens[1] += num_hit
 
+    def count_cached(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` are cached (unowned, evictable)."""
+        cached = self._cached
+        return sum(block_id in cached for block_id in block_ids)
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `allocate(num_blocks)` would succeed now."""
         return num_blocks <= self.num_obtainable_blocks
 
     def block_hash(self, block_id: int) -> bytes | None:
         """The prefix key `block_id` is indexed under, or None."""
-        return self._keys[block_id].tobytes() if self._indexed[block_id] else None
+        return self._key_of[block_id] if self._indexed[block_id] else None
 
     def lookup(self, key: bytes, token_ids: bytes) -> int | None:
         """Block indexed under `key` whose tokens equal `token_ids`, else None."""
         block_id = self._index.get(key)
-        if block_id is None or self._tokens[block_id].tobytes() != token_ids:
+        if block_id is None or self._tokens_of[block_id] != token_ids:
             return None
         return block_id
+
+    def match(self, parent_key: bytes, token_ids: bytes, num_blocks: int,
+              ) -> tuple[list[int], list[bytes]]:
+        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal
+        slices, the first chained from `parent_key`), in one call.
+
+        Returns
+        -------
+        hits : list of int
+            Their block ids, in order.
+        keys : list of bytes
+            The keys hashed on the way: one per hit, then the first missing block's (absent
+            when every block hit).
+        """
+        hits: list[int] = []
+        keys: list[bytes] = []
+        if not num_blocks:
+            return hits, keys
+        get, tokens_of = self._index.get, self._tokens_of
+        width = len(token_ids) // num_blocks
+        for start in range(0, num_blocks * width, width):  # lazily: most stop at the first
+            piece = token_ids[start:start + width]
+            parent_key = hash_block(parent_key, piece)
+            keys.append(parent_key)
+            block_id = get(parent_key)
+            if block_id is None or tokens_of[block_id] != piece:
+                break
+            hits.append(block_id)
+        return hits, keys
 
     # -- mutators -------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> np.ndarray:
@@ -152,30 +187,37 @@ class BlockAllocator:
         """
         if num_blocks > len(self._free) + len(self._cached):
             raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
-        from_free = min(num_blocks, len(self._free))
-        taken = self._free[len(self._free) - from_free:][::-1]
-        del self._free[len(self._free) - from_free:]
-        if from_free < num_blocks:
-            evicted = [self._cached.popitem(last=False)[0] for _ in range(num_blocks - from_free)]
-            index, keys = self._index, self._keys[evicted].tobytes()
-            gone = [keys[start:start + KEY_BYTES] for start in range(0, len(keys), KEY_BYTES)]
+        free = self._free
+        start = max(len(free) - num_blocks, 0)
+        taken = free[start:]
+        taken.reverse()
+        del free[start:]
+        evicting = len(taken) < num_blocks
+        if evicting:
+            popitem = self._cached.popitem
+            evicted = [popitem(False)[0] for _ in range(num_blocks - len(taken))]
+            gone = list(map(self._key_of.__getitem__, evicted))
+            index = self._index
             for key in gone:
                 del index[key]
-            self._indexed[evicted] = False
             self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
             taken += evicted
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1
         self._protected[ids] = False
+        if evicting:  # the blocks from the free list are unindexed already
+            self._indexed[ids] = False
         self._events.append(BlockEvent("allocated", tuple(taken)))
         return ids
 
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        revived = ids[self._refcount[ids] == 0].tolist()
+        cached = self._cached  # a distinct live or cached block is cached iff unowned
+        revived = [b for b in (block_ids if type(block_ids) is list else ids.tolist())
+                   if b in cached]
         for block_id in revived:
-            del self._cached[block_id]
+            del cached[block_id]
         if revived:
             self._events.append(BlockEvent("hit", tuple(revived)))
         self._refcount[ids] += 1
@@ -214,7 +256,7 @@ class BlockAllocator:
         report); False when that key is already indexed."""
         if not self.enable_prefix_caching or key in self._index:
             return False
-        self._insert([key], [block_id], token_ids, [parent_key])
+        self._insert([key], [block_id], [token_ids], [parent_key], token_ids)
         return True
 
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
@@ -226,33 +268,35 @@ class BlockAllocator:
         One call per step: the hashes in one comprehension and the index updated in bulk,
         so the per-block work is a hash and a few C-level dict stores.
         """
-        keys = [hash_block(parent, piece)
-                for parent, piece in zip(parent_keys, split_blocks(token_ids, len(block_ids)),
-                                         strict=True)]
+        pieces = split_blocks(token_ids, len(block_ids))
+        keys = list(map(hash_block, parent_keys, pieces))
         if self.enable_prefix_caching and keys:
-            self._insert(keys, block_ids, token_ids, parent_keys)
+            self._insert(keys, block_ids, pieces, parent_keys, token_ids)
         return keys
 
-    def register_chain(self, block_ids: list[int], parent_key: bytes,
-                       token_ids: bytes) -> list[bytes]:
+    def register_chain(self, block_ids: list[int], parent_key: bytes, token_ids: bytes,
+                       known: list[bytes] = ()) -> list[bytes]:
         """Key and index consecutive full blocks of one sequence: ``block_ids[0]`` chains
         from `parent_key`, each next one from the key before it; ``block_ids[i]`` holds
-        slice i of `token_ids` (equal slices, little-endian int32). Returns the keys."""
-        keys, key = [], parent_key
-        for piece in split_blocks(token_ids, len(block_ids)):  # serial: each chains the last
-            key = hash_block(key, piece)
-            keys.append(key)
+        slice i of `token_ids` (equal slices, little-endian int32). `known` are the keys of
+        the first blocks when already hashed (`match`). Returns the keys."""
+        known = list(known[: len(block_ids)])
+        width = len(token_ids) // len(block_ids) if block_ids else 0
+        keys, pieces = hash_chain(known[-1] if known else parent_key,
+                                  token_ids[len(known) * width:], len(block_ids) - len(known))
+        if known:
+            keys, pieces = known + keys, split_blocks(token_ids, len(block_ids))
         if self.enable_prefix_caching and keys:
-            self._insert(keys, block_ids, token_ids, [parent_key, *keys[:-1]])
+            self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
         return keys
 
-    def _insert(self, keys: list[bytes], block_ids: list[int], token_ids: bytes,
-                parents: list[bytes]) -> None:
-        """Index blocks in bulk (``block_ids[i]`` holds slice i of `token_ids` and chains
-        from ``parents[i]``); a key indexed before (or twice here) keeps its first block."""
+    def _insert(self, keys: list[bytes], block_ids: list[int], pieces: list[bytes],
+                parents: list[bytes], token_ids: bytes) -> None:
+        """Index blocks in bulk (``block_ids[i]`` holds ``pieces[i]``, the slices of
+        `token_ids`, and chains from ``parents[i]``); a key indexed before (or twice here)
+        keeps its first block."""
         index = self._index
         if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
-            pieces = split_blocks(token_ids, len(keys))
             first: dict[bytes, int] = {}
             for i, key in enumerate(keys):
                 if key not in index:
@@ -261,17 +305,16 @@ class BlockAllocator:
             keys = [keys[i] for i in chosen]
             block_ids = [block_ids[i] for i in chosen]
             parents = [parents[i] for i in chosen]
-            token_ids = b"".join(pieces[i] for i in chosen)
+            pieces = [pieces[i] for i in chosen]
+            token_ids = b"".join(pieces)
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))
+        key_of, tokens_of = self._key_of, self._tokens_of
+        for block_id, key, piece in zip(block_ids, keys, pieces, strict=True):
+            key_of[block_id] = key
+            tokens_of[block_id] = piece
         ids = np.array(block_ids, dtype=np.int64)
-        self._keys[ids] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(ids.size, -1)
-        tokens = np.frombuffer(token_ids, dtype=np.uint8).reshape(ids.size, -1)
-        if self._tokens.shape[1] != tokens.shape[1]:  # the first key sizes the token rows
-            assert not self._indexed.any(), "blocks of two sizes in one allocator"
-            self._tokens = np.zeros((self.num_blocks, tokens.shape[1]), dtype=np.uint8)
-        self._tokens[ids] = tokens
         self._indexed[ids] = True
         self._protected[ids] = True
         self._events.append(BlockEvent("stored", tuple(block_ids), tuple(keys),
@@ -283,7 +326,7 @@ class BlockAllocator:
         Returns how many left the index."""
         ids = [b for b in dict.fromkeys(np.asarray(block_ids, dtype=np.int64).tolist())
                if self._indexed[b]]
-        keys = [self._keys[block_id].tobytes() for block_id in ids]
+        keys = [self._key_of[block_id] for block_id in ids]
         for block_id, key in zip(ids, keys, strict=True):
             del self._index[key]
             if block_id in self._cached:
@@ -319,7 +362,8 @@ class BlockAllocator:
         """Comparable copy of the whole state (for tests of rejected calls)."""
         return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
                 tuple(sorted(self._index.items())),
-                self._tokens[self._indexed].tobytes(), tuple(self._prefix_tokens))
+                tuple(self._tokens_of[b] for b in np.flatnonzero(self._indexed).tolist()),
+                tuple(self._prefix_tokens))
 
     def check_invariants(self, owners: np.ndarray | None = None) -> None:
         """Raise `InvariantError` if the block states do not partition the pool.
@@ -340,7 +384,7 @@ class BlockAllocator:
         ensure(not self._indexed[free].any(), "a free block is still indexed")
         ensure(self._indexed[cached].all(), "a cached block is not indexed")
         for key, block_id in self._index.items():
-            ensure(bool(self._indexed[block_id]) and self._keys[block_id].tobytes() == key,
+            ensure(bool(self._indexed[block_id]) and self._key_of[block_id] == key,
                    f"index entry of {block_id} is stale")
         ensure(len(self._index) == int(np.count_nonzero(self._indexed)),
                "the indexed flags disagree with the index")

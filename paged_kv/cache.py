@@ -179,16 +179,9 @@ class PagedKVCache(TensorOps):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
                 max_tokens, int) or max_tokens < 1):
             raise ValueError(f"admit(): max_tokens must be an int >= 1, got {max_tokens!r}")
-        chain, hits = self._steps.lookup(tokens, salt)
-        num_hit = len(hits) * self.config.block_size
-        count = len(tokens) - num_hit if max_tokens is None else min(len(tokens) - num_hit,
-                                                                     max_tokens)
-        plan = self._steps.plan_admission(len(hits), count, hits)
-        self._steps.check(plan, "admit()")
-        row = self._steps.add_row(seq_id, tokens, salt, chain, hits)
-        step = Step((seq_id,), np.array([row]), np.array([count]), np.ones(1, dtype=bool),
-                    tokens[num_hit:num_hit + count])
-        return num_hit, self._commit(plan.bind(step))
+        admitted = self._steps.admit(seq_id, tokens, salt, max_tokens)
+        self._after_mutation()
+        return admitted
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share all of `parent`'s blocks; the first write into a shared,

@@ -75,3 +75,21 @@ def root_hash(salt: str | None = None) -> bytes:
 @functools.lru_cache(maxsize=4096)  # one per tenant, asked for at every admission
 def _root_hash(salt: str) -> bytes:
     return hashlib.sha256(b"paged_kv:" + salt.encode()).digest()
+
+
+def hash_chain(parent_hash: bytes, token_ids: bytes, num_blocks: int,
+               ) -> tuple[list[bytes], list[bytes]]:
+    """Keys of consecutive blocks of one sequence in one call, and the blocks' bytes:
+    `token_ids` holds `num_blocks` blocks (`encode_tokens`, equal slices); the first
+    chains from `parent_hash`, each next one from the key before it."""
+    keys: list[bytes] = []
+    pieces: list[bytes] = []
+    if not num_blocks:
+        return keys, pieces
+    width, sha256 = len(token_ids) // num_blocks, hashlib.sha256
+    for start in range(0, num_blocks * width, width):  # serial: each key chains the last
+        piece = token_ids[start:start + width]
+        parent_hash = sha256(parent_hash + piece).digest()  # = hash_block, inlined
+        keys.append(parent_hash)
+        pieces.append(piece)
+    return keys, pieces

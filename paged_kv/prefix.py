@@ -13,7 +13,7 @@ import numpy as np
 
 from ._tokens import tokens_to_array
 from .allocator import BlockAllocator
-from .keys import encode_tokens, hash_block, root_hash, split_blocks
+from .keys import encode_tokens, hash_chain, root_hash
 from .page_table import PageTables
 
 
@@ -23,20 +23,12 @@ def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
 
     Returns the key of the last block found (or `chain`) and the blocks' ids.
     """
-    hits: list[int] = []
     num_full = (len(tokens) - 1) // block_size
     if num_full <= 0:
-        return chain, hits
-    lookup = allocator.lookup
-    # one pass over the chained keys of one byte string
-    for block_tokens in split_blocks(encode_tokens(tokens[: num_full * block_size]), num_full):
-        key = hash_block(chain, block_tokens)
-        block_id = lookup(key, block_tokens)
-        if block_id is None:
-            break
-        hits.append(block_id)
-        chain = key
-    return chain, hits
+        return chain, []
+    hits, keys = allocator.match(chain, encode_tokens(tokens[: num_full * block_size]),
+                                 num_full)
+    return (keys[len(hits) - 1] if hits else chain), hits
 
 
 def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarray,
@@ -57,22 +49,21 @@ def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarra
 
 
 def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,
-                        block_size: int) -> None:
-    """Index the block each of `rows` just filled with its last token (a decode step)."""
+                        columns: np.ndarray, block_size: int) -> None:
+    """Index the block each of `rows` just filled with its last token (a decode step):
+    column ``columns[i]`` of row ``rows[i]``."""
     if rows.size == 0:
         return
     row_list = rows.tolist()
     parents = tables.chains(row_list)
     if None in parents:  # rows whose ids are unknown somewhere are never indexed
         keep = [i for i, parent in enumerate(parents) if parent is not None]
-        rows, row_list = rows[keep], [row_list[i] for i in keep]
+        rows, columns, row_list = rows[keep], columns[keep], [row_list[i] for i in keep]
         parents = [parents[i] for i in keep]
-    columns = tables.num_blocks[rows] - 1
     # [rows, blocks, block_size] view: one gather yields each filled block's token ids
     block_tokens = tables.token_ids.reshape(tables.token_ids.shape[0], -1, block_size)
-    token_ids = encode_tokens(block_tokens[rows, columns])
     keys = allocator.register_blocks(tables.block_ids[rows, columns].tolist(), parents,
-                                     token_ids)
+                                     encode_tokens(block_tokens[rows, columns]))
     tables.set_chains(row_list, keys)
 
 
@@ -124,8 +115,5 @@ def missing_blocks(allocator: BlockAllocator, token_ids: np.ndarray, block_size:
     chain, hits = lookup_prefix(allocator, chain, tokens, block_size)
     start, end = len(hits) * block_size, (len(tokens) - 1) // block_size * block_size
     rest = tokens[start:end] if end > start else tokens[:0]
-    keys = []
-    for piece in split_blocks(encode_tokens(rest), len(rest) // block_size):
-        chain = hash_block(chain, piece)
-        keys.append(chain)
+    keys, _ = hash_chain(chain, encode_tokens(rest), len(rest) // block_size)
     return len(hits), keys, rest

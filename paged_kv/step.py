@@ -27,7 +27,7 @@ from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .errors import OutOfBlocksError
-from .keys import root_hash
+from .keys import encode_tokens, root_hash
 from .page_table import PageTables
 from .pool import KVPool
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
@@ -50,7 +50,7 @@ class StepPlan(NamedTuple):
     Attributes
     ----------
     step : Step or None
-        The parsed step (None until an admission's row exists; see `bind`).
+        The parsed step (None for an admission's: its row does not exist yet).
     requested : int
         Blocks the step takes: new blocks plus copy-on-write copies.
     new_blocks : np.ndarray or None
@@ -69,10 +69,6 @@ class StepPlan(NamedTuple):
     new_blocks: np.ndarray | None
     copies: tuple[np.ndarray, np.ndarray, np.ndarray] = _NO_COPIES
     revived: int = 0
-
-    def bind(self, step: Step) -> StepPlan:
-        """This plan for `step` (an admission's, once its row exists)."""
-        return self._replace(step=step)
 
     def per_sequence(self) -> np.ndarray:
         """``[B]`` int64 blocks each sequence takes (a copy counted for the one making it)."""
@@ -97,6 +93,7 @@ class StepPlanner:
         self._block_size = config.block_size
         self._device = config.device
         self._indexing = config.enable_prefix_caching
+        self._offsets = np.arange(config.block_size)  # a slot's offset in its block
 
     # -- admission ------------------------------------------------------------------------
     def lookup(self, tokens: np.ndarray | None, salt: str | None,
@@ -133,12 +130,55 @@ class StepPlanner:
             return self._plan_one(step)
         return self._plan_rows(step)
 
+    def admit(self, seq_id: SeqId, tokens: np.ndarray, salt: str | None,
+              max_tokens: int | None) -> tuple[int, StepBatch]:
+        """`PagedKVCache.admit` (arguments validated): lookup, plan, check, add the row,
+        commit. The same steps and state changes as `add_row` then `commit` of the
+        prompt's step, in scalar arithmetic on what the lookup found and with no step
+        objects: for short prompts an admission's fixed cost is most of its cost."""
+        block_size = self._block_size
+        chain, hits = self.lookup(tokens, salt)
+        num_hit = len(hits) * block_size
+        count = len(tokens) - num_hit
+        count = count if max_tokens is None else min(count, max_tokens)
+        plan = self.plan_admission(len(hits), count, hits)
+        self.check(plan, "admit()")
+        row = self._tables.add(seq_id, chain, root_hash(salt) if self._indexing else None)
+        if hits:
+            self._allocator.share(hits)
+        if chain is not None:
+            self._allocator.count_prefix_lookup(len(tokens), num_hit)
+        new_ids = self._allocator.allocate(plan.requested) if plan.requested else _NONE
+        end = num_hit + count
+        self._tables.extend_row(row, 0, end, np.concatenate((np.array(hits, dtype=np.int64),
+                                                             new_ids)) if hits else new_ids,
+                                tokens[:end])
+        # the hits are whole blocks: the prompt's next full blocks are the first new ones
+        num_full = end // block_size - len(hits)
+        if self._indexing and num_full > 0:
+            keys = self._allocator.register_chain(
+                new_ids[:num_full].tolist(), chain,
+                encode_tokens(tokens[num_hit: num_hit + num_full * block_size]))
+            self._tables.set_chain(row, keys[-1])
+        return num_hit, self._admission_batch(seq_id, row, len(hits) + new_ids.size, end,
+                                              count, new_ids)
+
+    def _admission_batch(self, seq_id: SeqId, row: int, num_blocks: int, end: int,
+                         count: int, new_ids: np.ndarray) -> StepBatch:
+        """An admission's batch: its `count` new tokens fill `new_ids` from their start."""
+        block_size = self._block_size
+        slots = (new_ids[:, None] * block_size + self._offsets).ravel()[:count]
+        return StepBatch.from_host(
+            (seq_id,), self._tables.block_ids[row: row + 1, :num_blocks].copy(),
+            np.array([num_blocks]), np.array([end]), np.array([0, count]), slots, count,
+            count, block_size, self._device)
+
     def plan_admission(self, num_hit_blocks: int, count: int, hits: list[int]) -> StepPlan:
         """The plan of a new sequence's first step: `count` tokens after `hits`, its cached
-        prefix (full blocks, so nothing to copy). Bind it once the row exists."""
+        prefix (full blocks, so nothing to copy); `admit` commits it."""
         block_size = self._block_size
         need = -(-(num_hit_blocks * block_size + count) // block_size) - num_hit_blocks
-        revived = int(np.count_nonzero(self._allocator.refcount[hits] == 0)) if hits else 0
+        revived = self._allocator.count_cached(hits) if hits else 0
         return StepPlan(None, need, np.array([need]), revived=revived)
 
     def _plan_one(self, step: Step) -> StepPlan:
@@ -214,7 +254,9 @@ class StepPlanner:
         if token_ids is None:
             tables.set_chains(rows.tolist(), [None] * rows.size)  # ids unknown: never indexed
         elif self._indexing and filled.size:
-            index_filled_blocks(self._allocator, tables, rows[filled], self._block_size)
+            # the block each filled row just filled is its last: column num_blocks - 1
+            index_filled_blocks(self._allocator, tables, rows[filled], num_blocks[filled] - 1,
+                                self._block_size)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         return StepBatch.from_host(
             step.seq_ids, tables.block_ids[:, : int(num_blocks.max())][rows], num_blocks,

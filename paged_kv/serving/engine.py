@@ -255,7 +255,7 @@ class Engine:
         the requests whose own part fails are failed, not their batch-mates (a model error
         is a property of some request's input as often as of the step)."""
         try:
-            batch = self.cache.prepare(self.scheduler.step_tokens(plan))
+            batch = self.scheduler.prepare(plan)
             start = time.perf_counter()
             step = self.runner.run(plan, batch)  # on an error it gave the slots back
             if self.tiers is not None:  # the recompute rate a fetch must beat

@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
 from ..prefix import match_prefix, missing_blocks
@@ -67,8 +70,7 @@ class Scheduler:
                     break
                 plan.append((seq, min(len(seq.token_ids) - seq.num_computed, left)))
                 left -= plan[-1][1]
-            needs = (self.cache.num_blocks_needed({s.seq_id: n for s, n in plan})
-                     if plan else 0)
+            needs = self._blocks_needed(plan)
             if needs <= self._available(0):
                 break
             self._preempt(self.running[-1])
@@ -76,6 +78,19 @@ class Scheduler:
         step.update(plan)
         self._reserved = needs
         return preempted, left
+
+    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks `plan` takes. A decode step (one token each, the steady state) is counted
+        on the rows the array step will use, with no mapping parsed; one that must copy a
+        shared last block, and any other step, by `num_blocks_needed`."""
+        if not plan:
+            return 0
+        if all(n == 1 for _, n in plan):
+            rows = self.cache.rows_of([seq.seq_id for seq, _ in plan])
+            needs = self.cache.tables.plan_decode(rows, self.cache.allocator.protected)
+            if needs >= 0:
+                return needs
+        return self.cache.num_blocks_needed({seq.seq_id: n for seq, n in plan})
 
     def _schedule_swapped(self, step: dict[Sequence, int], budget: int) -> int:
         """Swapped sequences back in, oldest first, while blocks and `budget` last; returns
@@ -186,6 +201,17 @@ class Scheduler:
         seq.request.samples.append(seq)
         self.waiting.append(seq)
 
+    def prepare(self, plan: dict[Sequence, int]) -> StepBatch:
+        """The cache's batch for `plan`: one token per sequence (the steady decode state)
+        through the array API, its rows resolved once per running set (`rows_of` returns
+        the same handle while the set is unchanged); any other step through `prepare`."""
+        if all(n == 1 for n in plan.values()):
+            rows = self.cache.rows_of([seq.seq_id for seq in plan])
+            tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in plan),
+                                 dtype=np.int32, count=len(plan))
+            return self.cache.prepare_decode(rows, tokens)
+        return self.cache.prepare(self.step_tokens(plan))
+
     def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
         """The cache's ``prepare`` mapping of a plan: each sequence's tokens to compute."""
         return {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
@@ -218,7 +244,8 @@ class Scheduler:
             if token in params.stop_token_ids or (token in eos_token_ids
                                                   and not params.ignore_eos):
                 self.finish(seq, "stop")
-            elif len(seq.output_token_ids) >= params.max_tokens:
+            # the output's length, not sliced out (output_token_ids): this runs every token
+            elif len(seq.token_ids) - len(seq.request.prompt_token_ids) >= params.max_tokens:
                 self.finish(seq, "length")
             if seq.request.is_finished:
                 seq.request.finish_time = now

@@ -9,13 +9,18 @@ identical.
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
 
 from paged_kv import OutOfBlocksError, PagedKVCache
 from paged_kv._decode import numba
+from paged_kv._tokens import parse_step, tokens_to_array
+from paged_kv.allocator import BlockAllocator
 from paged_kv.cache import snapshot
+from paged_kv.keys import hash_block, hash_chain, root_hash
 
 from ..conftest import assert_same_snapshot, tiny_config
 
@@ -216,3 +221,67 @@ def test_admit_rejects_bad_input_unchanged(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call(cache)
     assert_same_snapshot(before, snapshot(cache), "rejected admit()")
+
+
+_TOKEN = st.one_of(st.integers(-2, 40), st.integers(2**31 - 2, 2**31 + 1), st.booleans(),
+                   st.floats(-1, 3), st.integers(2**63, 2**64), st.just(np.int64(7)))
+
+
+def _outcome(function, *args):
+    try:
+        array = function(*args)
+    except (TypeError, ValueError) as exc:
+        return type(exc)
+    return array.dtype, array.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_TOKEN, max_size=6))
+def test_token_list_fast_path_equals_numpy(values):
+    """A list takes the `array` fast path; a tuple of the same values numpy's: same
+    array, or the same kind of error."""
+    assert _outcome(tokens_to_array, "t", values) == _outcome(tokens_to_array, "t",
+                                                              tuple(values))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_TOKEN, min_size=1, max_size=4), min_size=1, max_size=3))
+def test_step_tokens_fast_path_equals_numpy(values):
+    """`prepare`'s parse of lists (fast path) against the same tokens as tuples."""
+    cache = PagedKVCache(tiny_config())
+    for i in range(len(values)):
+        cache.add_sequence(i)
+
+    def parse(rows):
+        step = parse_step(dict(enumerate(rows)), cache.tables)
+        return step.token_ids if step.has_ids.all() else np.array(["counts"])
+
+    assert _outcome(parse, values) == _outcome(parse, [tuple(v) for v in values])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=0, max_size=8 * 12).map(lambda b: b[: len(b) // 8 * 8]),
+       st.sampled_from([None, "tenant"]))
+def test_hash_chain_equals_hash_block_one_by_one(token_ids, salt):
+    num_blocks = len(token_ids) // 8
+    keys, key = [], root_hash(salt)
+    for i in range(num_blocks):
+        key = hash_block(key, token_ids[8 * i: 8 * i + 8])
+        keys.append(key)
+    assert hash_chain(root_hash(salt), token_ids, num_blocks) == (
+        keys, [token_ids[8 * i: 8 * i + 8] for i in range(num_blocks)])
+
+
+def test_match_stops_at_the_first_miss_and_returns_its_key():
+    allocator = BlockAllocator(8)
+    data = np.arange(12, dtype="<i4").tobytes()  # 3 blocks of 4 tokens
+    keys, pieces = hash_chain(root_hash(), data, 3)
+    ids = allocator.allocate(2).tolist()
+    allocator.register_chain(ids, root_hash(), data[:32])
+    assert allocator.match(root_hash(), data, 3) == (ids, keys)
+    assert allocator.match(root_hash(), data[:32], 2) == (ids, keys[:2])
+    other = data[:16] + bytes(16)
+    assert allocator.match(root_hash(), other, 2) == (ids[:1], [keys[0],
+                                                               hash_block(keys[0], bytes(16))])
+    assert pieces[0] == data[:16]
+    assert allocator.match(root_hash(), b"", 0) == ([], [])
