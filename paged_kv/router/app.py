@@ -28,24 +28,13 @@ def create_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="paged_kv router", lifespan=lifespan)
 
-    async def forward(request: Request, path: str) -> Response:
-        try:
-            tenant = router.tenant(request.headers.get("authorization", ""))
-            response = await router.forward(path, await request.body(),
-                                            forward_headers(dict(request.headers)), tenant)
-        except RouterError as exc:
-            kind = "authentication_error" if exc.status == 401 else "server_error"
-            response = error_response(exc.status, exc.message, type_=kind)
-        router.requests.labels(endpoint=path, status=str(response.status_code)).inc()
-        return response
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
+        return await _forward(router, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+        return await _forward(router, request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -69,3 +58,16 @@ def create_router_app(router: Router) -> FastAPI:
         return PlainTextResponse(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _forward(router: Router, request: Request, path: str) -> Response:
+    """A request to a replica (or the router's own error), counted by status."""
+    try:
+        tenant = router.tenant(request.headers.get("authorization", ""))
+        response = await router.forward(path, await request.body(),
+                                        forward_headers(dict(request.headers)), tenant)
+    except RouterError as exc:
+        kind = "authentication_error" if exc.status == 401 else "server_error"
+        response = error_response(exc.status, exc.message, type_=kind)
+    router.requests.labels(endpoint=path, status=str(response.status_code)).inc()
+    return response
