@@ -81,7 +81,10 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
     server = _Server(uvicorn.Config(app, log_level="warning",
                                     timeout_graceful_shutdown=args.drain_timeout))
     client.on_exit = lambda code: setattr(server, "should_exit", True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has drained: no traceback
+        return 130
     return client.exit_code or 0
 
 
