@@ -260,6 +260,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
                             "429 with Retry-After (0: none waits)")
     serve.add_argument("--drain-timeout", type=_at_least(float, 0), default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--api-server-count", type=_at_least(int, 1), default=1,
+                       help="API server processes (HTTP, tokenization, SSE) sharing the one "
+                            "engine-core process and the listening socket")
     events = serve.add_argument_group("KV events, for cache-aware routers (the events extra)")
     events.add_argument("--kv-events", metavar="ENDPOINT", default=None,
                         help="publish the prefix index's changes in vLLM's wire format on this "

@@ -76,6 +76,12 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="paged-kv-events", daemon=True)
         self._thread.start()
 
+    def info(self) -> dict:
+        """Where and what it publishes (a router's discovery, ``GET /kv_events``)."""
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "topic": self.config.topic, "block_size": self.block_size,
+                "medium": self.medium, "token_ids": self.config.token_ids}
+
     def publish(self, events: list[BlockEvent], medium: str | None = None) -> None:
         """Queue one step's events (those that change the index; none: nothing sent), of
         blocks in `medium` (default: the engine's pool)."""

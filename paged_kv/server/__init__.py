@@ -1,9 +1,10 @@
 """`paged-kv serve`: an OpenAI-compatible HTTP server over the engine.
 
-Needs the ``serve`` extra (fastapi, uvicorn). Three layers, each knowing one thing: the
-server knows requests, tenants and HTTP (`app`); `EngineLoop` owns the `Engine` on a thread
-of its own; the engine knows sequences and the cache blocks. Tenancy reaches the cache
-only as the salt of each request.
+Needs the ``serve`` extra (fastapi, uvicorn, pyzmq, msgspec). Three layers, each knowing one
+thing: the server knows requests, tenants and HTTP (`app`); the engine core owns the
+`Engine`, in a process of its own under ``paged-kv serve`` (`core`, reached through
+`client.CoreClient`) or on a thread of this one (`EngineLoop`); the engine knows sequences
+and the cache blocks. Tenancy reaches the cache only as the salt of each request.
 """
 
 from .loop import EngineLoop

@@ -11,18 +11,19 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .loop import EngineLoop
 from .protocol import error_response
 from .routes import router
+from .seam import EngineClient
 from .service import ApiError, OpenAIService
 
 _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                     "/metrics"})
 
 
-def create_app(loop: EngineLoop, tokenizer, *, model_name: str,
+def create_app(loop: EngineClient, tokenizer, *, model_name: str,
                api_keys: dict[str, str] | None = None, max_waiting: int = 256) -> FastAPI:
-    """The server's app over a started-or-not `EngineLoop` (started and stopped with the app);
+    """The server's app over a started-or-not `EngineLoop` or `CoreClient` (started and
+    stopped with the app);
     the arguments are `OpenAIService`'s. With `api_keys`, every /v1 request needs
     ``Authorization: Bearer KEY``, checked before its body is read."""
     service = OpenAIService(loop, tokenizer, model_name=model_name, api_keys=api_keys,
@@ -101,7 +102,7 @@ class _CountRequests:
             self.counter.labels(endpoint=path, status=status[0]).inc()
 
 
-def _lifespan(loop: EngineLoop):
+def _lifespan(loop: EngineClient):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()

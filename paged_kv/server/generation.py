@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 
 from ..serving import RequestOutput, SamplingParams, StepOutput
-from .loop import EngineLoop
+from .seam import EngineClient
 
 
 @dataclasses.dataclass
@@ -29,7 +29,8 @@ class Choice:
 
 
 class Generation:
-    """Submits one request to the engine loop and turns its step outputs into choices.
+    """Submits one request to the engine (an `EngineClient`), turns its step outputs into
+    choices.
 
     Stop strings are the server's (the engine knows tokens): when one appears, the text is cut
     before it, the choice finishes with "stop", and once every choice has finished the
@@ -37,7 +38,7 @@ class Generation:
     finish ends with "error" and `error` says why.
     """
 
-    def __init__(self, loop: EngineLoop, tokenizer, prompt_token_ids: list[int],
+    def __init__(self, loop: EngineClient, tokenizer, prompt_token_ids: list[int],
                  params: SamplingParams, stops: list[str], salt: str | None) -> None:
         self._loop, self._tokenizer = loop, tokenizer
         self.prompt_token_ids, self.params, self.stops, self.salt = (
@@ -51,14 +52,8 @@ class Generation:
 
     async def start(self) -> None:
         """Queue the request in the engine (raises what `Engine.add_request` raises)."""
-        event_loop = asyncio.get_running_loop()
-
-        def on_output(out: StepOutput) -> None:  # on the engine's thread
-            self._loop.post(event_loop, self._queue.put_nowait, out)
-
-        future = self._loop.submit(lambda: self._loop.engine.add_request(
-            self.prompt_token_ids, self.params, salt=self.salt, on_output=on_output))
-        self.request_id = await asyncio.wrap_future(future)
+        self.request_id = await self._loop.add(self.prompt_token_ids, self.params, self.salt,
+                                               self._queue.put_nowait)
 
     @property
     def is_finished(self) -> bool:
@@ -73,8 +68,7 @@ class Generation:
     def abort(self) -> None:
         """Free the request's blocks in the engine (idempotent; does not wait)."""
         if self.request_id is not None and self.output is None and self._loop.is_alive:
-            request_id = self.request_id
-            self._loop.submit(lambda: self._loop.engine.abort(request_id))
+            self._loop.abort(self.request_id)
 
     async def updates(self):
         """Yield ``(choice, delta_text, new_token_ids)`` as tokens arrive, until done."""

@@ -11,7 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..serving import Engine, EngineDeadError
+from ..serving import Engine, EngineDeadError, SamplingParams, StepOutput
+from ..serving.limits import EngineLimits
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,38 @@ class EngineLoop:
         waiting inside it, less the slots free now (so an idle server has none)."""
         free = self.engine.max_num_seqs - self.engine.stats().num_running
         return self._inbox.qsize() + self.engine.num_waiting_requests - free
+
+    # -- the surface the server uses (shared with `CoreClient`, the engine-core process's) -----
+    @property
+    def limits(self) -> EngineLimits:
+        """What requests are checked against before they reach the engine."""
+        return EngineLimits.of(self.engine)
+
+    @property
+    def registry(self):
+        """The prometheus registry the server adds its HTTP counters to (the engine's)."""
+        return self.engine.metrics.registry
+
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
+                  on_output: Callable[[StepOutput], None]) -> int:
+        """Queue a request; `on_output` runs on the calling event loop for each step output.
+        Returns the request's id (raises what `Engine.add_request` raises)."""
+        event_loop = asyncio.get_running_loop()
+
+        def forward(out: StepOutput) -> None:  # on the engine's thread
+            self.post(event_loop, on_output, out)
+
+        future = self.submit(lambda: self.engine.add_request(
+            prompt_token_ids, params, salt=salt, on_output=forward))
+        return await asyncio.wrap_future(future)
+
+    def abort(self, request_id: int) -> None:
+        """Free a request's blocks before the next step (does not wait)."""
+        self.submit(lambda: self.engine.abort(request_id))
+
+    async def metrics_text(self) -> str:
+        """Prometheus exposition, the engine's gauges as of now and the server's counters."""
+        return await asyncio.wrap_future(self.submit(self.engine.metrics_text))
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the engine's thread before its next step; returns its future."""

@@ -69,8 +69,7 @@ async def kv_events(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    svc = service(request)
-    body = await asyncio.wrap_future(svc.loop.submit(svc.metrics_text))
+    body = await service(request).metrics_text()
     return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -11,8 +11,8 @@ from prometheus_client import Counter, Histogram
 from ..keys import HASH_SCHEME
 from ..serving import EngineDeadError, SamplingParams
 from .generation import Generation
-from .loop import EngineLoop
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .seam import EngineClient
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -37,11 +37,11 @@ class Job:
 
 
 class OpenAIService:
-    """The server's logic over an `EngineLoop` and a tokenizer.
+    """The server's logic over an engine (`EngineLoop` or `CoreClient`) and a tokenizer.
 
     Parameters
     ----------
-    loop : EngineLoop
+    loop : EngineClient
     tokenizer : ByteTokenizer or HFTokenizer
     model_name : str
         The id ``/v1/models`` reports.
@@ -51,11 +51,11 @@ class OpenAIService:
         Requests that would wait for a running slot beyond this get 429.
     """
 
-    def __init__(self, loop: EngineLoop, tokenizer, *, model_name: str,
+    def __init__(self, loop: EngineClient, tokenizer, *, model_name: str,
                  api_keys: dict[str, str] | None = None, max_waiting: int = 256) -> None:
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
         self.api_keys, self.max_waiting = api_keys, max_waiting
-        registry = loop.engine.metrics.registry
+        registry = loop.registry
         self.requests = Counter("paged_kv_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=registry)
         self.ttft = Histogram("paged_kv_time_to_first_token_seconds", "Time to first token",
@@ -106,7 +106,7 @@ class OpenAIService:
                 stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
                 logprobs=body.num_logprobs,
                 prompt_logprobs=body.logprobs if echo_logprobs else body.prompt_logprobs)
-            self.loop.engine.check_request(prompt, params)
+            self.loop.limits.check(prompt, params)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
         if self.loop.num_waiting >= self.max_waiting:
@@ -124,11 +124,7 @@ class OpenAIService:
             return asked
         if kind != "chat":
             return 16
-        engine = self.loop.engine
-        config = engine.cache.config
-        room = min(engine.model.config.max_position,
-                   config.num_usable_blocks * config.block_size + 1) - len(prompt)
-        return max(room, 1)
+        return self.loop.limits.room(len(prompt))
 
     async def start(self, body, prompt: list[int], salt: str | None, kind: str) -> Job:
         """Validate and queue a generation (400 / 429 / 503 before anything runs)."""
@@ -147,8 +143,8 @@ class OpenAIService:
         return Job(generation, body, kind, response_id)
 
     def observe(self, generation: Generation) -> None:
-        """Latency histograms of a finished generation."""
-        if generation.output is None:
+        """Latency histograms of a finished generation (not of one the engine failed)."""
+        if generation.output is None or generation.error is not None:
             return
         self.ttft.observe(generation.output.time_to_first_token)
         for gap in generation.output.token_latencies:
@@ -160,17 +156,14 @@ class OpenAIService:
                                             "created": created, "owned_by": "paged_kv"}]}
 
     def kv_events_info(self) -> dict | None:
-        """``/kv_events``: the publisher's bound endpoints and how its hashes are made (a
-        router computes the same keys from the prompt), or None when events are off."""
-        publisher = self.loop.engine.events
-        if publisher is None:
+        """``/kv_events``: the publisher's bound endpoints, pool size and how its hashes are
+        made (a router computes the same keys from the prompt); None when events are off."""
+        info = self.loop.limits.kv_events
+        if info is None:
             return None
-        return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
-                "topic": publisher.config.topic, "block_size": publisher.block_size,
-                "num_blocks": self.loop.engine.cache.config.num_usable_blocks,
-                "medium": publisher.medium, "token_ids": publisher.config.token_ids,
+        return {**info, "num_blocks": self.loop.limits.cache_config.num_usable_blocks,
                 "hash": HASH_SCHEME, "model": self.model_name}
 
-    def metrics_text(self) -> str:
-        """Prometheus exposition, gauges as of now (run on the engine's thread)."""
-        return self.loop.engine.metrics_text()
+    async def metrics_text(self) -> str:
+        """Prometheus exposition: the engine's gauges as of now, the server's counters."""
+        return await self.loop.metrics_text()

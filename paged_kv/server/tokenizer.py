@@ -6,13 +6,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _ROLES = {"user": 258, "assistant": 259, "system": 260}
+_SPECIALS = range(256, 261)
+_PRINTABLE = bytes(range(33, 127))  # "!" to "~"
 
 
 class ByteTokenizer:
     """The embedded model's tokenizer: one id per byte (0-255) plus a few specials.
 
     ``<|bos|>`` = 256, ``<|eos|>`` = 257, ``<|user|>`` = 258, ``<|assistant|>`` = 259,
-    ``<|system|>`` = 260 — all within `TinyLlama`'s default vocabulary of 2048.
+    ``<|system|>`` = 260 — all within `TinyLlama`'s default vocabulary of 2048. The ids past
+    them (261 up to the vocabulary) decode to one printable ASCII character each, so what the
+    (untrained) embedded model samples shows as visible text, never as an empty string.
 
     Examples
     --------
@@ -21,6 +25,8 @@ class ByteTokenizer:
     [104, 105]
     >>> tok.decode([104, 105, 257])
     'hi'
+    >>> tok.decode([261, 262, 355])
+    '!"!'
     """
 
     bos_token_id = 256
@@ -32,8 +38,10 @@ class ByteTokenizer:
         return list(text.encode())
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """UTF-8 text of the byte ids (specials and ids past 255 are skipped)."""
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+        """UTF-8 text of the byte ids; specials are skipped, ids past them are printable ASCII
+        (``"!"`` + (id - 261) mod 94)."""
+        return bytes(t if t < 256 else _PRINTABLE[(t - 261) % len(_PRINTABLE)]
+                     for t in token_ids if t not in _SPECIALS).decode(errors="replace")
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         """``<|bos|>`` then each message as ``<|role|>content\\n``, then ``<|assistant|>``."""

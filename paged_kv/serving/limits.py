@@ -3,6 +3,7 @@ TypeError naming the problem, before anything changes)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,3 +70,44 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
                          f"{needed} blocks, more than the pool's "
                          f"{cache_config.num_usable_blocks}; raise num_blocks")
     return prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What a request is checked against, apart from the engine: the server's front process
+    checks and sizes requests with it before they reach the engine core (picklable).
+
+    Parameters
+    ----------
+    model_config : object
+        The model's ``config`` (``vocab_size``, ``max_position``).
+    max_num_seqs : int
+    cache_config : CacheConfig
+    kv_events : dict, optional
+        Where the engine publishes its KV events (`EventPublisher.info`), for
+        ``GET /kv_events``; None when it does not.
+    """
+
+    model_config: Any
+    max_num_seqs: int
+    cache_config: CacheConfig
+    kv_events: dict | None = None
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineLimits:
+        """The limits of an `Engine`."""
+        events = None if engine.events is None else engine.events.info()
+        return cls(engine.model.config, engine.max_num_seqs, engine.cache.config, events)
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise what `Engine.add_request` would for this request (see `check_request`)."""
+        check_request(prompt_token_ids, params, self.model_config, self.max_num_seqs,
+                      self.cache_config)
+
+    def room(self, prompt_len: int) -> int:
+        """Tokens a prompt of `prompt_len` may still grow by: the context and the pool's limit
+        (at least 1)."""
+        config = self.cache_config
+        limit = min(self.model_config.max_position,
+                    config.num_usable_blocks * config.block_size + 1)
+        return max(limit - prompt_len, 1)

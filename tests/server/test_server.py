@@ -41,13 +41,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, log: Path):
-    """Start ``paged-kv serve`` with `flags`, wait for /health (bounded), stop it after."""
+def running_server(*flags: str, log: Path, command: tuple[str, ...] | None = None):
+    """Start ``paged-kv serve`` (or `command`, given the same flags) with `flags`, wait for
+    /health (bounded), stop it after."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = command or (sys.executable, "-m", "paged_kv.cli")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "paged_kv.cli", "serve", "--port",
-                                 str(port), *flags], env=env, stdout=out, stderr=out)
+        proc = subprocess.Popen([*command, "serve", "--port", str(port), *flags], env=env,
+                                stdout=out, stderr=out, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):

@@ -4,7 +4,7 @@ in-process, on the same requests arriving at the same times.
 A load generator streams every request (open loop: Poisson arrivals, no waiting on earlier
 replies) at three rates, the last all at once (saturation). The baseline serves the same
 requests with the same arrival times through `Engine` in this process, so the ratio is what
-the HTTP layer (FastAPI, SSE, the engine thread, the client) costs.
+the HTTP layer (FastAPI, SSE, the hop to the engine-core process, the client) costs.
 """
 
 from __future__ import annotations

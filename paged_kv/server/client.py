@@ -1,0 +1,163 @@
+"""`CoreClient`: an API server process's handle on the engine-core process, with the surface
+of `EngineLoop` (`seam.EngineClient`), so the service and generations run unchanged on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ..serving import EngineDeadError, SamplingParams, StepOutput
+from ..serving.limits import EngineLimits
+from . import ipc
+
+logger = logging.getLogger("paged_kv.server")
+_LAST_WORDS_S = 0.2  # after the core exits, how long its last messages may take to arrive
+_DEAD_EXIT_S = 1.0  # a dead core: answer 503 this long, then exit non-zero for a supervisor
+
+
+class CoreClient:
+    """Requests to the engine core over ZMQ; its step outputs back to each request's callback.
+
+    Parameters
+    ----------
+    address : str
+        The core's ZMQ address.
+    identity : bytes
+        This API server's name at the core (one per API server process).
+    limits : EngineLimits
+        The engine's, as the core sent them at startup.
+    core_sentinel : int
+        A file descriptor that turns readable when the core process ends.
+    on_exit : callable, optional
+        Called with the exit code the server should stop with once the core has stopped:
+        0 after a clean drain (`ipc.Bye`), 1 when it died.
+    """
+
+    def __init__(self, address: str, identity: bytes, limits: EngineLimits, core_sentinel: int,
+                 on_exit: Callable[[int], None] | None = None) -> None:
+        self.limits, self.registry = limits, CollectorRegistry()
+        self.dead: str | None = None
+        self.exit_code: int | None = None
+        self.on_exit = on_exit
+        self._address, self._identity, self._sentinel = address, identity, core_sentinel
+        self._requests: dict[int, tuple[Callable[[StepOutput], None], int]] = {}
+        self._metrics: dict[int, asyncio.Future[str]] = {}
+        self._ids = itertools.count()
+        self._waiting = self._sent = 0
+        self._socket: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Connect and listen (on the running event loop)."""
+        loop = asyncio.get_running_loop()
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, self._identity)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self._address)
+        self._socket.send(ipc.encode(ipc.Hello()))
+        self._reader = loop.create_task(self._read())
+        loop.add_reader(self._sentinel, self._core_gone)
+
+    def stop(self) -> None:
+        """Stop listening and close the socket."""
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._sentinel)
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._socket is not None:
+            self._socket.close()
+            self._context.term()
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the core serves (not dead, not stopped)."""
+        return self.dead is None and self.exit_code is None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a running slot as of the core's last step, plus those sent
+        since."""
+        return self._waiting + self._sent
+
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
+                  on_output: Callable[[StepOutput], None]) -> int:
+        """Send a request to the core; returns this server's id for it."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead or "the engine core has stopped")
+        request_id = next(self._ids)
+        self._requests[request_id] = (on_output, params.n)
+        self._sent += 1
+        await self._socket.send(ipc.encode(ipc.Add(request_id, prompt_token_ids, params, salt)))
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Ask the core to stop a request (does not wait)."""
+        if request_id in self._requests and self.is_alive:
+            self._socket.send(ipc.encode(ipc.Abort(request_id)))
+
+    async def metrics_text(self) -> str:
+        """The engine's exposition (from the core) followed by this server's counters."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead or "the engine core has stopped")
+        token = next(self._ids)
+        future = self._metrics[token] = asyncio.get_running_loop().create_future()
+        await self._socket.send(ipc.encode(ipc.MetricsQuery(token)))
+        try:
+            text = await asyncio.wait_for(future, timeout=30)
+        finally:
+            self._metrics.pop(token, None)
+        return text + generate_latest(self.registry).decode()
+
+    async def _read(self) -> None:
+        while True:
+            self._dispatch(ipc.decode_from_core(await self._socket.recv()))
+
+    def _dispatch(self, message: ipc.Outputs | ipc.MetricsText | ipc.Bye) -> None:
+        if isinstance(message, ipc.Outputs):
+            self._waiting, self._sent = message.waiting, 0
+            requests = self._requests
+            for request_id, out in message.outputs:
+                entry = requests.get(request_id)
+                if entry is not None:
+                    entry[0](out)
+                    if out.output is not None:
+                        del requests[request_id]
+        elif isinstance(message, ipc.MetricsText):
+            future = self._metrics.get(message.token)
+            if future is not None and not future.done():
+                future.set_result(message.text)
+        elif self.exit_code is None:  # Bye: the core drained and stops
+            logger.info("the engine core stopped cleanly; so does this API server")
+            self._finish(0)
+
+    def _core_gone(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._sentinel)
+        loop.call_later(_LAST_WORDS_S, self._core_died)
+
+    def _core_died(self) -> None:
+        if self.exit_code is not None:
+            return  # it said Bye
+        self.dead = "the engine core process died"
+        logger.error("%s; failing %d requests, then exiting", self.dead, len(self._requests))
+        requests, self._requests = self._requests, {}
+        for request_id, (on_output, n) in requests.items():
+            for out in ipc.failed_outputs(request_id, n, self.dead):
+                on_output(out)
+        for future in self._metrics.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(self.dead))
+        asyncio.get_running_loop().call_later(_DEAD_EXIT_S, self._finish, 1)
+
+    def _finish(self, code: int) -> None:
+        self.exit_code = code
+        if self.on_exit is not None:
+            self.on_exit(code)

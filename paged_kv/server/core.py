@@ -1,0 +1,250 @@
+"""The engine-core process: owns the `Engine` (model, cache, tiers; tensor-parallel workers
+hang off it) and steps it. API server processes send it requests over ZMQ and get back one
+`Outputs` message per step each (`ipc.py`).
+
+Single-threaded on purpose: messages are taken in between steps, as `EngineLoop` does, so the
+engine needs no lock, and the process has the GIL to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import zmq
+
+from ..events import KVEventsConfig
+from ..serving import Engine, EngineDeadError, StepOutput
+from ..serving.limits import EngineLimits
+from ..serving.sizing import cache_config_for_free_memory
+from ..tiers import TierConfig
+from . import ipc
+
+logger = logging.getLogger("paged_kv.server.core")
+_IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
+
+
+def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
+                 memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
+                 tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None,
+                 kv_events: KVEventsConfig | None = None) -> Engine:
+    """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
+    memory (the host pool as much again for swap)."""
+    probe = model.cache_config(num_blocks=2, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    if memory_fraction is not None:
+        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
+                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
+    else:
+        num_blocks = int(memory_mib * 2**20) // probe.bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"argument --memory-mib: {memory_mib} MiB holds {num_blocks} KV "
+                         f"blocks of {probe.bytes_per_block} bytes; need at least 2")
+    cache_config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                      num_host_blocks=num_blocks if preemption == "swap" else 0,
+                                      kv_cache_dtype=kv_cache_dtype)
+    return Engine(model, cache_config, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
+                  tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
+                  kv_events=kv_events)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The engine ``paged-kv serve`` flags describe: the embedded model, or ``--model``'s
+    checkpoint (``args.model_factory``, a picklable callable of no arguments, replaces
+    both: a test hook)."""
+    factory = getattr(args, "model_factory", None)
+    if factory is not None:
+        model = factory()
+    elif args.model is None:
+        from ..serving import TinyLlama
+
+        model = TinyLlama()
+    else:
+        from ..serving.hf import HFCausalLM
+
+        model = HFCausalLM.from_pretrained(args.model)
+    name = "paged-kv-tiny-llama" if args.model is None else Path(args.model).name
+    return build_engine(model, memory_mib=args.memory_mib, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        preemption=args.preemption, memory_fraction=args.memory_fraction,
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        kv_tiers=TierConfig.from_args(args),
+                        kv_events=events_config(args, name))
+
+
+def events_config(args: argparse.Namespace, model_name: str) -> KVEventsConfig | None:
+    """The ``--kv-events*`` flags as a config (None: off). The replay socket defaults to
+    the next port; the topic to ``kv@HOST:PORT@MODEL``, the form llm-d reads."""
+    if getattr(args, "kv_events", None) is None:
+        return None
+    replay = args.kv_events_replay
+    if replay is None:
+        base, _, port = args.kv_events.rpartition(":")
+        replay = f"{base}:{int(port) + 1}" if port.isdigit() else f"{base}:*"
+    topic = args.kv_events_topic
+    if topic is None:
+        topic = f"kv@{args.host}:{args.port}@{model_name}"
+    return KVEventsConfig(args.kv_events, None if replay == "off" else replay, topic=topic,
+                          token_ids=args.kv_events_token_ids)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+def run_core(args: argparse.Namespace, address: str, ready: Connection, parent_pid: int) -> None:
+    """The engine-core process's target: build the engine, send its `EngineLimits` (or the
+    startup error) through `ready`, then serve `address` until SIGTERM or the parent dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the API server stops us in order
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = engine_from_args(args)
+    except Exception as exc:  # the API server raises it (a bad flag: exit 2 with its message)
+        ready.send(("error", exc))
+        raise SystemExit(1) from None
+    try:
+        core = EngineCore(engine, address, parent_pid)
+        signal.signal(signal.SIGTERM, core.drain)
+        if engine.events is not None:
+            logger.info("KV events on %s (replay %s)", engine.events.endpoint,
+                        engine.events.replay_endpoint)
+        ready.send(("ready", EngineLimits.of(engine)))
+        code = core.run()
+    finally:
+        engine.close()
+    raise SystemExit(code)
+
+
+class EngineCore:
+    """Steps `engine` while requests from API servers come and go.
+
+    Parameters
+    ----------
+    engine : Engine
+    address : str
+        The ZMQ address to bind (the API servers connect to it).
+    parent_pid : int
+        The process that started this one: when it is gone, so is this one.
+    """
+
+    def __init__(self, engine: Engine, address: str, parent_pid: int) -> None:
+        self.engine, self._parent = engine, parent_pid
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 5000)  # the last outputs leave before exit
+        self._socket.bind(address)
+        self._ids: dict[tuple[bytes, int], int] = {}  # (API server, its id) -> engine id
+        self._pending: dict[bytes, list[tuple[int, StepOutput]]] = {}
+        self._fronts: set[bytes] = set()
+        self._draining = False
+
+    def drain(self, *_: object) -> None:
+        """SIGTERM: refuse new requests, finish the running ones, then stop (exit 0)."""
+        self._draining = True
+
+    def run(self) -> int:
+        """Serve until drained (0), orphaned or dead (1)."""
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests
+                if self._socket.poll(0 if busy else _IDLE_POLL_MS):
+                    self._receive()
+                if os.getppid() != self._parent:
+                    logger.error("the API server is gone; the engine core stops")
+                    return 1
+                if self._draining and not self.engine.has_unfinished_requests:
+                    self._flush()
+                    for front in self._fronts:
+                        self._socket.send_multipart([front, ipc.encode(ipc.Bye())])
+                    return 0
+                if self.engine.has_unfinished_requests and not self._step():
+                    return 1
+                self._flush()
+        finally:
+            self._socket.close()
+            self._context.term()
+
+    def _step(self) -> bool:
+        """One engine step; False when the engine is dead (every request failed)."""
+        try:
+            self.engine.step()
+        except EngineDeadError as exc:
+            logger.error("engine dead: %s", exc)
+            self._fail_all(str(exc))
+            self._flush()
+            return False
+        except Exception as exc:  # fails the requests it could have touched, not the core
+            logger.exception("engine step failed; failing the requests in the engine")
+            self._fail_all(f"the engine step failed: {exc!r}")
+        return True
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                front, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = ipc.decode_to_core(frame)
+            if isinstance(message, ipc.Add):
+                self._add(front, message)
+            elif isinstance(message, ipc.Abort):
+                engine_id = self._ids.get((front, message.request_id))
+                if engine_id is not None:
+                    self.engine.abort(engine_id)
+            elif isinstance(message, ipc.MetricsQuery):
+                text = self.engine.metrics_text()
+                self._socket.send_multipart(
+                    [front, ipc.encode(ipc.MetricsText(message.token, text))])
+            else:
+                self._fronts.add(front)
+
+    def _add(self, front: bytes, message: ipc.Add) -> None:
+        self._fronts.add(front)
+        try:
+            if self._draining:
+                raise ValueError("the engine core is shutting down")
+            engine_id = self.engine.add_request(
+                message.prompt_token_ids, message.params, salt=message.salt,
+                on_output=partial(self._collect, front, message.request_id))
+        except (TypeError, ValueError) as exc:  # the API server checked; this is a race
+            self._pending.setdefault(front, []).extend(
+                (message.request_id, out) for out in ipc.failed_outputs(
+                    message.request_id, message.params.n, str(exc)))
+            return
+        self._ids[front, message.request_id] = engine_id
+
+    def _collect(self, front: bytes, request_id: int, out: StepOutput) -> None:
+        self._pending.setdefault(front, []).append((request_id, out))
+        if out.output is not None:  # the request's last output
+            self._ids.pop((front, request_id), None)
+
+    def _flush(self) -> None:
+        """One `Outputs` message per API server that has outputs from this step."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        engine = self.engine
+        waiting = engine.num_waiting_requests - (engine.max_num_seqs
+                                                 - engine.stats().num_running)
+        for front, outputs in pending.items():
+            self._socket.send_multipart([front, ipc.encode(ipc.Outputs(outputs, waiting))])
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in self.engine.unfinished_request_ids():
+            with contextlib.suppress(Exception):  # a dead engine may fail to free too
+                self.engine.abort(request_id, error=message)

@@ -1,0 +1,73 @@
+"""The messages between API server processes and the engine-core process: msgpack (msgspec)
+over one ZMQ DEALER (each API server, its own identity) / ROUTER (the core) pair.
+
+An API server sends requests, aborts and metrics queries; the core answers with one
+`Outputs` message per step per API server (every token that step made for that server's
+requests), never one per token.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..serving import RequestOutput, SamplingParams, StepOutput
+
+
+class Add(msgspec.Struct, array_like=True, tag=0):
+    """Queue a request; ``request_id`` is the API server's own (unique per server)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    salt: str | None
+
+
+class Abort(msgspec.Struct, array_like=True, tag=1):
+    """Stop a request and free its blocks."""
+
+    request_id: int
+
+
+class MetricsQuery(msgspec.Struct, array_like=True, tag=2):
+    """Ask for the engine's prometheus exposition (answered by `MetricsText`)."""
+
+    token: int
+
+
+class Hello(msgspec.Struct, array_like=True, tag=3):
+    """An API server announcing itself (so the core can answer it before any request)."""
+
+
+class Outputs(msgspec.Struct, array_like=True, tag=10):
+    """One step's outputs for one API server: ``(request_id, StepOutput)`` pairs, and the
+    requests that would wait for a running slot after the step (for its 429s)."""
+
+    outputs: list[tuple[int, StepOutput]]
+    waiting: int
+
+
+class MetricsText(msgspec.Struct, array_like=True, tag=11):
+    """The engine's prometheus exposition, answering the `MetricsQuery` of the same token."""
+
+    token: int
+    text: str
+
+
+class Bye(msgspec.Struct, array_like=True, tag=12):
+    """The core is stopping cleanly (drained on SIGTERM): the API servers stop too, exit 0."""
+
+
+ToCore = Add | Abort | MetricsQuery | Hello
+FromCore = Outputs | MetricsText | Bye
+
+encode = msgspec.msgpack.Encoder().encode
+decode_to_core = msgspec.msgpack.Decoder(ToCore).decode
+decode_from_core = msgspec.msgpack.Decoder(FromCore).decode
+
+
+def failed_outputs(request_id: int, n: int, message: str) -> list[StepOutput]:
+    """The step outputs of a request failed before or outside the engine: each of its `n`
+    samples finishes with "error"; the last carries the `RequestOutput` naming `message`."""
+    last = RequestOutput(request_id, [], [], True, 0, 0, 0.0, [], error=message)
+    return [StepOutput(request_id, i, [], "error", last if i == n - 1 else None)
+            for i in range(n)]

@@ -1,0 +1,48 @@
+"""`EngineClient`: what the server needs of an engine, met by `EngineLoop` (the engine on a
+thread of this process) and by `CoreClient` (the engine core in a process of its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ..serving import SamplingParams, StepOutput
+from ..serving.limits import EngineLimits
+
+
+class EngineClient(Protocol):
+    """The engine as `OpenAIService` and `Generation` use it."""
+
+    dead: str | None  # why the engine cannot serve any more (health: 503)
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether requests can be served."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests that would wait for a running slot."""
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What requests are checked against before they reach the engine."""
+
+    @property
+    def registry(self):
+        """The prometheus registry for the server's own counters."""
+
+    def start(self) -> None:
+        """Start serving (with the app)."""
+
+    def stop(self) -> None:
+        """Stop serving (with the app)."""
+
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
+                  on_output: Callable[[StepOutput], None]) -> int:
+        """Queue a request; `on_output` runs on the calling event loop per step output."""
+
+    def abort(self, request_id: int) -> None:
+        """Free a request's blocks (does not wait)."""
+
+    async def metrics_text(self) -> str:
+        """Prometheus exposition: the engine's gauges and the server's counters."""

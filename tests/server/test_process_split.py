@@ -1,0 +1,180 @@
+"""The process split of `paged-kv serve`: the engine core in a process of its own, faults
+and shutdown whichever process is signalled, and several API server processes.
+
+Every server is a subprocess on a free 127.0.0.1 port, stopped by `running_server`; each test
+also checks that no process it started outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .test_server import httpx, make_prompt, metric, reference, running_server, sse_events
+
+__all__ = ["reference"]  # the fixture, used below
+POISON = 299
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry.name))
+    return kids
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine core: the server's child running multiprocessing's spawn entry."""
+    for pid in _children(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError(f"no engine core under {server_pid}")
+
+
+def _gone(pids: list[int], timeout: float = 30) -> bool:
+    """Whether every pid has exited (or is a zombie) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _stream_in_background(url: str, max_tokens: int, prompt="go"):
+    """Start a streamed completion on a thread; returns (events, first-chunk event, thread)."""
+    events: list = []
+    first = threading.Event()
+
+    def run() -> None:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+                    first.set()
+        except httpx.HTTPError as exc:
+            events.append(f"transport error: {exc!r}")
+        first.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return events, first, thread
+
+
+def test_sigkill_of_the_core_fails_requests_turns_health_503_and_exits_non_zero(tmp_path):
+    log = tmp_path / "log"
+    with running_server(log=log) as (proc, url):
+        core = _core_pid(proc.pid)
+        events, first, thread = _stream_in_background(url, 2000)
+        assert first.wait(60), "no first chunk"
+        os.kill(core, signal.SIGKILL)
+        thread.join(60)
+        parsed = sse_events(events)
+        assert any(isinstance(e, dict) and "error" in e for e in parsed), events
+        assert not any(isinstance(e, dict) and e.get("choices")
+                       and e["choices"][0]["finish_reason"] in ("stop", "length")
+                       for e in parsed), "a failed stream must not finish like a success"
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                           timeout=10)
+        assert after.status_code == 503
+        assert proc.wait(timeout=60) != 0, log.read_text()
+    assert _gone([core])
+
+
+def test_sigterm_to_the_core_drains_and_both_exit_0(tmp_path):
+    log = tmp_path / "log"
+    with running_server(log=log) as (proc, url):
+        core = _core_pid(proc.pid)
+        events, first, thread = _stream_in_background(url, 60)
+        assert first.wait(60), "no first chunk"
+        os.kill(core, signal.SIGTERM)
+        thread.join(120)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    parsed = sse_events(events)
+    assert parsed[-1] == "DONE" and parsed[-2]["choices"][0]["finish_reason"] == "length"
+    assert _gone([core])
+
+
+def test_sigterm_to_the_api_server_drains_and_stops_the_core(tmp_path):
+    log = tmp_path / "log"
+    with running_server(log=log) as (proc, url):
+        core = _core_pid(proc.pid)
+        events, first, thread = _stream_in_background(url, 60)
+        assert first.wait(60), "no first chunk"
+        proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    assert sse_events(events)[-2]["choices"][0]["finish_reason"] == "length"
+    assert _gone([core])
+
+
+def test_a_request_that_makes_the_model_raise_fails_alone(tmp_path, reference):
+    prompts = [[t for t in make_prompt(40, seed) if t != POISON] for seed in range(4)]
+    expected = reference(prompts, 24)
+    command = (sys.executable, "-m", "tests.server.faulty_model")
+    with running_server(log=tmp_path / "log", command=command) as (_, url):
+        def good(prompt: list[int]) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True})
+
+        def bad() -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", timeout=120,
+                              json={"prompt": [1, POISON, 3], "max_tokens": 4})
+
+        with ThreadPoolExecutor(6) as pool:
+            goods = [pool.submit(good, p) for p in prompts]
+            failed = pool.submit(bad).result()
+            answers = [f.result() for f in goods]
+        assert failed.status_code == 500 and "poisoned" in failed.json()["error"]["message"]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert [a.json()["choices"][0]["token_ids"] for a in answers] == expected
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_two_api_servers_share_one_engine_core(tmp_path, reference):
+    prompts = [make_prompt(30, seed) for seed in range(8)]
+    expected = reference(prompts, 8)
+    log = tmp_path / "log"
+    with running_server("--api-server-count", "2", log=log) as (proc, url):
+        children = _children(proc.pid)
+        assert len(children) >= 3, children  # the core, the second API server, a tracker
+
+        def one(prompt: list[int]) -> httpx.Response:
+            # a fresh connection each: the kernel spreads them over both API servers
+            return httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True})
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, prompts))
+        assert [a.json()["choices"][0]["token_ids"] for a in answers] == expected
+        assert metric(url, "paged_kv_blocks", '{state="live"}') == 0  # the engine's gauge
+        assert "paged_kv_http_requests_total" in httpx.get(f"{url}/metrics", timeout=30).text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    assert _gone(children)
