@@ -17,6 +17,22 @@ from collections.abc import Iterator
 START_TIMEOUT_S = 5.0
 
 
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Wait until ``url/health`` answers 200; RuntimeError when `process` exits first or
+    `timeout` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     with socket.socket() as sock:

@@ -12,7 +12,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from ..server.protocol import ChatCompletionRequest, CompletionRequest, error_response
+from ..server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    bearer_tenant,
+    error_response,
+)
 from .index import prompt_keys
 from .policy import Choice, choose
 from .replicas import Replica, ReplicaSet, event_lag
@@ -83,12 +88,10 @@ class Router:
     # -- a request ------------------------------------------------------------------------
     def tenant(self, authorization: str) -> str | None:
         """The tenant of an ``Authorization`` header (None without api keys)."""
-        if self.api_keys is None:
-            return None
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
-            raise RouterError(401, "missing or unknown API key: send Authorization: Bearer KEY")
-        return self.api_keys[key.strip()]
+        try:
+            return bearer_tenant(self.api_keys, authorization)
+        except PermissionError as exc:
+            raise RouterError(401, str(exc)) from None
 
     def prompt(self, path: str, body: bytes) -> list[int]:
         """The prompt's token ids as a replica computes them (empty when the body is not a

@@ -164,6 +164,22 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def bearer_tenant(api_keys: dict[str, str] | None, authorization: str) -> str | None:
+    """The tenant of an ``Authorization: Bearer KEY`` header (None without api keys).
+
+    Raises
+    ------
+    PermissionError
+        The key is missing or unknown (its message is the 401's).
+    """
+    if api_keys is None:
+        return None
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or key.strip() not in api_keys:
+        raise PermissionError("missing or unknown API key: send Authorization: Bearer KEY")
+    return api_keys[key.strip()]
+
+
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:

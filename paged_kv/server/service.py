@@ -11,7 +11,7 @@ from prometheus_client import Counter, Histogram
 from ..keys import HASH_SCHEME
 from ..serving import EngineDeadError, SamplingParams
 from .generation import Generation
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, bearer_tenant
 from .seam import EngineClient
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -67,12 +67,10 @@ class OpenAIService:
     # -- requests -------------------------------------------------------------------------
     def tenant(self, authorization: str) -> str | None:
         """The tenant of an ``Authorization`` header (None without api keys); 401 otherwise."""
-        if self.api_keys is None:
-            return None
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
-            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer KEY")
-        return self.api_keys[key.strip()]
+        try:
+            return bearer_tenant(self.api_keys, authorization)
+        except PermissionError as exc:
+            raise ApiError(401, str(exc)) from None
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         """The prompt's token ids."""

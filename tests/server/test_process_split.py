@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from .test_server import httpx, make_prompt, metric, reference, running_server, sse_events
 
 __all__ = ["reference"]  # the fixture, used below
@@ -105,30 +107,18 @@ def test_sigkill_of_the_core_fails_requests_turns_health_503_and_exits_non_zero(
     assert _gone([core])
 
 
-def test_sigterm_to_the_core_drains_and_both_exit_0(tmp_path):
+@pytest.mark.parametrize("target", ["core", "api server"])
+def test_sigterm_to_either_process_drains_and_both_exit_0(tmp_path, target):
     log = tmp_path / "log"
     with running_server(log=log) as (proc, url):
         core = _core_pid(proc.pid)
         events, first, thread = _stream_in_background(url, 60)
         assert first.wait(60), "no first chunk"
-        os.kill(core, signal.SIGTERM)
+        os.kill(core if target == "core" else proc.pid, signal.SIGTERM)
         thread.join(120)
         assert proc.wait(timeout=60) == 0, log.read_text()
     parsed = sse_events(events)
     assert parsed[-1] == "DONE" and parsed[-2]["choices"][0]["finish_reason"] == "length"
-    assert _gone([core])
-
-
-def test_sigterm_to_the_api_server_drains_and_stops_the_core(tmp_path):
-    log = tmp_path / "log"
-    with running_server(log=log) as (proc, url):
-        core = _core_pid(proc.pid)
-        events, first, thread = _stream_in_background(url, 60)
-        assert first.wait(60), "no first chunk"
-        proc.send_signal(signal.SIGTERM)
-        thread.join(120)
-        assert proc.wait(timeout=60) == 0, log.read_text()
-    assert sse_events(events)[-2]["choices"][0]["finish_reason"] == "length"
     assert _gone([core])
 
 

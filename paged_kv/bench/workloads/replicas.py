@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..netdelay import free_port
+from ..netdelay import free_port, wait_healthy
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -76,20 +76,6 @@ def sessions(num_tenants: int, per_tenant: int, turns: int, *, apps: int | None 
     return [out[i] for i in order]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
-
-
 @contextlib.contextmanager
 def _processes(commands: list[list[str]], env: dict) -> Iterator[list[str]]:
     """Start each ``(url, argv)``; yield the URLs once all answer /health; stop them all."""
@@ -101,7 +87,7 @@ def _processes(commands: list[list[str]], env: dict) -> Iterator[list[str]]:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
-            _wait_healthy(url, proc)
+            wait_healthy(url, proc)
         yield urls
     finally:
         for proc in procs:

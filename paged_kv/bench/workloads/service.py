@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..netdelay import free_port, wait_healthy
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -113,24 +113,14 @@ def over_http(url: str, prompts: list[list[int]], arrivals: list[float]) -> dict
 
 @contextlib.contextmanager
 def _server(threads: int):
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "paged_kv.cli", "serve", "--port",
                              str(port), "--max-waiting", "100000"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(480):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError(f"paged-kv serve exited with {proc.returncode}")
-            time.sleep(0.25)
+        wait_healthy(url, proc)
         yield url
     finally:
         proc.terminate()
