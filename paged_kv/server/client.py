@@ -44,6 +44,7 @@ class CoreClient:
                  on_exit: Callable[[int], None] | None = None) -> None:
         self.limits, self.registry = limits, CollectorRegistry()
         self.dead: str | None = None
+        self.draining = False  # the core said it drains: new requests get 503
         self.exit_code: int | None = None
         self.on_exit = on_exit
         self._address, self._identity, self._sentinel = address, identity, core_sentinel
@@ -78,7 +79,12 @@ class CoreClient:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the core serves (not dead, not stopped)."""
+        """Whether the core takes requests (not dead, not draining, not stopped)."""
+        return self.dead is None and self.exit_code is None and not self.draining
+
+    @property
+    def _connected(self) -> bool:
+        """Whether the core still answers (draining included)."""
         return self.dead is None and self.exit_code is None
 
     @property
@@ -91,7 +97,9 @@ class CoreClient:
                   on_output: Callable[[StepOutput], None]) -> int:
         """Send a request to the core; returns this server's id for it."""
         if not self.is_alive:
-            raise EngineDeadError(self.dead or "the engine core has stopped")
+            raise EngineDeadError(self.dead or ("the engine core is draining (SIGTERM): send "
+                                                "new requests elsewhere" if self.draining
+                                                else "the engine core has stopped"))
         request_id = next(self._ids)
         self._requests[request_id] = (on_output, params.n)
         self._sent += 1
@@ -100,12 +108,12 @@ class CoreClient:
 
     def abort(self, request_id: int) -> None:
         """Ask the core to stop a request (does not wait)."""
-        if request_id in self._requests and self.is_alive:
+        if request_id in self._requests and self._connected:
             self._socket.send(ipc.encode(ipc.Abort(request_id)))
 
     async def metrics_text(self) -> str:
         """The engine's exposition (from the core) followed by this server's counters."""
-        if not self.is_alive:
+        if not self._connected:
             raise EngineDeadError(self.dead or "the engine core has stopped")
         token = next(self._ids)
         future = self._metrics[token] = asyncio.get_running_loop().create_future()
@@ -120,7 +128,8 @@ class CoreClient:
         while True:
             self._dispatch(ipc.decode_from_core(await self._socket.recv()))
 
-    def _dispatch(self, message: ipc.Outputs | ipc.MetricsText | ipc.Bye) -> None:
+    def _dispatch(self, message: ipc.Outputs | ipc.MetricsText | ipc.Bye | ipc.Draining,
+                  ) -> None:
         if isinstance(message, ipc.Outputs):
             self._waiting, self._sent = message.waiting, 0
             requests = self._requests
@@ -134,6 +143,9 @@ class CoreClient:
             future = self._metrics.get(message.token)
             if future is not None and not future.done():
                 future.set_result(message.text)
+        elif isinstance(message, ipc.Draining):
+            logger.info("the engine core drains: new requests get 503")
+            self.draining = True
         elif self.exit_code is None:  # Bye: the core drained and stops
             logger.info("the engine core stopped cleanly; so does this API server")
             self._finish(0)

@@ -151,7 +151,7 @@ class EngineCore:
         self._ids: dict[tuple[bytes, int], int] = {}  # (API server, its id) -> engine id
         self._pending: dict[bytes, list[tuple[int, StepOutput]]] = {}
         self._fronts: set[bytes] = set()
-        self._draining = False
+        self._draining = self._announced = False
 
     def drain(self, *_: object) -> None:
         """SIGTERM: refuse new requests, finish the running ones, then stop (exit 0)."""
@@ -167,6 +167,10 @@ class EngineCore:
                 if os.getppid() != self._parent:
                     logger.error("the API server is gone; the engine core stops")
                     return 1
+                if self._draining and not self._announced:  # (not from the signal handler)
+                    self._announced = True
+                    for front in self._fronts:
+                        self._socket.send_multipart([front, ipc.encode(ipc.Draining())])
                 if self._draining and not self.engine.has_unfinished_requests:
                     self._flush()
                     for front in self._fronts:

@@ -57,8 +57,13 @@ class Bye(msgspec.Struct, array_like=True, tag=12):
     """The core is stopping cleanly (drained on SIGTERM): the API servers stop too, exit 0."""
 
 
+class Draining(msgspec.Struct, array_like=True, tag=13):
+    """The core got SIGTERM: it finishes what it has and takes nothing new, so an API server
+    answers new requests (and /health) 503, which routers retry elsewhere, not 500."""
+
+
 ToCore = Add | Abort | MetricsQuery | Hello
-FromCore = Outputs | MetricsText | Bye
+FromCore = Outputs | MetricsText | Bye | Draining
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode

@@ -52,7 +52,7 @@ async def models(request: Request) -> dict:
 async def health(request: Request) -> Response:
     loop = service(request).loop
     if not loop.is_alive:
-        return error_response(503, f"engine cannot serve: {loop.dead or 'loop stopped'}",
+        return error_response(503, f"engine cannot serve: {loop.dead or 'draining or stopped'}",
                               type_="server_error")
     return JSONResponse({"status": "ok"})
 

@@ -107,14 +107,28 @@ def test_sigkill_of_the_core_fails_requests_turns_health_503_and_exits_non_zero(
     assert _gone([core])
 
 
+def first_events_done(events: list) -> bool:
+    return any(line == "data: [DONE]" for line in events)
+
+
 @pytest.mark.parametrize("target", ["core", "api server"])
 def test_sigterm_to_either_process_drains_and_both_exit_0(tmp_path, target):
     log = tmp_path / "log"
     with running_server(log=log) as (proc, url):
         core = _core_pid(proc.pid)
-        events, first, thread = _stream_in_background(url, 60)
+        events, first, thread = _stream_in_background(url, 400)
         assert first.wait(60), "no first chunk"
         os.kill(core if target == "core" else proc.pid, signal.SIGTERM)
+        if target == "core":  # draining: new work is a 503 (routers retry it), never a 500
+            deadline = time.monotonic() + 10
+            while (health := httpx.get(f"{url}/health", timeout=10)).status_code == 200:
+                assert time.monotonic() < deadline, "still healthy while draining"
+                time.sleep(0.02)
+            assert health.status_code == 503 and "draining" in health.text
+            late = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                              timeout=30)
+            assert late.status_code == 503 and "draining" in late.text, late.text
+            assert not first_events_done(events), "the stream was still running"
         thread.join(120)
         assert proc.wait(timeout=60) == 0, log.read_text()
     parsed = sse_events(events)
