@@ -71,7 +71,7 @@ class EventPublisher:
         self._numbering = threading.Lock()  # the step thread and the tiers' writer publish
         self._sent: collections.deque[tuple[int, bytes]] = \
             collections.deque(maxlen=config.buffer_steps)
-        self.num_published = self.num_dropped = self.num_replays = 0
+        self.num_published = self.num_dropped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paged-kv-events", daemon=True)
         self._thread.start()
@@ -144,7 +144,6 @@ class EventPublisher:
                 logger.warning("paged_kv events: malformed replay request ignored")
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-            self.num_replays += 1
             for seq, payload in list(self._sent):
                 if seq >= start:
                     self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))

@@ -56,7 +56,6 @@ class EventSubscriber:
         self.next_seq: int | None = None  # the number the next batch should carry
         self._last_stamp = 0.0
         self.counts = collections.Counter()  # batches, gaps, replayed, missed, malformed, resets
-        self.lags: collections.deque[float] = collections.deque(maxlen=4096)  # event -> applied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paged-kv-subscriber",
                                         daemon=True)
@@ -89,14 +88,14 @@ class EventSubscriber:
                            self.endpoint, len(frames))
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
-        if self.next_seq is not None and seq < self.next_seq:
+        if seq < self.next_seq:  # (set before the first receive)
             stamp = _stamp(frames[2])
             if stamp is None or stamp <= self._last_stamp:
                 return  # a batch the replay already applied
             self.counts["resets"] += 1  # numbers went back with a newer batch: a restart
             self._on_reset()
             self.next_seq = 0
-        if self.next_seq is not None and seq > self.next_seq:
+        if seq > self.next_seq:
             self.counts["gaps"] += 1
             self._replay(self.next_seq, seq)
         self._apply(seq, frames[2])
@@ -112,7 +111,6 @@ class EventSubscriber:
         self._on_batch(stamp, events)
         self._last_stamp = max(self._last_stamp, stamp)
         self.counts["batches"] += 1
-        self.lags.append(time.time() - stamp)
 
     def _replay(self, start: int, stop: int | None) -> None:
         """Apply the buffered batches numbered ``start <= seq < stop`` (all from `start`

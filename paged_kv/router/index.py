@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..keys import encode_tokens, hash_block, root_hash, split_blocks
+from ..keys import encode_tokens, hash_chain, root_hash
 
 # a cached block's worth by where it lives: the engine's pool, then the tiers behind it
 # (llm-d weighs gpu 1.0, cpu 0.8); "ROUTED" is the router's own guess, not yet confirmed
@@ -27,14 +27,8 @@ def prompt_keys(token_ids: Sequence[int], block_size: int, salt: str | None) -> 
         The tenant (the replicas' prefix-cache salt); None: no tenants.
     """
     num_blocks = len(token_ids) // block_size
-    if num_blocks == 0:
-        return []
     data = encode_tokens(np.asarray(token_ids[:num_blocks * block_size], dtype=np.int64))
-    keys, key = [], root_hash(salt)
-    for piece in split_blocks(data, num_blocks):
-        key = hash_block(key, piece)
-        keys.append(key)
-    return keys
+    return hash_chain(root_hash(salt), data, num_blocks)[0]
 
 
 class PrefixIndex:

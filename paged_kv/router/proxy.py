@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 
 import httpx
@@ -20,7 +21,7 @@ from ..server.protocol import (
 )
 from .index import prompt_keys
 from .policy import Choice, choose
-from .replicas import Replica, ReplicaSet, event_lag
+from .replicas import Replica, ReplicaSet
 
 logger = logging.getLogger("paged_kv.router")
 
@@ -83,7 +84,7 @@ class Router:
     def on_batch(self, replica: Replica, stamp: float, events: list[list]) -> None:
         """A replica's batch of events: into the index (on a subscriber's thread)."""
         self.replicas.index.apply(replica.url, events)
-        self.lag.observe(event_lag(stamp))
+        self.lag.observe(max(time.time() - stamp, 0.0))
 
     # -- a request ------------------------------------------------------------------------
     def tenant(self, authorization: str) -> str | None:
@@ -107,13 +108,19 @@ class Router:
         except (ValueError, ValidationError, KeyError, TypeError):
             return []
 
-    def pick(self, tokens: list[int], salt: str | None,
-             exclude: set[str]) -> tuple[Replica, Choice, list[bytes]] | None:
-        """The replica for a prompt (None: none can take it), the decision, its keys."""
+    def pick(self, tokens: list[int], salt: str | None, exclude: set[str],
+             keys_by_size: dict[int, list[bytes]] | None = None,
+             ) -> tuple[Replica, Choice, list[bytes]] | None:
+        """The replica for a prompt (None: none can take it), the decision, its keys
+        (hashed once per block size: `keys_by_size` keeps them across a request's retries)."""
         up = [r for r in self.replicas.up() if r.url not in exclude]
         if not up:
             return None
-        keys = prompt_keys(tokens, up[0].block_size, salt)
+        keys_by_size = {} if keys_by_size is None else keys_by_size
+        size = up[0].block_size
+        if size not in keys_by_size:
+            keys_by_size[size] = prompt_keys(tokens, size, salt)
+        keys = keys_by_size[size]
         names = [r.url for r in up]
         index = self.replicas.index
         scores = index.match(keys, names) if self.policy == "cache" else {}
@@ -130,7 +137,8 @@ class Router:
         of its answer reaches the client is marked down and the next one is tried."""
         tokens = self.prompt(path, body)
         tried: set[str] = set()
-        while (picked := self.pick(tokens, tenant, tried)) is not None:
+        keys_by_size: dict[int, list[bytes]] = {}
+        while (picked := self.pick(tokens, tenant, tried, keys_by_size)) is not None:
             replica, choice, keys = picked
             tried.add(replica.url)
             replica.in_flight += 1

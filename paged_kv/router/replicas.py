@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import urllib.parse
 from collections.abc import Callable
 
@@ -149,7 +148,3 @@ class ReplicaSet:
         if subscriber is not None:
             await asyncio.get_running_loop().run_in_executor(None, subscriber.close)
 
-
-def event_lag(stamp: float) -> float:
-    """Seconds from a batch's publication to now."""
-    return max(time.time() - stamp, 0.0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_kv.bench.netdelay import free_port
+from paged_kv.bench.netdelay import free_port, wait_healthy
 
 httpx = pytest.importorskip("httpx")
 
@@ -38,15 +38,10 @@ class Process:
                                             stderr=subprocess.STDOUT)
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"exited with {self.process.returncode}:\n{self.log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.1)
-        pytest.fail(f"not healthy in {START_TIMEOUT_S} s:\n{self.log.read_text()}")
+        try:
+            wait_healthy(self.url, self.process, START_TIMEOUT_S)
+        except RuntimeError as exc:
+            pytest.fail(f"{exc}:\n{self.log.read_text()}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
