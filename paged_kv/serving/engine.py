@@ -235,9 +235,9 @@ class Engine:
                 time.sleep(0.001)
             return []
         step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
-        samples = self._sample(step)
+        samples, finished = self._sample(step), []
         for sample in samples:  # each sample's output streams as soon as it is updated
-            self.scheduler.update_from_output([sample], self.eos_token_ids)
+            finished += self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
         if self.tiers is not None or self.events is not None:
             events = self.cache.allocator.take_events()
@@ -245,8 +245,7 @@ class Engine:
                 self.tiers.after_step(events)
             if self.events is not None:  # the index's changes, for routers
                 self.events.publish(events)
-        self.metrics.observe(self.stats(), len(samples))
-        finished = dict.fromkeys(seq.request for seq in step.sampled if seq.request.is_finished)
+        self.metrics.after_step(self.stats, len(samples))
         return [request.output(request.finish_time) for request in finished
                 if self._requests.pop(request.request_id, None)]
 
@@ -323,7 +322,9 @@ class Engine:
         request = seq.request
         if request.on_output is None:
             return
-        done = all(s.finish_reason for s in request.samples) and (
+        # only a finished sample can finish its request: most steps skip the scan
+        done = seq.finish_reason is not None and all(
+            s.finish_reason for s in request.samples) and (
             len(request.samples) == request.params.n or seq.finish_reason in ("abort", "error"))
         request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
                                      seq.finish_reason,
@@ -385,7 +386,10 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
     if not targets:
         return []
     rows = [row for row, _ in targets]
-    picked = sample_rows(logits[rows], [t.request.params for _, t in targets],
+    drawn = logits  # every row once, in order: the common case needs no copy
+    if len(rows) != len(logits) or rows != list(range(len(rows))):
+        drawn = logits.index_select(0, torch.tensor(rows))
+    picked = sample_rows(drawn, [t.request.params for _, t in targets],
                          [t.generator for _, t in targets])
     return [(seq, token, None if seq.request.params.logprobs is None else
              token_logprobs(logits[row], token, seq.request.params.logprobs))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -10,6 +12,8 @@ if TYPE_CHECKING:
     from ..cache import PagedKVCache
     from ..tiers.manager import TiersStats
     from .outputs import EngineStats
+
+OBSERVE_PERIOD_S = 0.25  # how often steps refresh the metrics (scrapes always do)
 
 # per-tier counters: TierStats field -> (metric name, help)
 TIER_COUNTERS = {
@@ -55,14 +59,26 @@ class EngineMetrics:
         for rank, nbytes in enumerate(pool_bytes_per_rank):
             self.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._seen = (0, 0, 0)
+        self._pending, self._observed_at = 0, 0.0  # tokens not yet counted; last observe
         self._tier_metrics: _TierMetrics | None = None
         # label children resolved once: observe() runs every step
         self._block_gauges = tuple(self.blocks.labels(state=state)
                                    for state in ("live", "cached", "free"))
 
+    def after_step(self, stats: Callable[[], EngineStats], num_generated: int) -> None:
+        """Count a step's tokens; read `stats` and update the rest at most every
+        `OBSERVE_PERIOD_S` (gauges and catch-up counters lose nothing by waiting, and every
+        scrape observes first), not at every step."""
+        self._pending += num_generated
+        now = time.monotonic()
+        if now - self._observed_at >= OBSERVE_PERIOD_S:
+            self.observe(stats(), 0)
+
     def observe(self, stats: EngineStats, num_generated: int) -> None:
-        """Update from one step's `Engine.stats` snapshot: gauges are set, counters advance
-        by what is new."""
+        """Update from an `Engine.stats` snapshot: gauges are set, counters advance by what
+        is new (`num_generated` tokens besides those `after_step` counted)."""
+        self._observed_at = time.monotonic()
+        num_generated, self._pending = num_generated + self._pending, 0
         for gauge, value in zip(self._block_gauges, (stats.num_live_blocks,
                                                      stats.num_cached_blocks,
                                                      stats.num_free_blocks), strict=True):

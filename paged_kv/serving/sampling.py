@@ -6,6 +6,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
@@ -99,31 +100,94 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[int]:
     """Pick one token per row of ``logits [rows, vocab]``, row i as ``params[i]`` says.
 
-    Temperature, top-k and top-p run on all rows at once; only the draw is per row, with the
-    row's own generator, so a row's token does not depend on the rows beside it.
+    Temperature, top-k and top-p run on all rows at once; each drawn row takes one uniform
+    number from its own generator (rows without one share a single draw), so a row's token
+    does not depend on the rows beside it. The draw inverts the row's cumulative
+    distribution: one small call per seeded row instead of a `torch.multinomial` each.
+    Rows with a top-k carry only their k largest candidates past it, in groups of equal k
+    (the same arithmetic whatever else is in the batch).
     """
-    greedy = logits.argmax(-1).tolist()
-    hot = [i for i, p in enumerate(params) if p.temperature != 0]
-    if not hot:
-        return greedy
-    chosen = [params[i] for i in hot]
-    x = logits[hot].float() / torch.tensor([[p.temperature] for p in chosen])
-    top_k = torch.tensor([p.top_k if p.top_k else x.shape[-1] for p in chosen])
-    if (top_k < x.shape[-1]).any():
-        kth = torch.topk(x, int(top_k.max())).values.gather(-1, (top_k - 1)[:, None])
-        x = x.masked_fill(x < kth, float("-inf"))
-    top_p = torch.tensor([[p.top_p] for p in chosen])
-    if (top_p < 1).any():
-        sorted_x, order = x.sort(-1, descending=True)
-        probs = sorted_x.softmax(-1)
-        # drop a token when the ones before it already reach top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
-        drop[:, 0] = False  # the likeliest always stays, even for a top_p float32 rounds to 0
-        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1)
-    for row, i in enumerate(hot):
-        greedy[i] = int(torch.multinomial(probs[row], 1, generator=generators[i]))
-    return greedy
+    picked = greedy_tokens(logits)
+    vocab = logits.shape[-1]
+    groups: dict[int, list[int]] = {}  # top-k (0: the whole vocabulary) -> rows
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            groups.setdefault(p.top_k if 0 < p.top_k < vocab else 0, []).append(i)
+    for top_k, rows in groups.items():
+        for i, token in zip(rows, _sample_group(logits, rows, top_k, params, generators),
+                            strict=True):
+            picked[i] = token
+    return picked
+
+
+def _sample_group(logits: torch.Tensor, rows: list[int], top_k: int,
+                  params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Tokens of `rows`, which share `top_k` (0: none)."""
+    chosen = [params[i] for i in rows]
+    x = logits[rows].float() / torch.tensor([[p.temperature] for p in chosen])
+    ids = None  # each column's vocabulary id, once x holds the top-k candidates only
+    if top_k:
+        x, ids = _candidates(x, top_k)
+    top_p = [p.top_p for p in chosen]
+    if any(p < 1 for p in top_p):
+        x = _keep_top_p(x, torch.tensor(top_p)[:, None], presorted=ids is not None)
+    columns = _draw(x.softmax(-1), [generators[i] for i in rows])
+    if ids is None:
+        return columns
+    return ids.gather(-1, torch.tensor(columns)[:, None]).flatten().tolist()
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The likeliest token of each row of ``logits [rows, vocab]`` (the first on a tie).
+
+    On the CPU numpy's vectorised argmax is 10-30x faster than torch's for these shapes.
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
+def _candidates(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` largest of each row of `x`, largest first, and their columns:
+    ``[rows, count]`` each (on the CPU by numpy's partition, cheaper than `torch.topk`)."""
+    if x.device.type != "cpu":
+        return torch.topk(x, count)
+    values = x.numpy()
+    columns = np.argpartition(-values, count - 1, axis=-1)[:, :count]
+    kept = np.take_along_axis(values, columns, -1)
+    order = np.argsort(-kept, axis=-1, kind="stable")
+    return (torch.from_numpy(np.take_along_axis(kept, order, -1)),
+            torch.from_numpy(np.take_along_axis(columns, order, -1)))
+
+
+def _keep_top_p(x: torch.Tensor, top_p: torch.Tensor, presorted: bool = False) -> torch.Tensor:
+    """`x` with each row's tail beyond its ``top_p [rows, 1]`` probability mass masked
+    (`presorted`: each row of `x` is already in descending order)."""
+    sorted_x, order = (x, None) if presorted else x.sort(-1, descending=True)
+    probs = sorted_x.softmax(-1)
+    # drop a token when the ones before it already reach top_p (the first always stays)
+    drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
+    drop[:, 0] = False  # the likeliest always stays, even for a top_p float32 rounds to 0
+    kept = sorted_x.masked_fill(drop, float("-inf"))
+    return kept if order is None else x.scatter(-1, order, kept)
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of ``probs [rows, vocab]`` by inverting its cumulative sum at a
+    uniform number from the row's generator (float64, so no rounding picks a token of
+    probability 0: the first index whose running sum exceeds u x total has mass)."""
+    uniform = torch.empty(len(generators), 1, dtype=torch.float64)
+    unseeded = [row for row, g in enumerate(generators) if g is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).flatten().tolist()
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:

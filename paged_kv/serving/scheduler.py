@@ -227,11 +227,12 @@ class Scheduler:
             request.prompt_logprobs.append(logprobs)
 
     def update_from_output(self, samples: list[tuple[Sequence, int, dict[int, float] | None]],
-                           eos_token_ids: frozenset[int]) -> None:
+                           eos_token_ids: frozenset[int]) -> list[Request]:
         """Append each sample's new token (and its log-probabilities), then finish the
         samples it stopped: a stop token, the model's EOS (unless ``ignore_eos``), or
-        ``max_tokens``; finished samples' blocks are freed."""
-        now = time.perf_counter()
+        ``max_tokens``; finished samples' blocks are freed. Returns the requests whose
+        last sample this finished."""
+        now, finished = time.perf_counter(), []
         for seq, token, logprobs in samples:
             seq.token_ids.append(token)
             seq.token_times.append(now)
@@ -247,8 +248,12 @@ class Scheduler:
             # the output's length, not sliced out (output_token_ids): this runs every token
             elif len(seq.token_ids) - len(seq.request.prompt_token_ids) >= params.max_tokens:
                 self.finish(seq, "length")
+            else:
+                continue
             if seq.request.is_finished:
                 seq.request.finish_time = now
+                finished.append(seq.request)
+        return finished
 
     def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
         """Fork a request's other samples off its first, right behind it."""
