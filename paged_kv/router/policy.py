@@ -20,7 +20,7 @@ class Choice(NamedTuple):
 
 def choose(policy: str, replicas: Sequence[str], loads: Mapping[str, int],
            scores: Mapping[str, float], turn: itertools.count, *, num_tokens: int = 0,
-           block_size: int = 16, room: Mapping[str, float] | None = None,
+           block_size: int | Mapping[str, int] = 16, room: Mapping[str, float] | None = None,
            load_tokens: float = 512.0, balance_abs: int = 8,
            balance_rel: float = 1.5) -> Choice:
     """Pick one of `replicas` (non-empty, in a fixed order).
@@ -43,8 +43,10 @@ def choose(policy: str, replicas: Sequence[str], loads: Mapping[str, int],
         Each replica's cached prefix of the request, in tier-weighted blocks.
     turn : itertools.count
         The router's turn counter: round robin, and ties broken in rotation.
-    num_tokens, block_size : int
-        The prompt's length and the replicas' block size.
+    num_tokens : int
+        The prompt's length.
+    block_size : int or mapping
+        The replicas' block size, or each replica's.
     room : mapping, optional
         Blocks each replica could take without evicting what its index holds.
     load_tokens : float
@@ -67,7 +69,8 @@ def choose(policy: str, replicas: Sequence[str], loads: Mapping[str, int],
     room = room or {}
 
     def cost(r: str) -> tuple[float, float]:
-        hit = min(scores.get(r, 0.0) * block_size, num_tokens)
+        size = block_size if isinstance(block_size, int) else block_size[r]
+        hit = min(scores.get(r, 0.0) * size, num_tokens)
         return num_tokens - hit + load_tokens * loads.get(r, 0), -room.get(r, 0.0)
 
     pick = min(rotated, key=cost)

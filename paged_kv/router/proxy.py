@@ -6,7 +6,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -112,24 +112,29 @@ class Router:
              keys_by_size: dict[int, list[bytes]] | None = None,
              ) -> tuple[Replica, Choice, list[bytes]] | None:
         """The replica for a prompt (None: none can take it), the decision, its keys
-        (hashed once per block size: `keys_by_size` keeps them across a request's retries)."""
+        (hashed once per block size: `keys_by_size` keeps them across a request's retries;
+        replicas of different block sizes index different keys, so each is matched on its
+        own)."""
         up = [r for r in self.replicas.up() if r.url not in exclude]
         if not up:
             return None
         keys_by_size = {} if keys_by_size is None else keys_by_size
-        size = up[0].block_size
-        if size not in keys_by_size:
-            keys_by_size[size] = prompt_keys(tokens, size, salt)
-        keys = keys_by_size[size]
-        names = [r.url for r in up]
-        index = self.replicas.index
-        scores = index.match(keys, names) if self.policy == "cache" else {}
+        sizes = {r.url: r.block_size for r in up}
+        for size in set(sizes.values()):
+            if size not in keys_by_size:
+                keys_by_size[size] = prompt_keys(tokens, size, salt)
+        index, scores = self.replicas.index, {}
+        if self.policy == "cache":
+            for size in set(sizes.values()):
+                scores.update(index.match(keys_by_size[size],
+                                          [url for url, s in sizes.items() if s == size]))
         room = {r.url: r.capacity - index.count(r.url) for r in up}
-        choice = choose(self.policy, names, {r.url: r.in_flight for r in up}, scores,
-                        self._turn, num_tokens=len(tokens), block_size=up[0].block_size,
+        choice = choose(self.policy, list(sizes), {r.url: r.in_flight for r in up}, scores,
+                        self._turn, num_tokens=len(tokens), block_size=sizes,
                         room=room, load_tokens=self.load_tokens,
                         balance_abs=self.balance[0], balance_rel=self.balance[1])
-        return next(r for r in up if r.url == choice.replica), choice, keys
+        replica = next(r for r in up if r.url == choice.replica)
+        return replica, choice, keys_by_size[replica.block_size]
 
     async def forward(self, path: str, body: bytes, headers: dict[str, str],
                       tenant: str | None) -> Response:
@@ -152,9 +157,9 @@ class Router:
                 replica.in_flight -= 1
                 raise
             self._count(choice, keys, tokens, replica)
-            return StreamingResponse(_relay(first, chunks, self._done(replica, upstream)),
-                                     status_code=upstream.status_code,
-                                     headers=_response_headers(upstream))
+            return _RelayResponse(first, chunks, _Done(replica, upstream),
+                                  status_code=upstream.status_code,
+                                  headers=_response_headers(upstream))
         raise RouterError(503, f"no replica can take the request (tried {len(tried)} of "
                                f"{len(self.replicas.replicas)})")
 
@@ -190,11 +195,6 @@ class Router:
         self.prompt_tokens.inc(len(tokens))
         self.hit_tokens.inc(min(round(choice.hit_blocks) * replica.block_size, len(tokens)))
         self.replicas.index.guess(replica.url, keys)
-
-    async def _done(self, replica: Replica, upstream: httpx.Response) -> None:
-        """The answer is relayed, or its client left: one request fewer in flight."""
-        replica.in_flight -= 1
-        await upstream.aclose()
 
     async def models(self, headers: dict[str, str]) -> Response:
         """``/v1/models`` of the first replica up."""
@@ -239,8 +239,40 @@ class _Retry(Exception):
         self.reason = reason
 
 
+class _Done:
+    """The end of a relayed answer, whichever way it comes (finished, the client gone,
+    or the response never started): once, one request fewer in flight and the upstream
+    closed."""
+
+    def __init__(self, replica: Replica, upstream: httpx.Response) -> None:
+        self.replica, self.upstream, self.done = replica, upstream, False
+
+    async def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.replica.in_flight -= 1
+            await self.upstream.aclose()
+
+
+class _RelayResponse(StreamingResponse):
+    """The replica's answer streamed through. A generator's ``finally`` runs only once it
+    has started, so the end is also run when the response itself ends: a client that
+    leaves before the first byte is sent does not leave a request counted in flight."""
+
+    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], done: _Done,
+                 **kwargs) -> None:
+        super().__init__(_relay(first, chunks, done), **kwargs)
+        self._done = done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._done()
+
+
 async def _relay(first: bytes, chunks: AsyncIterator[bytes],
-                 done: Awaitable[None]) -> AsyncIterator[bytes]:
+                 done: _Done) -> AsyncIterator[bytes]:
     """The answer's bytes; `done` runs however the relay ends (finished, client gone)."""
     try:
         if first:
@@ -248,7 +280,7 @@ async def _relay(first: bytes, chunks: AsyncIterator[bytes],
         async for chunk in chunks:
             yield chunk
     finally:
-        await done
+        await done()
 
 
 def _response_headers(upstream: httpx.Response) -> dict[str, str]:

@@ -87,7 +87,8 @@ class ModelRunner:
             raise
         prompt_logprobs = [(request, token_logprobs(row, target, request.params.prompt_logprobs))
                            for (request, _, target), row
-                           in zip(prompt_rows, logits[len(sampled):], strict=True)]
+                           in zip(prompt_rows, logits[len(sampled):], strict=True)
+                           ] if prompt_rows else []  # iterating a tensor costs, even empty
         return ModelStep(logits[:len(sampled)], sampled, prompt_logprobs)
 
     def _call(self, tokens: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
