@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from paged_kv.bench import netdelay
 from paged_kv.bench.netdelay import free_port
 
 from ..conftest import ROOT
@@ -47,18 +48,10 @@ class Server:
 
     def wait_healthy(self) -> None:
         """Wait (bounded) until /health answers 200; fail with the log if it exits first."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"server exited with {self.process.returncode}:\n"
-                            f"{self.log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy in {START_TIMEOUT_S} s:\n"
-                            f"{self.log.read_text()}")
-            time.sleep(0.1)
+        try:
+            netdelay.wait_healthy(self.url, self.process, START_TIMEOUT_S)
+        except RuntimeError as exc:
+            pytest.fail(f"{exc}:\n{self.log.read_text()}")
 
     def stop(self) -> int:
         """SIGTERM, then wait (bounded) for a clean exit; its exit code."""
