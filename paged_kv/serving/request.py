@@ -85,9 +85,11 @@ class Sequence:
     fetch: Any = None  # its prompt's blocks being fetched from the tiers (a tiers.Fetch)
     tiered: bool = False  # the tiers were asked for its prompt since it last waited
 
-    @property
-    def seq_id(self) -> tuple[int, int]:
-        return (self.request.request_id, self.index)
+    seq_id: tuple[int, int] = dataclasses.field(init=False)  # the cache's name for it
+
+    def __post_init__(self) -> None:
+        # read several times a step for every running sample: built once
+        self.seq_id = (self.request.request_id, self.index)
 
     @property
     def output_token_ids(self) -> list[int]:
