@@ -2,8 +2,9 @@
 
     python benchmarks/engine_overhead.py [--repeats 4]
 
-Times every `Engine.step` and every model forward of `run_demo` (one torch thread, so
-the split is not muddied by thread scheduling) and prints the best of the repeats.
+Times every `Engine.step`, every model forward of `run_demo` (one torch thread, so the
+split is not muddied by thread scheduling) and the step's parts outside the forward
+(schedule, the cache's prepare, sampling, the rest), and prints the best of the repeats.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import time
 
 import torch
 
+from paged_kv.serving import engine as engine_module
 from paged_kv.serving.demo import run_demo
 from paged_kv.serving.engine import Engine
 from paged_kv.serving.model import TinyLlama
+from paged_kv.serving.scheduler import Scheduler
+
+PARTS = ("schedule", "prepare", "sample")
 
 
 def main() -> None:
@@ -23,28 +28,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    spent = {"step": 0.0, "forward": 0.0}
+    spent = dict.fromkeys(("step", "forward", *PARTS), 0.0)
 
-    def timed(function, key):
+    def timed(owner, name, key):
+        function = getattr(owner, name)
+
         def wrapper(*a, **k):
             start = time.perf_counter()
             try:
                 return function(*a, **k)
             finally:
                 spent[key] += time.perf_counter() - start
-        return wrapper
+        setattr(owner, name, wrapper)
 
-    TinyLlama.forward = timed(TinyLlama.forward, "forward")
-    Engine.step = timed(Engine.step, "step")
+    timed(TinyLlama, "forward", "forward")
+    timed(Engine, "step", "step")
+    timed(Scheduler, "schedule", "schedule")
+    timed(Scheduler, "prepare", "prepare")
+    timed(engine_module, "_draw_rows", "sample")
     best = None
     for _ in range(args.repeats):
-        spent.update(step=0.0, forward=0.0)
+        spent.update(dict.fromkeys(spent, 0.0))
         run_demo(progress=False)
         outside = spent["step"] - spent["forward"]
-        best = outside if best is None else min(best, outside)
-        print(f"steps {spent['step']:.2f} s, forward {spent['forward']:.2f} s, "
-              f"outside the forward {1e3 * outside:.0f} ms")
-    print(f"best: {1e3 * best:.0f} ms outside the forward")
+        parts = {key: spent[key] for key in PARTS}
+        parts["rest"] = outside - sum(parts.values())
+        print(f"steps {spent['step']:.2f} s, forward {spent['forward']:.2f} s, outside the "
+              f"forward {1e3 * outside:.0f} ms ({100 * outside / spent['step']:.1f}% of the "
+              f"steps): " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in parts.items()))
+        if best is None or outside < best[0]:
+            best = outside, spent["step"]
+    print(f"best: {1e3 * best[0]:.0f} ms outside the forward, "
+          f"{100 * best[0] / best[1]:.1f}% of the steps' time")
 
 
 if __name__ == "__main__":
