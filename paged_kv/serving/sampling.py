@@ -123,19 +123,90 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
 def _sample_group(logits: torch.Tensor, rows: list[int], top_k: int,
                   params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None]) -> list[int]:
-    """Tokens of `rows`, which share `top_k` (0: none)."""
+    """Tokens of `rows`, which share `top_k` (0: none). On the CPU in numpy: a torch op
+    costs several times a numpy call on these small arrays (sort: 20x)."""
     chosen = [params[i] for i in rows]
-    x = logits[rows].float() / torch.tensor([[p.temperature] for p in chosen])
-    ids = None  # each column's vocabulary id, once x holds the top-k candidates only
-    if top_k:
-        x, ids = _candidates(x, top_k)
+    temperature = [p.temperature for p in chosen]
     top_p = [p.top_p for p in chosen]
+    uniform = _uniforms([generators[i] for i in rows])
+    if _on_host(logits):
+        x = logits[rows].float().numpy()
+        return _sample_numpy(x, temperature, top_k, top_p, uniform)
+    return _sample_torch(logits[rows].float(), temperature, top_k, top_p, uniform)
+
+
+def _on_host(logits: torch.Tensor) -> bool:
+    """Whether `logits` are sampled in numpy (CPU tensors; tests patch it to run the
+    torch path on the CPU)."""
+    return logits.device.type == "cpu"
+
+
+def _uniforms(generators: Sequence[torch.Generator | None]) -> np.ndarray:
+    """``[rows]`` float64 in [0, 1): one from each row's generator, torch's global one for
+    rows without."""
+    uniform = np.empty(len(generators))
+    unseeded = [row for row, g in enumerate(generators) if g is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64).numpy()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator).item()
+    return uniform
+
+
+def _sample_numpy(x: np.ndarray, temperature: list[float], top_k: int, top_p: list[float],
+                  uniform: np.ndarray) -> list[int]:
+    """The draw of ``x [rows, vocab]`` float32 logits, all in numpy."""
+    ids = None  # each column's vocabulary id, once x holds candidates only or is reordered
+    if top_k:  # the k largest, in the (row-wise deterministic) order partition leaves them
+        ids = np.argpartition(x, -top_k, axis=-1)[:, -top_k:]
+        x = np.take_along_axis(x, ids, -1)  # (a temperature > 0 keeps the order: after)
+    x = x / np.asarray(temperature, dtype=np.float32)[:, None]
     if any(p < 1 for p in top_p):
-        x = _keep_top_p(x, torch.tensor(top_p)[:, None], presorted=ids is not None)
-    columns = _draw(x.softmax(-1), [generators[i] for i in rows])
-    if ids is None:
-        return columns
-    return ids.gather(-1, torch.tensor(columns)[:, None]).flatten().tolist()
+        order = np.argsort(-x, axis=-1, kind="stable")
+        x = np.take_along_axis(x, order, -1)
+        ids = order if ids is None else np.take_along_axis(ids, order, -1)
+        weights = np.exp(x - x[:, :1], dtype=np.float64)
+        probs = weights / weights.sum(-1, keepdims=True)
+        # drop a token when the ones before it already reach top_p (the first always stays)
+        drop = probs.cumsum(-1) - probs >= np.asarray(top_p)[:, None]
+        drop[:, 0] = False
+        x = np.where(drop, -np.inf, x)
+    columns = _invert(np.exp(x - x.max(-1, keepdims=True), dtype=np.float64), uniform)
+    if ids is not None:
+        columns = np.take_along_axis(ids, columns[:, None], -1)[:, 0]
+    return columns.tolist()
+
+
+def _invert(weights: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """Per row of ``weights [rows, n]`` (float64, >= 0, some > 0): the first column whose
+    running sum exceeds ``uniform x total``. Never one of weight 0: the running sum does not
+    grow there, and the target stays below the total."""
+    cdf = np.cumsum(weights, axis=-1)
+    total = cdf[:, -1]
+    target = np.minimum(uniform * total, np.nextafter(total, 0))
+    return (cdf <= target[:, None]).sum(-1)
+
+
+def _sample_torch(x: torch.Tensor, temperature: list[float], top_k: int, top_p: list[float],
+                  uniform: np.ndarray) -> list[int]:
+    """The same draw in torch, where the logits live on an accelerator."""
+    x = x / torch.tensor(temperature, device=x.device)[:, None]
+    ids = None
+    if top_k:
+        x, ids = torch.topk(x, top_k)
+    if any(p < 1 for p in top_p):
+        if ids is None:
+            x, ids = x.sort(dim=-1, descending=True, stable=True)
+        probs = x.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= torch.tensor(top_p, device=x.device)[:, None]
+        drop[:, 0] = False
+        x = x.masked_fill(drop, float("-inf"))
+    weights = (x - x.max(-1, keepdim=True).values).double().exp().cpu().numpy()
+    columns = torch.from_numpy(_invert(weights, uniform)).to(x.device)
+    if ids is not None:
+        columns = ids.gather(-1, columns[:, None])[:, 0]
+    return columns.tolist()
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -143,51 +214,9 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
     On the CPU numpy's vectorised argmax is 10-30x faster than torch's for these shapes.
     """
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+    if _on_host(logits) and logits.dtype in (torch.float32, torch.float64):
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
-
-
-def _candidates(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `count` largest of each row of `x`, largest first, and their columns:
-    ``[rows, count]`` each (on the CPU by numpy's partition, cheaper than `torch.topk`)."""
-    if x.device.type != "cpu":
-        return torch.topk(x, count)
-    values = x.numpy()
-    columns = np.argpartition(-values, count - 1, axis=-1)[:, :count]
-    kept = np.take_along_axis(values, columns, -1)
-    order = np.argsort(-kept, axis=-1, kind="stable")
-    return (torch.from_numpy(np.take_along_axis(kept, order, -1)),
-            torch.from_numpy(np.take_along_axis(columns, order, -1)))
-
-
-def _keep_top_p(x: torch.Tensor, top_p: torch.Tensor, presorted: bool = False) -> torch.Tensor:
-    """`x` with each row's tail beyond its ``top_p [rows, 1]`` probability mass masked
-    (`presorted`: each row of `x` is already in descending order)."""
-    sorted_x, order = (x, None) if presorted else x.sort(-1, descending=True)
-    probs = sorted_x.softmax(-1)
-    # drop a token when the ones before it already reach top_p (the first always stays)
-    drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
-    drop[:, 0] = False  # the likeliest always stays, even for a top_p float32 rounds to 0
-    kept = sorted_x.masked_fill(drop, float("-inf"))
-    return kept if order is None else x.scatter(-1, order, kept)
-
-
-def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``probs [rows, vocab]`` by inverting its cumulative sum at a
-    uniform number from the row's generator (float64, so no rounding picks a token of
-    probability 0: the first index whose running sum exceeds u x total has mass)."""
-    uniform = torch.empty(len(generators), 1, dtype=torch.float64)
-    unseeded = [row for row, g in enumerate(generators) if g is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator)
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).flatten().tolist()
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:

@@ -8,7 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_kv.serving import sampling
 from paged_kv.serving.sampling import SamplingParams, greedy_tokens, sample_rows
+
+
+@pytest.fixture(params=["numpy", "torch"], autouse=True)
+def path(request, monkeypatch):
+    """Every test on both paths: numpy (CPU logits) and torch (accelerators' logits, run
+    here on the CPU)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampling, "_on_host", lambda logits: False)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
