@@ -61,7 +61,7 @@ class EngineMetrics:
         self._seen = (0, 0, 0)
         self._pending, self._observed_at = 0, 0.0  # tokens not yet counted; last observe
         self._tier_metrics: _TierMetrics | None = None
-        # label children resolved once: observe() runs every step
+        # label children resolved once: observe() runs several times a second
         self._block_gauges = tuple(self.blocks.labels(state=state)
                                    for state in ("live", "cached", "free"))
 
