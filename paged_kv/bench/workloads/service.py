@@ -83,32 +83,38 @@ def in_process(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
     return _summary(start, arrivals, times)
 
 
-class _SSEStream(asyncio.Protocol):
-    """One streamed POST on a connection of its own: a plain HTTP/1.1 client (chunked
-    transfer decoding, one line split per event) that stamps every ``data: {`` event with the
-    time its bytes arrived. httpx cost about 0.2 ms of CPU per token here, and on 2 cores that
-    CPU is taken from the server being measured."""
+class _SSEConnection(asyncio.Protocol):
+    """A kept-alive connection streaming one POST at a time: a plain HTTP/1.1 client
+    (chunked transfer decoding, a line split per event) that stamps every ``data: {`` event
+    with the time its bytes arrived. httpx cost about 0.2 ms of CPU per token here, and on
+    2 cores that CPU is taken from the server being measured."""
 
-    def __init__(self, request: bytes, times: list[float]) -> None:
-        self.request, self.times = request, times
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._raw = b""  # received, not yet de-chunked
-        self._body = b""  # de-chunked, not yet split into lines
-        self._head = False  # the status line and headers are read
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = 0.0
+        self._done: asyncio.Future[bool] | None = None  # True: the server keeps it open
+        self._times: list[float] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.request)
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, request: bytes, times: list[float]) -> asyncio.Future[bool]:
+        """Send `request`; the future resolves once its response has ended."""
+        self._done = asyncio.get_running_loop().create_future()
+        self._times, self._raw, self._body, self._head = times, b"", b"", None
+        self.transport.write(request)
+        return self._done
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
         self._raw += data
-        if not self._head:
+        if self._head is None:
             end = self._raw.find(b"\r\n\r\n")
             if end < 0:
                 return
-            head, self._raw, self._head = self._raw[:end], self._raw[end + 4:], True
-            if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
-                self._finish(RuntimeError(f"unexpected response: {head[:200]!r}"))
+            self._head, self._raw = self._raw[:end].lower(), self._raw[end + 4:]
+            if not self._head.startswith(b"http/1.1 200") or b"chunked" not in self._head:
+                self._finish(RuntimeError(f"unexpected response: {self._head[:200]!r}"))
                 return
         while (eol := self._raw.find(b"\r\n")) >= 0:
             size = int(self._raw[:eol], 16)
@@ -117,36 +123,73 @@ class _SSEStream(asyncio.Protocol):
             self._body += self._raw[eol + 2:eol + 2 + size]
             self._raw = self._raw[eol + size + 4:]
             if size == 0:
-                self._finish(None)
+                self._finish(b"connection: close" not in self._head)
         lines = self._body.split(b"\n")
         self._body = lines.pop()
-        self.times.extend(now for line in lines if line.startswith(b"data: {"))
+        self._times.extend(now for line in lines if line.startswith(b"data: {"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
         self._finish(ConnectionError(f"connection closed mid-response: {exc}"))
 
-    def _finish(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.done.set_result(None) if exc is None else self.done.set_exception(exc)
+    def _finish(self, result: bool | Exception) -> None:
+        if self._done is not None and not self._done.done():
+            if isinstance(result, Exception):
+                self._done.set_exception(result)
+            else:
+                self._done.set_result(result)
+
+
+class _Pool:
+    """Kept-alive connections to 127.0.0.1:`port`, as an HTTP client pools them; one idle
+    longer than `max_idle_s` is closed (uvicorn drops them after 5 s, maybe mid-send)."""
+
+    def __init__(self, port: int, max_idle_s: float = 2.0) -> None:
+        self.port, self.max_idle_s = port, max_idle_s
+        self._idle: list[_SSEConnection] = []
+
+    async def stream(self, request: bytes, times: list[float]) -> None:
+        """Stream one request's response, stamping its events into `times`."""
+        connection = self._take()
+        if connection is None:
+            _, connection = await asyncio.get_running_loop().create_connection(
+                _SSEConnection, "127.0.0.1", self.port)
+        keep = await connection.send(request, times)
+        if keep and connection.transport is not None:
+            connection.idle_since = time.monotonic()
+            self._idle.append(connection)
+        elif connection.transport is not None:
+            connection.transport.close()
+
+    def _take(self) -> _SSEConnection | None:
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.transport is not None and (
+                    time.monotonic() - connection.idle_since < self.max_idle_s):
+                return connection
+            if connection.transport is not None:
+                connection.transport.close()
+        return None
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.transport is not None:
+                connection.transport.close()
 
 
 def _post(port: int, path: str, body: dict) -> bytes:
-    """An HTTP/1.1 request for `body` as JSON; the server closes the connection after it."""
+    """An HTTP/1.1 request for `body` as JSON."""
     payload = json.dumps(body).encode()
     return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(payload)}\r\nConnection: close"
-            f"\r\n\r\n").encode() + payload
+            f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
 
 
-async def _stream_one(port: int, request: bytes, due: asyncio.Future,
+async def _stream_one(pool: _Pool, request: bytes, due: asyncio.Future,
                       times: list[float]) -> None:
     await due
-    transport, stream = await asyncio.get_running_loop().create_connection(
-        lambda: _SSEStream(request, times), "127.0.0.1", port)
-    try:
-        await stream.done
-    finally:
-        transport.close()
+    await pool.stream(request, times)
 
 
 def _release(loop: asyncio.AbstractEventLoop, due: list[asyncio.Future], start: float,
@@ -169,23 +212,24 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 def over_http(port: int, prompts: list[list[int]], arrivals: list[float]) -> dict:
     """The same requests, streamed from the server on 127.0.0.1:`port` with open-loop
-    arrivals."""
+    arrivals (over connections kept alive within the call, as an HTTP client's pool)."""
     times: list[list[float]] = [[] for _ in prompts]
     requests = [_post(port, "/v1/completions", {
         "prompt": p, "max_tokens": OUTPUT_LEN, "temperature": 0, "stream": True,
         "ignore_eos": True}) for p in prompts]
 
     async def run() -> float:
-        loop = asyncio.get_running_loop()
+        loop, pool = asyncio.get_running_loop(), _Pool(port)
         due = [loop.create_future() for _ in requests]
         start = time.perf_counter()
         clock = threading.Thread(target=_release, args=(loop, due, start, arrivals))
         clock.start()
         try:
-            await asyncio.gather(*(_stream_one(port, r, d, t)
+            await asyncio.gather(*(_stream_one(pool, r, d, t)
                                    for r, d, t in zip(requests, due, times, strict=True)))
         finally:
             clock.join()
+            pool.close()
         return start
 
     loop = _new_loop()
