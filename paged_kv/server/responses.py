@@ -90,6 +90,7 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, floa
 
 
 _HOLE = "\x00delta\x00"  # where a chunk template takes its text (no real text is this)
+_DONE = "data: [DONE]\n\n"
 
 
 def _chunk_encoder(head: dict, kind: str) -> Callable[[int, str, str | None, dict], str]:
@@ -139,6 +140,7 @@ async def stream_events(job: Job, model_name: str, observe: Callable[[Generation
                 role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
                         "finish_reason": None}
                 yield f"data: {json.dumps({**head, 'choices': [role]})}\n\n"
+        tail = ""  # the request's last chunk leaves with the end of the stream: one write
         async for choice, delta, _ in generation.updates():
             if choice.finish_reason == "error":
                 break
@@ -147,12 +149,17 @@ async def stream_events(job: Job, model_name: str, observe: Callable[[Generation
                 extra = {"prompt_token_ids": generation.prompt_token_ids,
                          "token_ids": choice.token_ids}
             # one chunk per token, text or not, so clients can time every token
-            yield chunk(choice.index, delta, choice.finish_reason, extra)
+            event = chunk(choice.index, delta, choice.finish_reason, extra)
+            if generation.output is None:
+                yield event
+            else:
+                tail += event
         observe(generation)
         if generation.failed:
-            yield f"data: {json.dumps(error_body(generation))}\n\n"
+            tail += f"data: {json.dumps(error_body(generation))}\n\n"
         elif body.stream_options and body.stream_options.get("include_usage"):
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': generation.usage()})}\n\n"
-        yield "data: [DONE]\n\n"
+            tail += f"data: {json.dumps({**head, 'choices': [], 'usage': generation.usage()})}\n\n"
+        yield tail + _DONE
     finally:
         generation.abort()  # the client left mid-stream: free the request's blocks
+
