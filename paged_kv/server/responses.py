@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
+
+from starlette.responses import StreamingResponse
 
 from .generation import Generation
 
@@ -163,3 +166,44 @@ async def stream_events(job: Job, model_name: str, observe: Callable[[Generation
     finally:
         generation.abort()  # the client left mid-stream: free the request's blocks
 
+
+class EventStream(StreamingResponse):
+    """``text/event-stream`` of `stream_events`, as `StreamingResponse` sends it but for
+    less per request: no task group (one watcher task cancels this one if the client
+    leaves, freeing the request as before), and the event ending in ``data: [DONE]`` goes
+    out with the end of the body, in one write rather than two."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._ended = False  # the last body message is sent: a disconnect now is no news
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        watcher = asyncio.ensure_future(self._watch(receive, task))
+        try:
+            await self._stream(send)
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # not the client leaving: someone else's cancel
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+            if uncancel is not None:
+                uncancel()
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive, task: asyncio.Task) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._ended:
+            task.cancel()
+
+    async def _stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for event in self.body_iterator:
+            self._ended = event.endswith(_DONE)
+            await send({"type": "http.response.body", "body": event.encode(),
+                        "more_body": not self._ended})
+        if not self._ended:
+            self._ended = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

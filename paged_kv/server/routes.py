@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from .protocol import ChatCompletionRequest, CompletionRequest, error_response
-from .responses import error_body, final_body, stream_events
+from .responses import EventStream, error_body, final_body, stream_events
 from .service import Job, OpenAIService
 
 router = APIRouter()
@@ -111,8 +111,7 @@ async def _answer(svc: OpenAIService, job: Job, request: Request) -> Response:
     the engine failed the request)."""
     model = svc.model_name
     if job.body.stream:
-        return StreamingResponse(stream_events(job, model, svc.observe),
-                                 media_type="text/event-stream")
+        return EventStream(stream_events(job, model, svc.observe))
     if not await _until_done_or_gone(job, request):
         return Response(status_code=499)  # nobody is listening any more
     svc.observe(job.generation)
