@@ -32,7 +32,7 @@ RATE_FRACTIONS = (0.25, 0.5, None)  # of the in-process saturated request rate; 
 OUTPUT_LEN = 32
 DESCRIPTION = (
     "paged-kv serve (embedded TinyLlama(), default engine flags) on 127.0.0.1, driven by a "
-    "load generator in this process (plain HTTP/1.1 on uvloop, one connection per request): "
+    "load generator in this process (plain HTTP/1.1 on uvloop, connections kept alive): "
     "{num_requests} requests with token-id prompts of 16-128 tokens, {output_len} greedy "
     "tokens each (ignore_eos), streamed; open-loop Poisson arrivals at {rates} requests/s "
     "and all at once. Baseline: the same requests with the same arrival times through Engine "
@@ -94,6 +94,8 @@ class _SSEConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self._done: asyncio.Future[bool] | None = None  # True: the server keeps it open
         self._times: list[float] = []
+        self._raw = self._body = b""  # received, not de-chunked / de-chunked, not split
+        self._head: bytes | None = None  # the response's status line and headers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -108,7 +110,7 @@ class _SSEConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
         self._raw += data
-        if self._head is None:
+        if self._head is None:  # lower-cased once complete
             end = self._raw.find(b"\r\n\r\n")
             if end < 0:
                 return
