@@ -12,7 +12,7 @@ from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .protocol import error_response
-from .routes import router
+from .routes import chat, completions, router
 from .seam import EngineClient
 from .service import ApiError, OpenAIService
 
@@ -33,7 +33,8 @@ def create_app(loop: EngineClient, tokenizer, *, model_name: str,
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(_Authenticate, service=service)  # inner: runs after counting
+    app.add_middleware(_Generate)  # innermost: after auth, before FastAPI's routing
+    app.add_middleware(_Authenticate, service=service)  # runs after counting
     app.add_middleware(_CountRequests, counter=service.requests)
     app.include_router(router)
     return app
@@ -57,6 +58,31 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), type_="not_found_error"
                           if exc.status_code == 404 else "invalid_request_error")
+
+
+class _Generate:
+    """``POST /v1/completions`` and ``/v1/chat/completions`` straight to their route
+    functions, answering their errors with the app's handlers: FastAPI's exception, exit
+    stack, routing and dependency layers, passed on every request and (the exception layer)
+    on every token's send, are most of the API server's time before a request reaches the
+    engine core. Anything else, and these paths with other methods, goes to FastAPI."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.routes = {"/v1/completions": completions, "/v1/chat/completions": chat}
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        request = Request(scope, receive)
+        try:
+            response = await route(request)
+        except ApiError as exc:
+            response = await _api_error(request, exc)
+        except RequestValidationError as exc:
+            response = await _invalid(request, exc)
+        await response(scope, receive, send)
 
 
 class _Authenticate:

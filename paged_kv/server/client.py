@@ -49,6 +49,7 @@ class CoreClient:
         self.on_exit = on_exit
         self._address, self._identity, self._sentinel = address, identity, core_sentinel
         self._requests: dict[int, tuple[Callable[[StepOutput], None], int]] = {}
+        self._fresh: set[int] = set()  # requests still waiting for their first output
         self._metrics: dict[int, asyncio.Future[str]] = {}
         self._ids = itertools.count()
         self._waiting = self._sent = 0
@@ -102,6 +103,7 @@ class CoreClient:
                                                 else "the engine core has stopped"))
         request_id = next(self._ids)
         self._requests[request_id] = (on_output, params.n)
+        self._fresh.add(request_id)
         self._sent += 1
         await self._socket.send(ipc.encode(ipc.Add(request_id, prompt_token_ids, params, salt)))
         return request_id
@@ -133,7 +135,7 @@ class CoreClient:
         if isinstance(message, ipc.Outputs):
             self._waiting, self._sent = message.waiting, 0
             requests = self._requests
-            for request_id, out in message.outputs:
+            for request_id, out in self._first_tokens_first(message.outputs):
                 entry = requests.get(request_id)
                 if entry is not None:
                     entry[0](out)
@@ -150,6 +152,22 @@ class CoreClient:
             logger.info("the engine core stopped cleanly; so does this API server")
             self._finish(0)
 
+    def _first_tokens_first(self, outputs: list[tuple[int, StepOutput]],
+                            ) -> list[tuple[int, StepOutput]]:
+        """`outputs` with those of requests that had none before moved to the front (each
+        request's own order kept): every callback wakes a stream that writes its chunk, so
+        the first token, which a client waits on with nothing to read, goes out before the
+        step's other tokens instead of behind them."""
+        fresh = self._fresh
+        if not fresh:
+            return outputs
+        first = [pair for pair in outputs if pair[0] in fresh]
+        if not first:
+            return outputs
+        fresh.difference_update(request_id for request_id, _ in first)
+        started = {request_id for request_id, _ in first}
+        return first + [pair for pair in outputs if pair[0] not in started]
+
     def _core_gone(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._sentinel)
@@ -161,6 +179,7 @@ class CoreClient:
         self.dead = "the engine core process died"
         logger.error("%s; failing %d requests, then exiting", self.dead, len(self._requests))
         requests, self._requests = self._requests, {}
+        self._fresh.clear()
         for request_id, (on_output, n) in requests.items():
             for out in ipc.failed_outputs(request_id, n, self.dead):
                 on_output(out)

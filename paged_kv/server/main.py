@@ -78,7 +78,8 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
     client = CoreClient(core.address, b"api-%d" % index, core.limits, core.sentinel)
     app = create_app(client, tokenizer, model_name=name, api_keys=args.api_keys_map,
                      max_waiting=args.max_waiting)
-    server = _Server(uvicorn.Config(app, log_level="warning",
+    # access_log off: warning level prints none, but uvicorn would still consult the logger
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=args.drain_timeout))
     client.on_exit = lambda code: setattr(server, "should_exit", True)
     try:
