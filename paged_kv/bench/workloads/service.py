@@ -30,9 +30,10 @@ from ..trace import PromptSpec, UniformLengths, make_prompts
 
 RATE_FRACTIONS = (0.25, 0.5, None)  # of the in-process saturated request rate; None = at once
 OUTPUT_LEN = 32
+_JSON = {"Content-Type": "application/json"}
 DESCRIPTION = (
     "paged-kv serve (embedded TinyLlama(), default engine flags) on 127.0.0.1, driven by a "
-    "load generator in this process (plain HTTP/1.1 on uvloop, connections kept alive): "
+    "load generator in this process (aiohttp on uvloop, connections kept alive): "
     "{num_requests} requests with token-id prompts of 16-128 tokens, {output_len} greedy "
     "tokens each (ignore_eos), streamed; open-loop Poisson arrivals at {rates} requests/s "
     "and all at once. Baseline: the same requests with the same arrival times through Engine "
@@ -83,115 +84,15 @@ def in_process(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
     return _summary(start, arrivals, times)
 
 
-class _SSEConnection(asyncio.Protocol):
-    """A kept-alive connection streaming one POST at a time: a plain HTTP/1.1 client
-    (chunked transfer decoding, a line split per event) that stamps every ``data: {`` event
-    with the time its bytes arrived. httpx cost about 0.2 ms of CPU per token here, and on
-    2 cores that CPU is taken from the server being measured."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.idle_since = 0.0
-        self._done: asyncio.Future[bool] | None = None  # True: the server keeps it open
-        self._times: list[float] = []
-        self._raw = self._body = b""  # received, not de-chunked / de-chunked, not split
-        self._head: bytes | None = None  # the response's status line and headers
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def send(self, request: bytes, times: list[float]) -> asyncio.Future[bool]:
-        """Send `request`; the future resolves once its response has ended."""
-        self._done = asyncio.get_running_loop().create_future()
-        self._times, self._raw, self._body, self._head = times, b"", b"", None
-        self.transport.write(request)
-        return self._done
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        self._raw += data
-        if self._head is None:  # lower-cased once complete
-            end = self._raw.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            self._head, self._raw = self._raw[:end].lower(), self._raw[end + 4:]
-            if not self._head.startswith(b"http/1.1 200") or b"chunked" not in self._head:
-                self._finish(RuntimeError(f"unexpected response: {self._head[:200]!r}"))
-                return
-        while (eol := self._raw.find(b"\r\n")) >= 0:
-            size = int(self._raw[:eol], 16)
-            if len(self._raw) < eol + size + 4:
-                break  # the chunk is not all here yet
-            self._body += self._raw[eol + 2:eol + 2 + size]
-            self._raw = self._raw[eol + size + 4:]
-            if size == 0:
-                self._finish(b"connection: close" not in self._head)
-        lines = self._body.split(b"\n")
-        self._body = lines.pop()
-        self._times.extend(now for line in lines if line.startswith(b"data: {"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self._finish(ConnectionError(f"connection closed mid-response: {exc}"))
-
-    def _finish(self, result: bool | Exception) -> None:
-        if self._done is not None and not self._done.done():
-            if isinstance(result, Exception):
-                self._done.set_exception(result)
-            else:
-                self._done.set_result(result)
-
-
-class _Pool:
-    """Kept-alive connections to 127.0.0.1:`port`, as an HTTP client pools them; one idle
-    longer than `max_idle_s` is closed (uvicorn drops them after 5 s, maybe mid-send)."""
-
-    def __init__(self, port: int, max_idle_s: float = 2.0) -> None:
-        self.port, self.max_idle_s = port, max_idle_s
-        self._idle: list[_SSEConnection] = []
-
-    async def stream(self, request: bytes, times: list[float]) -> None:
-        """Stream one request's response, stamping its events into `times`."""
-        connection = self._take()
-        if connection is None:
-            _, connection = await asyncio.get_running_loop().create_connection(
-                _SSEConnection, "127.0.0.1", self.port)
-        keep = await connection.send(request, times)
-        if keep and connection.transport is not None:
-            connection.idle_since = time.monotonic()
-            self._idle.append(connection)
-        elif connection.transport is not None:
-            connection.transport.close()
-
-    def _take(self) -> _SSEConnection | None:
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.transport is not None and (
-                    time.monotonic() - connection.idle_since < self.max_idle_s):
-                return connection
-            if connection.transport is not None:
-                connection.transport.close()
-        return None
-
-    def close(self) -> None:
-        """Close the idle connections."""
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.transport is not None:
-                connection.transport.close()
-
-
-def _post(port: int, path: str, body: dict) -> bytes:
-    """An HTTP/1.1 request for `body` as JSON."""
-    payload = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
-
-
-async def _stream_one(pool: _Pool, request: bytes, due: asyncio.Future,
+async def _stream_one(session, url: str, body: bytes, due: asyncio.Future,
                       times: list[float]) -> None:
+    """POST `body` (JSON) once it is due and stamp each SSE event as it is read."""
     await due
-    await pool.stream(request, times)
+    async with session.post(url, data=body, headers=_JSON) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
 
 
 def _release(loop: asyncio.AbstractEventLoop, due: list[asyncio.Future], start: float,
@@ -214,24 +115,29 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 def over_http(port: int, prompts: list[list[int]], arrivals: list[float]) -> dict:
     """The same requests, streamed from the server on 127.0.0.1:`port` with open-loop
-    arrivals (over connections kept alive within the call, as an HTTP client's pool)."""
+    arrivals (aiohttp: its C parser costs about a quarter of httpx's client CPU per token,
+    CPU the two cores would otherwise take from the server being measured)."""
+    import aiohttp
+
     times: list[list[float]] = [[] for _ in prompts]
-    requests = [_post(port, "/v1/completions", {
-        "prompt": p, "max_tokens": OUTPUT_LEN, "temperature": 0, "stream": True,
-        "ignore_eos": True}) for p in prompts]
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    bodies = [json.dumps({"prompt": p, "max_tokens": OUTPUT_LEN, "temperature": 0,
+                          "stream": True, "ignore_eos": True}).encode() for p in prompts]
 
     async def run() -> float:
-        loop, pool = asyncio.get_running_loop(), _Pool(port)
-        due = [loop.create_future() for _ in requests]
-        start = time.perf_counter()
-        clock = threading.Thread(target=_release, args=(loop, due, start, arrivals))
-        clock.start()
-        try:
-            await asyncio.gather(*(_stream_one(pool, r, d, t)
-                                   for r, d, t in zip(requests, due, times, strict=True)))
-        finally:
-            clock.join()
-            pool.close()
+        loop = asyncio.get_running_loop()
+        due = [loop.create_future() for _ in bodies]
+        # connections kept alive (no limit: open loop), none older than uvicorn keeps them
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            start = time.perf_counter()
+            clock = threading.Thread(target=_release, args=(loop, due, start, arrivals))
+            clock.start()
+            try:
+                await asyncio.gather(*(_stream_one(session, url, b, d, t)
+                                       for b, d, t in zip(bodies, due, times, strict=True)))
+            finally:
+                clock.join()
         return start
 
     loop = _new_loop()
