@@ -139,6 +139,8 @@ def _store_batch(allocator: BlockAllocator, salt: str) -> list:
 
 
 def _follow(publisher: EventPublisher, **kwargs) -> tuple[EventSubscriber, PrefixIndex]:
+    # a replay answered late on a loaded machine is a slow test, not a missed history
+    kwargs.setdefault("replay_timeout", 30.0)
     index = PrefixIndex()
     subscriber = EventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint,
                                  on_batch=lambda stamp, events: index.apply("r", events),
