@@ -15,6 +15,7 @@ tail is evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -54,11 +55,11 @@ class BlockAllocator:
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # per block, its key and its token bytes (valid where indexed): plain lists of the
-        # bytes the hashing made anyway, so storing, evicting and comparing one is a list
-        # access, never a numpy call (those cost ~1 us each, more than the whole access)
-        self._key_of: list[bytes | None] = [None] * num_blocks
-        self._tokens_of: list[bytes | None] = [None] * num_blocks
+        # per block, its key and its token bytes (valid where indexed; stale entries stay):
+        # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
+        # C-level update and evicting or comparing one a dict access, never a numpy call
+        self._key_of: dict[int, bytes] = {}
+        self._tokens_of: dict[int, bytes] = {}
         self._indexed = np.zeros(num_blocks, dtype=bool)
         # shared or indexed: a write must copy it first (kept up to date by every mutator,
         # so a decode step tests its last blocks with one lookup)
@@ -192,23 +193,26 @@ class BlockAllocator:
         taken = free[start:]
         taken.reverse()
         del free[start:]
-        evicting = len(taken) < num_blocks
-        if evicting:
-            popitem = self._cached.popitem
-            evicted = [popitem(False)[0] for _ in range(num_blocks - len(taken))]
-            gone = list(map(self._key_of.__getitem__, evicted))
-            index = self._index
-            for key in gone:
-                del index[key]
-            self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
-            taken += evicted
+        if len(taken) < num_blocks:
+            taken += self._evict(num_blocks - len(taken))
         ids = np.array(taken, dtype=np.int64)
-        self._refcount[ids] = 1
-        self._protected[ids] = False
-        if evicting:  # the blocks from the free list are unindexed already
-            self._indexed[ids] = False
+        self._refcount[ids] = 1  # a free block is neither protected nor indexed already
         self._events.append(BlockEvent("allocated", tuple(taken)))
         return ids
+
+    def _evict(self, count: int) -> list[int]:
+        """Take the `count` least recently freed cached blocks out of the index."""
+        popitem = self._cached.popitem
+        evicted = [popitem(False)[0] for _ in range(count)]
+        gone = list(map(self._key_of.__getitem__, evicted))
+        index = self._index
+        for key in gone:
+            del index[key]
+        ids = np.array(evicted, dtype=np.int64)
+        self._indexed[ids] = False
+        self._protected[ids] = False
+        self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
+        return evicted
 
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
@@ -269,7 +273,8 @@ class BlockAllocator:
         so the per-block work is a hash and a few C-level dict stores.
         """
         pieces = split_blocks(token_ids, len(block_ids))
-        keys = list(map(hash_block, parent_keys, pieces))
+        sha256 = hashlib.sha256  # = hash_block, inlined: a call per block costs as much
+        keys = [sha256(parent + piece).digest() for parent, piece in zip(parent_keys, pieces)]
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, parent_keys, token_ids)
         return keys
@@ -310,10 +315,8 @@ class BlockAllocator:
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))
-        key_of, tokens_of = self._key_of, self._tokens_of
-        for block_id, key, piece in zip(block_ids, keys, pieces, strict=True):
-            key_of[block_id] = key
-            tokens_of[block_id] = piece
+        self._key_of.update(zip(block_ids, keys))
+        self._tokens_of.update(zip(block_ids, pieces))
         ids = np.array(block_ids, dtype=np.int64)
         self._indexed[ids] = True
         self._protected[ids] = True

@@ -124,8 +124,10 @@ class StepBatch:
     def from_host(cls, seq_ids: tuple[SeqId, ...], block_tables: np.ndarray,
                   num_blocks: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
                   slot_mapping: np.ndarray, num_tokens: int, max_query_len: int,
-                  block_size: int, device: torch.device) -> StepBatch:
-        """Wrap finished host arrays (no copy on the CPU) and ship them to `device` once."""
+                  block_size: int, device: torch.device, max_seq_len: int | None = None,
+                  ) -> StepBatch:
+        """Wrap finished host arrays (no copy on the CPU) and ship them to `device` once
+        (`max_seq_len`: ``seq_lens.max()`` when the caller knows it already)."""
         on_cpu = device.type == "cpu"
 
         def ship(array: np.ndarray, dtype: type) -> torch.Tensor:
@@ -139,7 +141,7 @@ class StepBatch:
             seq_lens=ship(seq_lens, np.int32),
             query_start_loc=ship(query_start_loc, np.int32),
             num_tokens=num_tokens,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
             max_query_len=max_query_len,
             block_size=block_size,
             _host=(block_tables, num_blocks, seq_lens),

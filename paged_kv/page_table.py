@@ -68,6 +68,8 @@ class PageTables:
         self._stamp = 0
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
         self._last_resolved: tuple = (-1, None, None, ())  # version, handle, rows, seq_ids
+        self._filled = np.empty((2, 0), dtype=np.int64)  # commit_decode's scratch
+        self._filled_tokens = np.empty((0, block_size), dtype=np.int32)
         self._refresh_views()
 
     def _refresh_views(self) -> None:
@@ -249,28 +251,37 @@ class PageTables:
         return num_open
 
     def commit_decode(self, rows: np.ndarray, token_ids: np.ndarray | None,
-                      block_ids: np.ndarray,
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                      block_ids: np.ndarray) -> tuple:
         """Append one token to each of `rows` (after `plan_decode`), a new block from
         `block_ids` (in order) for each row whose last block is full; records the tokens'
         ids unless `token_ids` is None (unknown).
 
         Returns
         -------
-        slots, num_blocks, seq_lens, filled : np.ndarray
+        slots, num_blocks, seq_lens : np.ndarray
             ``[B]`` int64 slot of each new token, ``[B]`` blocks and (int32) tokens of each
-            row now, and the positions in `rows` of the rows whose last block just filled.
+            row now.
+        max_blocks, max_len : int
+            The most blocks and tokens of a row.
+        filled : np.ndarray
+            ``[2, F]`` int64: the rows whose last block just filled, and that block.
+        filled_tokens : np.ndarray
+            ``[F, block_size]`` int32 those blocks' token ids (garbage when unknown).
+            Both are scratch, valid until the next call.
         """
         size = rows.size
         slots = np.empty(size, dtype=np.int64)
         num_blocks = np.empty(size, dtype=np.int64)
         seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
-        filled = np.empty(size, dtype=np.int64)
-        num_filled = self._decode.commit(
+        if self._filled.shape[1] < size:  # scratch reused across steps: no allocation
+            self._filled = np.empty((2, size), dtype=np.int64)
+            self._filled_tokens = np.empty((size, self.block_size), dtype=np.int32)
+        num_filled, max_blocks, max_len = self._decode.commit(
             rows, _NO_TOKENS if token_ids is None else token_ids, block_ids,
             self._num_tokens, self._num_blocks, self._block_ids, self._token_ids,
-            self.block_size, slots, num_blocks, seq_lens, filled)
-        return slots, num_blocks, seq_lens, filled[:num_filled]
+            self.block_size, slots, num_blocks, seq_lens, self._filled, self._filled_tokens)
+        return (slots, num_blocks, seq_lens, max_blocks, max_len,
+                self._filled[:, :num_filled], self._filled_tokens[:num_filled])
 
     def extend_row(self, row: int, old_len: int, new_len: int, block_ids: np.ndarray,
                    token_ids: np.ndarray | None) -> None:

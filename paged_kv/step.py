@@ -249,19 +249,18 @@ class StepPlanner:
 
     def _commit_decode(self, step: Step, new_ids: np.ndarray) -> StepBatch:
         tables, rows = self._tables, step.rows
-        token_ids = step.token_ids if step.token_ids.size else None
-        slots, num_blocks, seq_lens, filled = tables.commit_decode(rows, token_ids, new_ids)
-        if token_ids is None:
-            tables.set_chains(rows.tolist(), [None] * rows.size)  # ids unknown: never indexed
-        elif self._indexing and filled.size:
-            # the block each filled row just filled is its last: column num_blocks - 1
-            index_filled_blocks(self._allocator, tables, rows[filled], num_blocks[filled] - 1,
-                                self._block_size)
+        known = step.token_ids.size > 0
+        slots, num_blocks, seq_lens, max_blocks, max_len, filled, filled_tokens = \
+            tables.commit_decode(rows, step.token_ids if known else None, new_ids)
+        if not known:
+            tables.set_chains(rows.tolist(), [None] * rows.size)  # never indexed
+        elif self._indexing and filled.shape[1]:
+            index_filled_blocks(self._allocator, tables, filled, filled_tokens)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         return StepBatch.from_host(
-            step.seq_ids, tables.block_ids[:, : int(num_blocks.max())][rows], num_blocks,
-            seq_lens, np.arange(rows.size + 1, dtype=np.int32), slots, rows.size, 1,
-            self._block_size, self._device)
+            step.seq_ids, tables.block_ids[:, :max_blocks][rows], num_blocks, seq_lens,
+            np.arange(rows.size + 1, dtype=np.int32), slots, rows.size, 1, self._block_size,
+            self._device, max_seq_len=max_len)
 
     def _commit_one(self, step: Step, new_ids: np.ndarray) -> StepBatch:
         tables, block_size = self._tables, self._block_size
