@@ -274,7 +274,8 @@ class BlockAllocator:
         """
         pieces = split_blocks(token_ids, len(block_ids))
         sha256 = hashlib.sha256  # = hash_block, inlined: a call per block costs as much
-        keys = [sha256(parent + piece).digest() for parent, piece in zip(parent_keys, pieces)]
+        keys = [sha256(parent + piece).digest() for parent, piece in
+                zip(parent_keys, pieces, strict=True)]
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, parent_keys, token_ids)
         return keys
@@ -315,8 +316,8 @@ class BlockAllocator:
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))
-        self._key_of.update(zip(block_ids, keys))
-        self._tokens_of.update(zip(block_ids, pieces))
+        self._key_of.update(zip(block_ids, keys, strict=True))
+        self._tokens_of.update(zip(block_ids, pieces, strict=True))
         ids = np.array(block_ids, dtype=np.int64)
         self._indexed[ids] = True
         self._protected[ids] = True
