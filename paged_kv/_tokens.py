@@ -19,6 +19,9 @@ assert _array.array("i").itemsize == 4, "the list fast path assumes a 32-bit C i
 
 def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
     """Token ids as an int32 array; TypeError / ValueError naming `name` otherwise."""
+    if type(token_ids) is np.ndarray and token_ids.dtype == np.int32 and token_ids.ndim == 1 \
+            and token_ids.size and token_ids.min() >= 0:
+        return token_ids  # a sampler's ids as they come: in range unless negative
     if type(token_ids) is list:
         array = _int_list(token_ids)
         if array is not None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ._checks import read_only
 from ._decode import decode_ops
-from .batch import SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
+from .batch import RowNames, SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
 from .errors import ensure
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
@@ -68,6 +68,7 @@ class PageTables:
         self._stamp = 0
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
         self._last_resolved: tuple = (-1, None, None, ())  # version, handle, rows, seq_ids
+        self._names: tuple = (-1, ())  # version, the owner of every row then
         self._filled = np.empty((2, 0), dtype=np.int64)  # commit_decode's scratch
         self._filled_tokens = np.empty((0, block_size), dtype=np.int32)
         self._refresh_views()
@@ -111,9 +112,9 @@ class PageTables:
         self._last_lookup = (self._version, seq_ids, rows)
         return rows
 
-    def resolve_rows(self, what: str, rows: object) -> tuple[np.ndarray, tuple[SeqId, ...]]:
+    def resolve_rows(self, what: str, rows: object) -> tuple[np.ndarray, RowNames]:
         """Validate row handles of resident sequences, each once; returns them as ``[B]``
-        int64 and the sequences they belong to.
+        int64 and the sequences they belong to (looked up when first read).
 
         A read-only array that was validated last time, with no row added, removed or
         swapped since, is accepted without another pass (the steady decode state).
@@ -126,7 +127,8 @@ class PageTables:
             raise TypeError(f"{what}: rows must be a non-empty 1-d int array (from rows_of()), "
                             f"got dtype {array.dtype} and shape {array.shape}")
         # one array type for the compiled variant (it specialises on writability)
-        array = read_only(array.astype(np.int64, copy=False))
+        # a copy: the batch's ids are read later, the caller may reuse its array by then
+        array = read_only(np.array(array, dtype=np.int64))
         num_rows = self._resident.shape[0]
         self._stamp += 1
         if self._decode.find_bad_row(array, self._resident, self._seen, self._stamp) >= 0:
@@ -138,7 +140,9 @@ class PageTables:
             mark[array] = np.arange(array.size)
             if not (mark[array] == np.arange(array.size)).all():
                 raise ValueError(f"{what}: a row appears twice in rows")
-        seq_ids = tuple(map(self._seq_of_row.__getitem__, array.tolist()))
+        if self._names[0] != self._version:  # one snapshot of the row owners per version
+            self._names = (self._version, tuple(self._seq_of_row))
+        seq_ids = RowNames(array, self._names[1])
         if isinstance(rows, np.ndarray) and not rows.flags.writeable:
             self._last_resolved = (self._version, rows, array, seq_ids)
         return array, seq_ids
