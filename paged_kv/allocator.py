@@ -22,7 +22,7 @@ import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import BlockEvent, hash_block, hash_chain, split_blocks
+from .keys import BlockEvent, chain_pieces, hash_block, split_blocks
 
 NULL_BLOCK = 0
 
@@ -287,11 +287,8 @@ class BlockAllocator:
         slice i of `token_ids` (equal slices, little-endian int32). `known` are the keys of
         the first blocks when already hashed (`match`). Returns the keys."""
         known = list(known[: len(block_ids)])
-        width = len(token_ids) // len(block_ids) if block_ids else 0
-        keys, pieces = hash_chain(known[-1] if known else parent_key,
-                                  token_ids[len(known) * width:], len(block_ids) - len(known))
-        if known:
-            keys, pieces = known + keys, split_blocks(token_ids, len(block_ids))
+        pieces = split_blocks(token_ids, len(block_ids))
+        keys = known + chain_pieces(known[-1] if known else parent_key, pieces[len(known):])
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
         return keys

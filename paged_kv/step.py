@@ -27,7 +27,7 @@ from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .errors import OutOfBlocksError
-from .keys import encode_tokens, root_hash
+from .keys import TOKEN_BYTES, encode_tokens, root_hash
 from .page_table import PageTables
 from .pool import KVPool
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
@@ -135,43 +135,61 @@ class StepPlanner:
         """`PagedKVCache.admit` (arguments validated): lookup, plan, check, add the row,
         commit. The same steps and state changes as `add_row` then `commit` of the
         prompt's step, in scalar arithmetic on what the lookup found and with no step
-        objects: for short prompts an admission's fixed cost is most of its cost."""
-        block_size = self._block_size
-        chain, hits = self.lookup(tokens, salt)
+        objects: for short prompts an admission's fixed cost is most of its cost. The
+        prompt is encoded once, and the key the lookup hashed last is not hashed again."""
+        block_size, allocator = self._block_size, self._allocator
+        chain, hits, keys, data = self._match_prompt(tokens, salt)
         num_hit = len(hits) * block_size
         count = len(tokens) - num_hit
         count = count if max_tokens is None else min(count, max_tokens)
-        plan = self.plan_admission(len(hits), count, hits)
-        self.check(plan, "admit()")
+        end = num_hit + count
+        need = -(-end // block_size) - len(hits)
+        obtainable = allocator.num_obtainable_blocks - (
+            allocator.count_cached(hits) if hits else 0)
+        if need > obtainable:
+            raise OutOfBlocksError(need, obtainable, "admit()")
         row = self._tables.add(seq_id, chain, root_hash(salt) if self._indexing else None)
         if hits:
-            self._allocator.share(hits)
+            allocator.share(hits)
         if chain is not None:
-            self._allocator.count_prefix_lookup(len(tokens), num_hit)
-        new_ids = self._allocator.allocate(plan.requested) if plan.requested else _NONE
-        end = num_hit + count
-        self._tables.extend_row(row, 0, end, np.concatenate((np.array(hits, dtype=np.int64),
-                                                             new_ids)) if hits else new_ids,
-                                tokens[:end])
+            allocator.count_prefix_lookup(len(tokens), num_hit)
+        new_ids = allocator.allocate(need) if need else _NONE
+        ids = np.concatenate((np.array(hits, dtype=np.int64), new_ids)) if hits else new_ids
+        self._tables.extend_row(row, 0, end, ids, tokens[:end])
         # the hits are whole blocks: the prompt's next full blocks are the first new ones
         num_full = end // block_size - len(hits)
         if self._indexing and num_full > 0:
-            keys = self._allocator.register_chain(
+            keys = allocator.register_chain(
                 new_ids[:num_full].tolist(), chain,
-                encode_tokens(tokens[num_hit: num_hit + num_full * block_size]))
+                data[num_hit * TOKEN_BYTES: (num_hit + num_full * block_size) * TOKEN_BYTES],
+                keys[len(hits):])
             self._tables.set_chain(row, keys[-1])
-        return num_hit, self._admission_batch(seq_id, row, len(hits) + new_ids.size, end,
-                                              count, new_ids)
+        return num_hit, self._admission_batch(seq_id, ids, end, count, new_ids)
 
-    def _admission_batch(self, seq_id: SeqId, row: int, num_blocks: int, end: int,
-                         count: int, new_ids: np.ndarray) -> StepBatch:
-        """An admission's batch: its `count` new tokens fill `new_ids` from their start."""
+    def _match_prompt(self, tokens: np.ndarray, salt: str | None,
+                      ) -> tuple[bytes | None, list[int], list[bytes], bytes]:
+        """`lookup`, plus the keys it hashed and the prompt's encoding (whole)."""
+        chain = root_hash(salt)
+        data = encode_tokens(tokens)
+        num_full = (len(tokens) - 1) // self._block_size
+        if not self._indexing:
+            return None, [], [], data
+        if num_full <= 0:
+            return chain, [], [], data
+        hits, keys = self._allocator.match(chain, data[: num_full * self._block_size * TOKEN_BYTES],
+                                           num_full)
+        return (keys[len(hits) - 1] if hits else chain), hits, keys, data
+
+    def _admission_batch(self, seq_id: SeqId, ids: np.ndarray, end: int, count: int,
+                         new_ids: np.ndarray) -> StepBatch:
+        """An admission's batch: its row holds `ids`; its `count` new tokens fill `new_ids`
+        from their start."""
         block_size = self._block_size
         slots = (new_ids[:, None] * block_size + self._offsets).ravel()[:count]
         return StepBatch.from_host(
-            (seq_id,), self._tables.block_ids[row: row + 1, :num_blocks].copy(),
-            np.array([num_blocks]), np.array([end]), np.array([0, count]), slots, count,
-            count, block_size, self._device)
+            (seq_id,), ids.astype(np.int32)[None], np.array([ids.size]), np.array([end]),
+            np.array([0, count]), slots, count, count, block_size, self._device,
+            max_seq_len=end)
 
     def plan_admission(self, num_hit_blocks: int, count: int, hits: list[int]) -> StepPlan:
         """The plan of a new sequence's first step: `count` tokens after `hits`, its cached
