@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -237,16 +238,25 @@ class BlockAllocator:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        if unique:
-            self._refcount[ids] -= 1
-        else:
-            np.subtract.at(self._refcount, ids, 1)
-        self._protected[ids] = (self._refcount[ids] > 1) | self._indexed[ids]
-        released = ids[self._refcount[ids] == 0][::-1]
         if not unique:
-            released = np.array(list(dict.fromkeys(released.tolist())), dtype=np.int64)
-        indexed = self._indexed[released]
-        cached, freed = released[indexed].tolist(), released[~indexed].tolist()
+            np.subtract.at(self._refcount, ids, 1)
+            left = self._refcount[ids]
+        else:  # one gather and one scatter, not a read-modify-write per use
+            left = self._refcount[ids] - 1
+            self._refcount[ids] = left
+        indexed = self._indexed[ids]
+        if left.any():  # some blocks keep owners: only the unowned are released
+            self._protected[ids] = (left > 1) | indexed
+            gone = left == 0
+            ids, indexed = ids[gone], indexed[gone]
+        else:  # the sole owner of every block (a finished sequence, the common case)
+            self._protected[ids] = indexed
+        released, flags = ids[::-1].tolist(), indexed[::-1].tolist()
+        if not unique:
+            first = dict(zip(released, flags, strict=True))  # one entry per block
+            released, flags = list(first), list(first.values())
+        cached = list(itertools.compress(released, flags))
+        freed = [b for b, flag in zip(released, flags, strict=True) if not flag]
         self._cached.update(dict.fromkeys(cached))
         self._free.extend(freed)
         if cached:
