@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import array as _array
+import struct
 from collections.abc import Mapping
 from itertools import chain
 from typing import NamedTuple
@@ -14,7 +14,7 @@ from .batch import SeqId
 from .page_table import PageTables
 
 MAX_TOKEN_ID = 2**31 - 1
-assert _array.array("i").itemsize == 4, "the list fast path assumes a 32-bit C int"
+_pack = struct.pack
 
 
 def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
@@ -43,15 +43,15 @@ def tokens_to_array(name: str, token_ids: object) -> np.ndarray:
 
 
 def _int_list(values: list) -> np.ndarray | None:
-    """A non-empty list of ints in range as int32, else None (the caller's general path then
-    names the problem). `array` converts and range-checks it in C at about half numpy's
-    cost (numpy infers a dtype, then casts); a leading bool is left to numpy, which
-    rejects a list of bools."""
+    """A non-empty list of ints in range as int32 (read-only), else None (the caller's
+    general path then names the problem). `struct` converts and range-checks it in C at a
+    third of `array`'s cost and under half numpy's (which infers a dtype, then casts); a
+    leading bool is left to numpy, which rejects a list of bools."""
     if not values or type(values[0]) is bool:
         return None
     try:
-        array = np.frombuffer(_array.array("i", values), dtype=np.int32)
-    except (TypeError, OverflowError):
+        array = np.frombuffer(_pack(f"<{len(values)}i", *values), dtype=np.int32)
+    except (struct.error, TypeError, OverflowError):
         return None
     return array if array.min() >= 0 else None
 
