@@ -282,24 +282,25 @@ class StepPlanner:
 
     def _commit_one(self, step: Step, new_ids: np.ndarray) -> StepBatch:
         tables, block_size = self._tables, self._block_size
-        row, count = int(step.rows[0]), int(step.counts[0])
-        old_len = int(tables.num_tokens[row])
+        # .item(): a Python int in one call (int(array[0]) makes a numpy scalar first)
+        row, count = step.rows.item(0), step.counts.item(0)
+        old_len = tables.num_tokens.item(row)
         new_len = old_len + count
-        known = bool(step.has_ids[0])
+        known = step.has_ids.item(0)
         tables.extend_row(row, old_len, new_len, new_ids, step.token_ids if known else None)
         if not known:
             tables.set_chain(row, None)
         elif self._indexing:
             index_row_blocks(self._allocator, tables, row, old_len // block_size,
                              new_len // block_size, block_size)
-        need = int(tables.num_blocks[row])
+        need = tables.num_blocks.item(row)
         block_table = tables.block_ids[row: row + 1, :need].copy()
         first = old_len % block_size
-        slots = (block_table[0, old_len // block_size:].astype(np.int64)[:, None] * block_size
-                 + np.arange(block_size)).ravel()[first: first + count]
+        slots = (block_table[0, old_len // block_size:, None].astype(np.int64) * block_size
+                 + self._offsets).ravel()[first: first + count]
         return StepBatch.from_host(step.seq_ids, block_table, np.array([need]),
                                    np.array([new_len]), np.array([0, count]), slots, count,
-                                   count, block_size, self._device)
+                                   count, block_size, self._device, max_seq_len=new_len)
 
     def _commit_rows(self, plan: StepPlan, new_ids: np.ndarray) -> StepBatch:
         tables, step = self._tables, plan.step
