@@ -117,15 +117,19 @@ def _rows_of(seq_ids: tuple, tables: PageTables) -> np.ndarray:
 def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | None:
     """The common case, every sequence given as a sequence of int ids, in a few numpy calls;
     None sends anything else (counts, odd types, bad values) to the precise slow path."""
-    try:
-        lengths = list(map(len, values))
-    except TypeError:
+    if len(values) == 1 and type(values[0]) is list:  # a prompt: no flattening copy
+        flat = values[0]
+        lengths = [len(flat)]
+    else:
+        try:  # as many ids as sequences, none empty: one each (decode), no lengths list
+            lengths = list(map(len, values)) if not all(map(len, values)) else None
+            flat = list(chain.from_iterable(values))
+        except TypeError:
+            return None
+        if lengths is None and len(flat) != len(values):
+            lengths = list(map(len, values))
+    if lengths is not None and (not lengths or min(lengths) < 1):
         return None
-    if not lengths or min(lengths) < 1:
-        return None
-    # one sequence (an admission's prompt) as its own list: no flattening copy
-    flat = values[0] if len(values) == 1 and type(values[0]) is list else list(
-        chain.from_iterable(values))
     token_ids = _int_list(flat)
     if token_ids is None:  # numpy's reading of odd values (a leading bool, ...)
         try:
@@ -137,8 +141,7 @@ def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | N
         if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
             return None
         token_ids = token_ids.astype(np.int32)
-    # as many tokens as sequences, none empty: one each (a decode step)
-    counts = (np.ones(len(lengths), dtype=np.int64) if token_ids.size == len(lengths)
+    counts = (np.ones(len(values), dtype=np.int64) if lengths is None
               else np.array(lengths, dtype=np.int64))
     return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool), token_ids)
 
