@@ -69,8 +69,10 @@ class BlockAllocator:
                                                    self._protected))
         self._index: dict[bytes, int] = {}
         self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
-        # bounded, so a user who never drains events does not leak memory
-        self._events: collections.deque[BlockEvent] = collections.deque(maxlen=max_events)
+        # bounded, so a user who never drains events does not leak memory; each is kept as
+        # the arguments of its BlockEvent (lists this class made and never changes again),
+        # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
+        self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -198,7 +200,7 @@ class BlockAllocator:
             taken += self._evict(num_blocks - len(taken))
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1  # a free block is neither protected nor indexed already
-        self._events.append(BlockEvent("allocated", tuple(taken)))
+        self._events.append(("allocated", taken))
         return ids
 
     def _evict(self, count: int) -> list[int]:
@@ -212,7 +214,7 @@ class BlockAllocator:
         ids = np.array(evicted, dtype=np.int64)
         self._indexed[ids] = False
         self._protected[ids] = False
-        self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
+        self._events.append(("evicted", evicted, gone))
         return evicted
 
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
@@ -224,7 +226,7 @@ class BlockAllocator:
         for block_id in revived:
             del cached[block_id]
         if revived:
-            self._events.append(BlockEvent("hit", tuple(revived)))
+            self._events.append(("hit", revived))
         self._refcount[ids] += 1
         self._protected[ids] = True  # now shared, or a revived cached block (indexed)
 
@@ -260,9 +262,9 @@ class BlockAllocator:
         self._cached.update(dict.fromkeys(cached))
         self._free.extend(freed)
         if cached:
-            self._events.append(BlockEvent("cached", tuple(cached)))
+            self._events.append(("cached", cached))
         if freed:
-            self._events.append(BlockEvent("freed", tuple(freed)))
+            self._events.append(("freed", freed))
 
     def register(self, block_id: int, key: bytes, token_ids: bytes,
                  parent_key: bytes = b"") -> bool:
@@ -328,8 +330,8 @@ class BlockAllocator:
         ids = np.array(block_ids, dtype=np.int64)
         self._indexed[ids] = True
         self._protected[ids] = True
-        self._events.append(BlockEvent("stored", tuple(block_ids), tuple(keys),
-                                       tuple(parents), token_ids))
+        self._events.append(("stored", tuple(block_ids), tuple(keys), tuple(parents),
+                             token_ids))
 
     def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
         """Take `block_ids` out of the prefix index (those not indexed are skipped): their
@@ -346,7 +348,7 @@ class BlockAllocator:
         if ids:
             self._indexed[ids] = False
             self._protected[ids] = self._refcount[ids] > 1
-            self._events.append(BlockEvent("removed", tuple(ids), tuple(keys)))
+            self._events.append(("removed", ids, keys))
         return len(ids)
 
     def reset_prefix_cache(self) -> int:
@@ -358,13 +360,15 @@ class BlockAllocator:
         self._indexed[:] = False
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
-            self._events.append(BlockEvent("freed", tuple(dropped)))
-        self._events.append(BlockEvent("cleared", ()))
+            self._events.append(("freed", dropped))
+        self._events.append(("cleared", ()))
         return len(dropped)
 
     def take_events(self) -> list[BlockEvent]:
         """Return and clear the events logged since the last call."""
-        events = list(self._events)
+        # rest: keys (a list or tuple), then a stored event's parents and token bytes
+        events = [BlockEvent(kind, tuple(ids), *map(tuple, rest[:2]), *rest[2:])
+                  for kind, ids, *rest in self._events]
         self._events.clear()
         return events
 
