@@ -187,9 +187,9 @@ class StepPlanner:
         block_size = self._block_size
         slots = (new_ids[:, None] * block_size + self._offsets).ravel()[:count]
         return StepBatch.from_host(
-            (seq_id,), ids.astype(np.int32)[None], np.array([ids.size]), np.array([end]),
-            np.array([0, count]), slots, count, count, block_size, self._device,
-            max_seq_len=end)
+            (seq_id,), ids.astype(np.int32)[None], np.array([ids.size]),
+            np.array([end], dtype=np.int32), np.array([0, count], dtype=np.int32), slots,
+            count, count, block_size, self._device, max_seq_len=end)  # int32: shipped as is
 
     def plan_admission(self, num_hit_blocks: int, count: int, hits: list[int]) -> StepPlan:
         """The plan of a new sequence's first step: `count` tokens after `hits`, its cached
