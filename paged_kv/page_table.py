@@ -126,8 +126,8 @@ class PageTables:
         if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
             raise TypeError(f"{what}: rows must be a non-empty 1-d int array (from rows_of()), "
                             f"got dtype {array.dtype} and shape {array.shape}")
-        # one array type for the compiled variant (it specialises on writability)
-        # a copy: the batch's ids are read later, the caller may reuse its array by then
+        # a read-only copy: one array type for the compiled variant (it specialises on
+        # writability), and the batch's ids, read later, outlive a caller reusing its array
         array = read_only(np.array(array, dtype=np.int64))
         num_rows = self._resident.shape[0]
         self._stamp += 1
