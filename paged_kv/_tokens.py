@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
 from itertools import chain
@@ -10,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ._checks import read_only
 from .batch import SeqId
 from .page_table import PageTables
 
@@ -54,6 +56,13 @@ def _int_list(values: list) -> np.ndarray | None:
     except (struct.error, TypeError, OverflowError):
         return None
     return array if array.min() >= 0 else None
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_columns(size: int, known: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A decode step's ``counts`` (ones) and ``has_ids`` for `size` rows, read-only and
+    made once per batch size: a decode step should not allocate them every call."""
+    return read_only(np.ones(size, dtype=np.int64)), read_only(np.full(size, known))
 
 
 class Step(NamedTuple):
@@ -141,9 +150,10 @@ def _parse_sequences(seq_ids: tuple, rows: np.ndarray, values: list) -> Step | N
         if token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID:
             return None
         token_ids = token_ids.astype(np.int32)
-    counts = (np.ones(len(values), dtype=np.int64) if lengths is None
-              else np.array(lengths, dtype=np.int64))
-    return Step(seq_ids, rows, counts, np.ones(len(rows), dtype=bool), token_ids)
+    if lengths is None:  # a decode step: its columns made once per batch size
+        return Step(seq_ids, rows, *decode_columns(len(values), True), token_ids)
+    return Step(seq_ids, rows, np.array(lengths, dtype=np.int64), np.ones(len(rows), dtype=bool),
+                token_ids)
 
 
 def _parse_mixed(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:

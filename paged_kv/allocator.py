@@ -23,7 +23,7 @@ import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import BlockEvent, chain_pieces, hash_block, split_blocks
+from .keys import BlockEvent, chain_pieces, split_blocks
 
 NULL_BLOCK = 0
 
@@ -125,8 +125,7 @@ class BlockAllocator:
 
     def count_cached(self, block_ids: list[int]) -> int:
         """How many of `block_ids` are cached (unowned, evictable)."""
-        cached = self._cached
-        return sum(block_id in cached for block_id in block_ids)
+        return sum(map(self._cached.__contains__, block_ids))
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `allocate(num_blocks)` would succeed now."""
@@ -160,11 +159,11 @@ class BlockAllocator:
         keys: list[bytes] = []
         if not num_blocks:
             return hits, keys
-        get, tokens_of = self._index.get, self._tokens_of
+        get, tokens_of, sha256 = self._index.get, self._tokens_of, hashlib.sha256
         width = len(token_ids) // num_blocks
         for start in range(0, num_blocks * width, width):  # lazily: most stop at the first
             piece = token_ids[start:start + width]
-            parent_key = hash_block(parent_key, piece)
+            parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
             keys.append(parent_key)
             block_id = get(parent_key)
             if block_id is None or tokens_of[block_id] != piece:
@@ -214,8 +213,8 @@ class BlockAllocator:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
         ids = np.asarray(block_ids, dtype=np.int64)
         cached = self._cached  # a distinct live or cached block is cached iff unowned
-        revived = [b for b in (block_ids if type(block_ids) is list else ids.tolist())
-                   if b in cached]
+        revived = list(filter(cached.__contains__, block_ids if type(block_ids) is list
+                              else ids.tolist()))
         for block_id in revived:
             del cached[block_id]
         if revived:

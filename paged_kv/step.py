@@ -16,13 +16,11 @@ arrays); they agree by construction, and the tests compare them.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import read_only
-from ._tokens import Step
+from ._tokens import Step, decode_columns  # noqa: F401  (decode_columns: re-exported)
 from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
 from .config import CacheConfig
@@ -34,13 +32,6 @@ from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lo
 
 _NONE = np.empty(0, dtype=np.int64)
 _NO_COPIES = (_NONE, _NONE, _NONE)
-
-
-@functools.lru_cache(maxsize=1024)
-def decode_columns(size: int, known: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A decode step's ``counts`` (ones) and ``has_ids`` for `size` rows, read-only and
-    made once per batch size: a decode step should not allocate them every call."""
-    return read_only(np.ones(size, dtype=np.int64)), read_only(np.full(size, known))
 
 
 class StepPlan(NamedTuple):
