@@ -76,6 +76,7 @@ import gc
 import json
 import logging
 import math
+import operator
 import os
 import platform
 import statistics
@@ -435,6 +436,9 @@ class PagedKvNoCacheAdapter(PagedKvAdapter):
     enable_caching = False
 
 
+_ROW, _TOKEN = operator.itemgetter(3), operator.itemgetter(1)
+
+
 class PagedKvArraysAdapter(PagedKvAdapter):
     """paged_kv through its array API: admission is one `admit(rid, prompt)` (add +
     prepare, the prompt converted and hashed once); each decode step turns the harness's
@@ -448,8 +452,9 @@ class PagedKvArraysAdapter(PagedKvAdapter):
         return [rid, first_tok, hit // self.bs, self.cache.tables.row_of[rid]]
 
     def decode_step(self, states):
-        rows = np.fromiter((st[3] for st in states), dtype=np.int64, count=len(states))
-        tokens = np.fromiter((st[1] for st in states), dtype=np.int64, count=len(states))
+        # itemgetter maps in C (a generator costs ~2x); int32 ids as the scheduler's sampler gives
+        rows = np.fromiter(map(_ROW, states), dtype=np.int64, count=len(states))
+        tokens = np.fromiter(map(_TOKEN, states), dtype=np.int32, count=len(states))
         self.cache.prepare_decode(rows, tokens)
 
 

@@ -11,7 +11,10 @@ Every function works in place on the page tables' own arrays:
   ``(blocks to open, columns needed)``, or ``(-1, 0)`` when a row would write into a
   protected (shared or indexed) block: copy-on-write, left to the general path.
 - ``commit(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
-  block_size, slots, row_blocks, seq_lens, filled)`` -> rows that filled a block.
+  block_size, slots, row_blocks, seq_lens, filled, filled_tokens)`` ->
+  ``(rows that filled a block, most blocks of a row, longest row)``; for the i-th row that
+  filled a block, ``filled[:, i]`` is that row and the block, ``filled_tokens[i]`` the
+  block's token ids (so the caller indexes them without gathering them again).
 - ``find_bad_row(rows, resident, seen, stamp)`` -> index of the first bad row or -1.
 """
 
@@ -65,7 +68,7 @@ def _plan_numpy(rows, num_tokens, num_blocks, block_ids, protected, block_size):
 
 
 def _commit_numpy(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
-                  block_size, slots, row_blocks, seq_lens, filled):
+                  block_size, slots, row_blocks, seq_lens, filled, filled_tokens):
     old_lens = num_tokens[rows]
     offsets = old_lens % block_size
     if new_ids.size:
@@ -81,8 +84,15 @@ def _commit_numpy(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, t
     seq_lens[:] = old_lens + 1
     row_blocks[:] = num_blocks[rows]
     just_filled = np.flatnonzero(offsets == block_size - 1)
-    filled[: just_filled.size] = just_filled
-    return just_filled.size
+    count = just_filled.size
+    if count:
+        filled_rows = rows[just_filled]
+        filled[0, :count] = filled_rows
+        filled[1, :count] = block_ids[filled_rows, row_blocks[just_filled] - 1]
+        starts = seq_lens[just_filled] - block_size
+        filled_tokens[:count] = token_table[filled_rows[:, None],
+                                            starts[:, None] + np.arange(block_size)]
+    return count, int(row_blocks.max()), int(seq_lens.max())
 
 
 def _find_bad_row_numpy(rows, resident, seen, stamp):
@@ -118,14 +128,16 @@ def _plan_loop(rows, num_tokens, num_blocks, block_ids, protected, block_size):
 
 
 def _commit_loop(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
-                   block_size, slots, row_blocks, seq_lens, filled):
+                 block_size, slots, row_blocks, seq_lens, filled, filled_tokens):
     """Append one token per row (a new block where the row's last one is full), recording
     its id unless `token_ids` is empty (ids unknown); fills the step's slots, per-row block
-    counts and lengths, and the positions of rows that just filled a block. Returns how
-    many rows filled one."""
+    counts and lengths, and each row that just filled a block with that block and its
+    tokens. Returns how many rows filled one, the most blocks and the longest row."""
     known = token_ids.size > 0
     opened = 0
     num_filled = 0
+    most_blocks = 0
+    longest = 0
     for i in range(rows.size):
         row = rows[i]
         length = num_tokens[row]
@@ -134,16 +146,22 @@ def _commit_loop(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, to
             block_ids[row, num_blocks[row]] = new_ids[opened]
             num_blocks[row] += 1
             opened += 1
-        slots[i] = np.int64(block_ids[row, length // block_size]) * block_size + offset
+        block = block_ids[row, length // block_size]
+        slots[i] = np.int64(block) * block_size + offset
         if known:
             token_table[row, length] = token_ids[i]
         num_tokens[row] = length + 1
         seq_lens[i] = length + 1
         row_blocks[i] = num_blocks[row]
+        most_blocks = max(most_blocks, num_blocks[row])
+        longest = max(longest, length + 1)
         if offset == block_size - 1:
-            filled[num_filled] = i
+            filled[0, num_filled] = row
+            filled[1, num_filled] = block
+            start = length + 1 - block_size
+            filled_tokens[num_filled, :] = token_table[row, start: length + 1]
             num_filled += 1
-    return num_filled
+    return num_filled, most_blocks, longest
 
 
 def _find_bad_row_loop(rows, resident, seen, stamp):

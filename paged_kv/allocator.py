@@ -15,13 +15,15 @@ tail is evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
+import hashlib
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import BlockEvent, hash_block, hash_chain, split_blocks
+from .keys import BlockEvent, chain_pieces, split_blocks
 
 NULL_BLOCK = 0
 
@@ -54,21 +56,20 @@ class BlockAllocator:
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # per block, its key and its token bytes (valid where indexed): plain lists of the
-        # bytes the hashing made anyway, so storing, evicting and comparing one is a list
-        # access, never a numpy call (those cost ~1 us each, more than the whole access)
-        self._key_of: list[bytes | None] = [None] * num_blocks
-        self._tokens_of: list[bytes | None] = [None] * num_blocks
+        # per block, its key and token bytes (valid where indexed): a step stores its blocks
+        # with one C-level dict update each, never a numpy call
+        self._key_of: dict[int, bytes] = {}
+        self._tokens_of: dict[int, bytes] = {}
         self._indexed = np.zeros(num_blocks, dtype=bool)
         # shared or indexed: a write must copy it first (kept up to date by every mutator,
         # so a decode step tests its last blocks with one lookup)
         self._protected = np.zeros(num_blocks, dtype=bool)
-        self._views = tuple(read_only(a) for a in (self._refcount, self._indexed,
-                                                   self._protected))
+        self._views = tuple(map(read_only, (self._refcount, self._indexed, self._protected)))
         self._index: dict[bytes, int] = {}
         self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
-        # bounded, so a user who never drains events does not leak memory
-        self._events: collections.deque[BlockEvent] = collections.deque(maxlen=max_events)
+        # bounded (a user who never drains them leaks nothing); kept as BlockEvent arguments
+        # (lists never changed again), made when taken: a step logs ~3, each ~1 us to make
+        self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -124,8 +125,7 @@ class BlockAllocator:
 
     def count_cached(self, block_ids: list[int]) -> int:
         """How many of `block_ids` are cached (unowned, evictable)."""
-        cached = self._cached
-        return sum(block_id in cached for block_id in block_ids)
+        return sum(map(self._cached.__contains__, block_ids))
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `allocate(num_blocks)` would succeed now."""
@@ -159,11 +159,11 @@ class BlockAllocator:
         keys: list[bytes] = []
         if not num_blocks:
             return hits, keys
-        get, tokens_of = self._index.get, self._tokens_of
+        get, tokens_of, sha256 = self._index.get, self._tokens_of, hashlib.sha256
         width = len(token_ids) // num_blocks
         for start in range(0, num_blocks * width, width):  # lazily: most stop at the first
             piece = token_ids[start:start + width]
-            parent_key = hash_block(parent_key, piece)
+            parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
             keys.append(parent_key)
             block_id = get(parent_key)
             if block_id is None or tokens_of[block_id] != piece:
@@ -189,37 +189,36 @@ class BlockAllocator:
             raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
         free = self._free
         start = max(len(free) - num_blocks, 0)
-        taken = free[start:]
-        taken.reverse()
+        taken = free[start:][::-1]
         del free[start:]
-        evicting = len(taken) < num_blocks
-        if evicting:
-            popitem = self._cached.popitem
-            evicted = [popitem(False)[0] for _ in range(num_blocks - len(taken))]
-            gone = list(map(self._key_of.__getitem__, evicted))
-            index = self._index
-            for key in gone:
-                del index[key]
-            self._events.append(BlockEvent("evicted", tuple(evicted), tuple(gone)))
-            taken += evicted
+        if len(taken) < num_blocks:
+            taken += self._evict(num_blocks - len(taken))
         ids = np.array(taken, dtype=np.int64)
-        self._refcount[ids] = 1
-        self._protected[ids] = False
-        if evicting:  # the blocks from the free list are unindexed already
-            self._indexed[ids] = False
-        self._events.append(BlockEvent("allocated", tuple(taken)))
+        self._refcount[ids] = 1  # a free block is neither protected nor indexed already
+        self._events.append(("allocated", taken))
         return ids
+
+    def _evict(self, count: int) -> list[int]:
+        """Take the `count` least recently freed cached blocks out of the index."""
+        popitem = self._cached.popitem
+        evicted = [popitem(False)[0] for _ in range(count)]
+        gone = list(map(self._key_of.__getitem__, evicted))
+        for key in gone:
+            del self._index[key]
+        self._indexed[evicted] = self._protected[evicted] = False
+        self._events.append(("evicted", evicted, gone))
+        return evicted
 
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
         ids = np.asarray(block_ids, dtype=np.int64)
         cached = self._cached  # a distinct live or cached block is cached iff unowned
-        revived = [b for b in (block_ids if type(block_ids) is list else ids.tolist())
-                   if b in cached]
+        revived = list(filter(cached.__contains__, block_ids if type(block_ids) is list
+                              else ids.tolist()))
         for block_id in revived:
             del cached[block_id]
         if revived:
-            self._events.append(BlockEvent("hit", tuple(revived)))
+            self._events.append(("hit", revived))
         self._refcount[ids] += 1
         self._protected[ids] = True  # now shared, or a revived cached block (indexed)
 
@@ -233,22 +232,31 @@ class BlockAllocator:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        if unique:
-            self._refcount[ids] -= 1
-        else:
-            np.subtract.at(self._refcount, ids, 1)
-        self._protected[ids] = (self._refcount[ids] > 1) | self._indexed[ids]
-        released = ids[self._refcount[ids] == 0][::-1]
         if not unique:
-            released = np.array(list(dict.fromkeys(released.tolist())), dtype=np.int64)
-        indexed = self._indexed[released]
-        cached, freed = released[indexed].tolist(), released[~indexed].tolist()
+            np.subtract.at(self._refcount, ids, 1)
+            left = self._refcount[ids]
+        else:  # one gather and one scatter, not a read-modify-write per use
+            left = self._refcount[ids] - 1
+            self._refcount[ids] = left
+        indexed = self._indexed[ids]
+        if left.any():  # some blocks keep owners: only the unowned are released
+            self._protected[ids] = (left > 1) | indexed
+            gone = left == 0
+            ids, indexed = ids[gone], indexed[gone]
+        else:  # the sole owner of every block (a finished sequence, the common case)
+            self._protected[ids] = indexed
+        released, flags = ids[::-1].tolist(), indexed[::-1].tolist()
+        if not unique:
+            first = dict(zip(released, flags, strict=True))  # one entry per block
+            released, flags = list(first), list(first.values())
+        cached = list(itertools.compress(released, flags))
+        freed = [b for b, flag in zip(released, flags, strict=True) if not flag]
         self._cached.update(dict.fromkeys(cached))
         self._free.extend(freed)
         if cached:
-            self._events.append(BlockEvent("cached", tuple(cached)))
+            self._events.append(("cached", cached))
         if freed:
-            self._events.append(BlockEvent("freed", tuple(freed)))
+            self._events.append(("freed", freed))
 
     def register(self, block_id: int, key: bytes, token_ids: bytes,
                  parent_key: bytes = b"") -> bool:
@@ -264,12 +272,10 @@ class BlockAllocator:
         """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32) and chains from
         ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
-
-        One call per step: the hashes in one comprehension and the index updated in bulk,
-        so the per-block work is a hash and a few C-level dict stores.
-        """
+        One call per step: per block a hash and a few C-level dict stores."""
         pieces = split_blocks(token_ids, len(block_ids))
-        keys = list(map(hash_block, parent_keys, pieces))
+        sha256 = hashlib.sha256  # hash_block inlined: a call per block costs as much
+        keys = [sha256(p + b).digest() for p, b in zip(parent_keys, pieces, strict=True)]
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, parent_keys, token_ids)
         return keys
@@ -281,11 +287,8 @@ class BlockAllocator:
         slice i of `token_ids` (equal slices, little-endian int32). `known` are the keys of
         the first blocks when already hashed (`match`). Returns the keys."""
         known = list(known[: len(block_ids)])
-        width = len(token_ids) // len(block_ids) if block_ids else 0
-        keys, pieces = hash_chain(known[-1] if known else parent_key,
-                                  token_ids[len(known) * width:], len(block_ids) - len(known))
-        if known:
-            keys, pieces = known + keys, split_blocks(token_ids, len(block_ids))
+        pieces = split_blocks(token_ids, len(block_ids))
+        keys = known + chain_pieces(known[-1] if known else parent_key, pieces[len(known):])
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
         return keys
@@ -301,24 +304,19 @@ class BlockAllocator:
             for i, key in enumerate(keys):
                 if key not in index:
                     first.setdefault(key, i)
-            chosen = list(first.values())
-            keys = [keys[i] for i in chosen]
-            block_ids = [block_ids[i] for i in chosen]
-            parents = [parents[i] for i in chosen]
-            pieces = [pieces[i] for i in chosen]
+            keys, block_ids, parents, pieces = ([column[i] for i in first.values()]
+                                                for column in (keys, block_ids, parents, pieces))
             token_ids = b"".join(pieces)
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))
-        key_of, tokens_of = self._key_of, self._tokens_of
-        for block_id, key, piece in zip(block_ids, keys, pieces, strict=True):
-            key_of[block_id] = key
-            tokens_of[block_id] = piece
+        self._key_of.update(zip(block_ids, keys, strict=True))
+        self._tokens_of.update(zip(block_ids, pieces, strict=True))
         ids = np.array(block_ids, dtype=np.int64)
         self._indexed[ids] = True
         self._protected[ids] = True
-        self._events.append(BlockEvent("stored", tuple(block_ids), tuple(keys),
-                                       tuple(parents), token_ids))
+        self._events.append(("stored", tuple(block_ids), tuple(keys), tuple(parents),
+                             token_ids))
 
     def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
         """Take `block_ids` out of the prefix index (those not indexed are skipped): their
@@ -335,7 +333,7 @@ class BlockAllocator:
         if ids:
             self._indexed[ids] = False
             self._protected[ids] = self._refcount[ids] > 1
-            self._events.append(BlockEvent("removed", tuple(ids), tuple(keys)))
+            self._events.append(("removed", ids, keys))
         return len(ids)
 
     def reset_prefix_cache(self) -> int:
@@ -347,13 +345,15 @@ class BlockAllocator:
         self._indexed[:] = False
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
-            self._events.append(BlockEvent("freed", tuple(dropped)))
-        self._events.append(BlockEvent("cleared", ()))
+            self._events.append(("freed", dropped))
+        self._events.append(("cleared", ()))
         return len(dropped)
 
     def take_events(self) -> list[BlockEvent]:
         """Return and clear the events logged since the last call."""
-        events = list(self._events)
+        # rest: keys (a list or tuple), then a stored event's parents and token bytes
+        events = [BlockEvent(kind, tuple(ids), *map(tuple, rest[:2]), *rest[2:])
+                  for kind, ids, *rest in self._events]
         self._events.clear()
         return events
 

@@ -82,14 +82,16 @@ def hash_chain(parent_hash: bytes, token_ids: bytes, num_blocks: int,
     """Keys of consecutive blocks of one sequence in one call, and the blocks' bytes:
     `token_ids` holds `num_blocks` blocks (`encode_tokens`, equal slices); the first
     chains from `parent_hash`, each next one from the key before it."""
+    pieces = split_blocks(token_ids, num_blocks)
+    return chain_pieces(parent_hash, pieces), pieces
+
+
+def chain_pieces(parent_hash: bytes, pieces: list[bytes]) -> list[bytes]:
+    """Keys of consecutive blocks whose bytes are `pieces`, the first chained from
+    `parent_hash` (`hash_chain` of blocks already split)."""
     keys: list[bytes] = []
-    pieces: list[bytes] = []
-    if not num_blocks:
-        return keys, pieces
-    width, sha256 = len(token_ids) // num_blocks, hashlib.sha256
-    for start in range(0, num_blocks * width, width):  # serial: each key chains the last
-        piece = token_ids[start:start + width]
+    append, sha256 = keys.append, hashlib.sha256
+    for piece in pieces:  # serial: each key chains the last
         parent_hash = sha256(parent_hash + piece).digest()  # = hash_block, inlined
-        keys.append(parent_hash)
-        pieces.append(piece)
-    return keys, pieces
+        append(parent_hash)
+    return keys

@@ -16,7 +16,7 @@ import numpy as np
 
 from ._checks import read_only
 from ._decode import decode_ops
-from .batch import SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
+from .batch import RowNames, SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
 from .errors import ensure
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
@@ -68,6 +68,9 @@ class PageTables:
         self._stamp = 0
         self._last_lookup: tuple[int, tuple, np.ndarray] = (-1, (), np.empty(0, np.int64))
         self._last_resolved: tuple = (-1, None, None, ())  # version, handle, rows, seq_ids
+        self._names: tuple = (-1, ())  # version, the owner of every row then
+        self._filled = np.empty((2, 0), dtype=np.int64)  # commit_decode's scratch
+        self._filled_tokens = np.empty((0, block_size), dtype=np.int32)
         self._refresh_views()
 
     def _refresh_views(self) -> None:
@@ -109,9 +112,9 @@ class PageTables:
         self._last_lookup = (self._version, seq_ids, rows)
         return rows
 
-    def resolve_rows(self, what: str, rows: object) -> tuple[np.ndarray, tuple[SeqId, ...]]:
+    def resolve_rows(self, what: str, rows: object) -> tuple[np.ndarray, RowNames]:
         """Validate row handles of resident sequences, each once; returns them as ``[B]``
-        int64 and the sequences they belong to.
+        int64 and the sequences they belong to (looked up when first read).
 
         A read-only array that was validated last time, with no row added, removed or
         swapped since, is accepted without another pass (the steady decode state).
@@ -123,8 +126,9 @@ class PageTables:
         if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
             raise TypeError(f"{what}: rows must be a non-empty 1-d int array (from rows_of()), "
                             f"got dtype {array.dtype} and shape {array.shape}")
-        # one array type for the compiled variant (it specialises on writability)
-        array = read_only(array.astype(np.int64, copy=False))
+        # a read-only copy: one array type for the compiled variant (it specialises on
+        # writability), and the batch's ids, read later, outlive a caller reusing its array
+        array = read_only(np.array(array, dtype=np.int64))
         num_rows = self._resident.shape[0]
         self._stamp += 1
         if self._decode.find_bad_row(array, self._resident, self._seen, self._stamp) >= 0:
@@ -136,7 +140,9 @@ class PageTables:
             mark[array] = np.arange(array.size)
             if not (mark[array] == np.arange(array.size)).all():
                 raise ValueError(f"{what}: a row appears twice in rows")
-        seq_ids = tuple(map(self._seq_of_row.__getitem__, array.tolist()))
+        if self._names[0] != self._version:  # one snapshot of the row owners per version
+            self._names = (self._version, tuple(self._seq_of_row))
+        seq_ids = RowNames(array, self._names[1])
         if isinstance(rows, np.ndarray) and not rows.flags.writeable:
             self._last_resolved = (self._version, rows, array, seq_ids)
         return array, seq_ids
@@ -249,28 +255,37 @@ class PageTables:
         return num_open
 
     def commit_decode(self, rows: np.ndarray, token_ids: np.ndarray | None,
-                      block_ids: np.ndarray,
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                      block_ids: np.ndarray) -> tuple:
         """Append one token to each of `rows` (after `plan_decode`), a new block from
         `block_ids` (in order) for each row whose last block is full; records the tokens'
         ids unless `token_ids` is None (unknown).
 
         Returns
         -------
-        slots, num_blocks, seq_lens, filled : np.ndarray
+        slots, num_blocks, seq_lens : np.ndarray
             ``[B]`` int64 slot of each new token, ``[B]`` blocks and (int32) tokens of each
-            row now, and the positions in `rows` of the rows whose last block just filled.
+            row now.
+        max_blocks, max_len : int
+            The most blocks and tokens of a row.
+        filled : np.ndarray
+            ``[2, F]`` int64: the rows whose last block just filled, and that block.
+        filled_tokens : np.ndarray
+            ``[F, block_size]`` int32 those blocks' token ids (garbage when unknown).
+            Both are scratch, valid until the next call.
         """
         size = rows.size
         slots = np.empty(size, dtype=np.int64)
         num_blocks = np.empty(size, dtype=np.int64)
         seq_lens = np.empty(size, dtype=np.int32)  # the batch's dtype: shipped as is
-        filled = np.empty(size, dtype=np.int64)
-        num_filled = self._decode.commit(
+        if self._filled.shape[1] < size:  # scratch reused across steps: no allocation
+            self._filled = np.empty((2, size), dtype=np.int64)
+            self._filled_tokens = np.empty((size, self.block_size), dtype=np.int32)
+        num_filled, max_blocks, max_len = self._decode.commit(
             rows, _NO_TOKENS if token_ids is None else token_ids, block_ids,
             self._num_tokens, self._num_blocks, self._block_ids, self._token_ids,
-            self.block_size, slots, num_blocks, seq_lens, filled)
-        return slots, num_blocks, seq_lens, filled[:num_filled]
+            self.block_size, slots, num_blocks, seq_lens, self._filled, self._filled_tokens)
+        return (slots, num_blocks, seq_lens, max_blocks, max_len,
+                self._filled[:, :num_filled], self._filled_tokens[:num_filled])
 
     def extend_row(self, row: int, old_len: int, new_len: int, block_ids: np.ndarray,
                    token_ids: np.ndarray | None) -> None:

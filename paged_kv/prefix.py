@@ -48,23 +48,21 @@ def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarra
     return len(lookup_prefix(allocator, chain, tokens, block_size)[1]) * block_size
 
 
-def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,
-                        columns: np.ndarray, block_size: int) -> None:
-    """Index the block each of `rows` just filled with its last token (a decode step):
-    column ``columns[i]`` of row ``rows[i]``."""
-    if rows.size == 0:
+def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: np.ndarray,
+                        filled_tokens: np.ndarray) -> None:
+    """Index the blocks a decode step filled with its last tokens: ``filled[:, i]`` is a row
+    and the block it filled, ``filled_tokens[i]`` that block's token ids (as
+    `PageTables.commit_decode` returns them, so nothing is gathered again)."""
+    rows, blocks = filled.tolist()
+    if not rows:
         return
-    row_list = rows.tolist()
-    parents = tables.chains(row_list)
+    parents = tables.chains(rows)
     if None in parents:  # rows whose ids are unknown somewhere are never indexed
         keep = [i for i, parent in enumerate(parents) if parent is not None]
-        rows, columns, row_list = rows[keep], columns[keep], [row_list[i] for i in keep]
-        parents = [parents[i] for i in keep]
-    # [rows, blocks, block_size] view: one gather yields each filled block's token ids
-    block_tokens = tables.token_ids.reshape(tables.token_ids.shape[0], -1, block_size)
-    keys = allocator.register_blocks(tables.block_ids[rows, columns].tolist(), parents,
-                                     encode_tokens(block_tokens[rows, columns]))
-    tables.set_chains(row_list, keys)
+        rows, blocks = [rows[i] for i in keep], [blocks[i] for i in keep]
+        parents, filled_tokens = [parents[i] for i in keep], filled_tokens[keep]
+    keys = allocator.register_blocks(blocks, parents, encode_tokens(filled_tokens))
+    tables.set_chains(rows, keys)
 
 
 def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,

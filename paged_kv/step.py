@@ -16,31 +16,22 @@ arrays); they agree by construction, and the tests compare them.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import read_only
-from ._tokens import Step
+from ._tokens import Step, decode_columns  # noqa: F401  (decode_columns: re-exported)
 from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .errors import OutOfBlocksError
-from .keys import encode_tokens, root_hash
+from .keys import TOKEN_BYTES, encode_tokens, root_hash
 from .page_table import PageTables
 from .pool import KVPool
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
 
 _NONE = np.empty(0, dtype=np.int64)
 _NO_COPIES = (_NONE, _NONE, _NONE)
-
-
-@functools.lru_cache(maxsize=1024)
-def decode_columns(size: int, known: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A decode step's ``counts`` (ones) and ``has_ids`` for `size` rows, read-only and
-    made once per batch size: a decode step should not allocate them every call."""
-    return read_only(np.ones(size, dtype=np.int64)), read_only(np.full(size, known))
 
 
 class StepPlan(NamedTuple):
@@ -135,43 +126,61 @@ class StepPlanner:
         """`PagedKVCache.admit` (arguments validated): lookup, plan, check, add the row,
         commit. The same steps and state changes as `add_row` then `commit` of the
         prompt's step, in scalar arithmetic on what the lookup found and with no step
-        objects: for short prompts an admission's fixed cost is most of its cost."""
-        block_size = self._block_size
-        chain, hits = self.lookup(tokens, salt)
+        objects: for short prompts an admission's fixed cost is most of its cost. The
+        prompt is encoded once, and the key the lookup hashed last is not hashed again."""
+        block_size, allocator = self._block_size, self._allocator
+        chain, hits, keys, data = self._match_prompt(tokens, salt)
         num_hit = len(hits) * block_size
         count = len(tokens) - num_hit
         count = count if max_tokens is None else min(count, max_tokens)
-        plan = self.plan_admission(len(hits), count, hits)
-        self.check(plan, "admit()")
+        end = num_hit + count
+        need = -(-end // block_size) - len(hits)
+        obtainable = allocator.num_obtainable_blocks - (
+            allocator.count_cached(hits) if hits else 0)
+        if need > obtainable:
+            raise OutOfBlocksError(need, obtainable, "admit()")
         row = self._tables.add(seq_id, chain, root_hash(salt) if self._indexing else None)
         if hits:
-            self._allocator.share(hits)
+            allocator.share(hits)
         if chain is not None:
-            self._allocator.count_prefix_lookup(len(tokens), num_hit)
-        new_ids = self._allocator.allocate(plan.requested) if plan.requested else _NONE
-        end = num_hit + count
-        self._tables.extend_row(row, 0, end, np.concatenate((np.array(hits, dtype=np.int64),
-                                                             new_ids)) if hits else new_ids,
-                                tokens[:end])
+            allocator.count_prefix_lookup(len(tokens), num_hit)
+        new_ids = allocator.allocate(need) if need else _NONE
+        ids = np.concatenate((np.array(hits, dtype=np.int64), new_ids)) if hits else new_ids
+        self._tables.extend_row(row, 0, end, ids, tokens[:end])
         # the hits are whole blocks: the prompt's next full blocks are the first new ones
         num_full = end // block_size - len(hits)
         if self._indexing and num_full > 0:
-            keys = self._allocator.register_chain(
+            keys = allocator.register_chain(
                 new_ids[:num_full].tolist(), chain,
-                encode_tokens(tokens[num_hit: num_hit + num_full * block_size]))
+                data[num_hit * TOKEN_BYTES: (num_hit + num_full * block_size) * TOKEN_BYTES],
+                keys[len(hits):])
             self._tables.set_chain(row, keys[-1])
-        return num_hit, self._admission_batch(seq_id, row, len(hits) + new_ids.size, end,
-                                              count, new_ids)
+        return num_hit, self._admission_batch(seq_id, ids, end, count, new_ids)
 
-    def _admission_batch(self, seq_id: SeqId, row: int, num_blocks: int, end: int,
-                         count: int, new_ids: np.ndarray) -> StepBatch:
-        """An admission's batch: its `count` new tokens fill `new_ids` from their start."""
+    def _match_prompt(self, tokens: np.ndarray, salt: str | None,
+                      ) -> tuple[bytes | None, list[int], list[bytes], bytes]:
+        """`lookup`, plus the keys it hashed and the prompt's encoding (whole)."""
+        chain = root_hash(salt)
+        data = encode_tokens(tokens)
+        num_full = (len(tokens) - 1) // self._block_size
+        if not self._indexing:
+            return None, [], [], data
+        if num_full <= 0:
+            return chain, [], [], data
+        hits, keys = self._allocator.match(chain, data[: num_full * self._block_size * TOKEN_BYTES],
+                                           num_full)
+        return (keys[len(hits) - 1] if hits else chain), hits, keys, data
+
+    def _admission_batch(self, seq_id: SeqId, ids: np.ndarray, end: int, count: int,
+                         new_ids: np.ndarray) -> StepBatch:
+        """An admission's batch: its row holds `ids`; its `count` new tokens fill `new_ids`
+        from their start."""
         block_size = self._block_size
         slots = (new_ids[:, None] * block_size + self._offsets).ravel()[:count]
         return StepBatch.from_host(
-            (seq_id,), self._tables.block_ids[row: row + 1, :num_blocks].copy(),
-            np.array([num_blocks]), np.array([end]), np.array([0, count]), slots, count,
-            count, block_size, self._device)
+            (seq_id,), ids.astype(np.int32)[None], np.array([ids.size]),
+            np.array([end], dtype=np.int32), np.array([0, count], dtype=np.int32), slots,
+            count, count, block_size, self._device, max_seq_len=end)  # int32: shipped as is
 
     def plan_admission(self, num_hit_blocks: int, count: int, hits: list[int]) -> StepPlan:
         """The plan of a new sequence's first step: `count` tokens after `hits`, its cached
@@ -249,40 +258,40 @@ class StepPlanner:
 
     def _commit_decode(self, step: Step, new_ids: np.ndarray) -> StepBatch:
         tables, rows = self._tables, step.rows
-        token_ids = step.token_ids if step.token_ids.size else None
-        slots, num_blocks, seq_lens, filled = tables.commit_decode(rows, token_ids, new_ids)
-        if token_ids is None:
-            tables.set_chains(rows.tolist(), [None] * rows.size)  # ids unknown: never indexed
-        elif self._indexing and filled.size:
-            # the block each filled row just filled is its last: column num_blocks - 1
-            index_filled_blocks(self._allocator, tables, rows[filled], num_blocks[filled] - 1,
-                                self._block_size)
+        known = step.token_ids.size > 0
+        slots, num_blocks, seq_lens, max_blocks, max_len, filled, filled_tokens = \
+            tables.commit_decode(rows, step.token_ids if known else None, new_ids)
+        if not known:
+            tables.set_chains(rows.tolist(), [None] * rows.size)  # never indexed
+        elif self._indexing and filled.shape[1]:
+            index_filled_blocks(self._allocator, tables, filled, filled_tokens)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         return StepBatch.from_host(
-            step.seq_ids, tables.block_ids[:, : int(num_blocks.max())][rows], num_blocks,
-            seq_lens, np.arange(rows.size + 1, dtype=np.int32), slots, rows.size, 1,
-            self._block_size, self._device)
+            step.seq_ids, tables.block_ids[:, :max_blocks][rows], num_blocks, seq_lens,
+            np.arange(rows.size + 1, dtype=np.int32), slots, rows.size, 1, self._block_size,
+            self._device, max_seq_len=max_len)
 
     def _commit_one(self, step: Step, new_ids: np.ndarray) -> StepBatch:
         tables, block_size = self._tables, self._block_size
-        row, count = int(step.rows[0]), int(step.counts[0])
-        old_len = int(tables.num_tokens[row])
+        # .item(): a Python int in one call (int(array[0]) makes a numpy scalar first)
+        row, count = step.rows.item(0), step.counts.item(0)
+        old_len = tables.num_tokens.item(row)
         new_len = old_len + count
-        known = bool(step.has_ids[0])
+        known = step.has_ids.item(0)
         tables.extend_row(row, old_len, new_len, new_ids, step.token_ids if known else None)
         if not known:
             tables.set_chain(row, None)
         elif self._indexing:
             index_row_blocks(self._allocator, tables, row, old_len // block_size,
                              new_len // block_size, block_size)
-        need = int(tables.num_blocks[row])
+        need = tables.num_blocks.item(row)
         block_table = tables.block_ids[row: row + 1, :need].copy()
         first = old_len % block_size
-        slots = (block_table[0, old_len // block_size:].astype(np.int64)[:, None] * block_size
-                 + np.arange(block_size)).ravel()[first: first + count]
+        slots = (block_table[0, old_len // block_size:, None].astype(np.int64) * block_size
+                 + self._offsets).ravel()[first: first + count]
         return StepBatch.from_host(step.seq_ids, block_table, np.array([need]),
                                    np.array([new_len]), np.array([0, count]), slots, count,
-                                   count, block_size, self._device)
+                                   count, block_size, self._device, max_seq_len=new_len)
 
     def _commit_rows(self, plan: StepPlan, new_ids: np.ndarray) -> StepBatch:
         tables, step = self._tables, plan.step

@@ -285,3 +285,54 @@ def test_match_stops_at_the_first_miss_and_returns_its_key():
                                                                hash_block(keys[0], bytes(16))])
     assert pieces[0] == data[:16]
     assert allocator.match(root_hash(), b"", 0) == ([], [])
+
+
+def test_decode_batch_seq_ids_survive_the_callers_array_and_later_frees():
+    """A decode batch's ids are looked up when first read: from the rows of that step, even
+    after the caller reused its rows array and a row changed owner."""
+    cache = PagedKVCache(tiny_config(block_size=4, num_blocks=32))
+    for seq_id in ("a", "b", "c"):
+        cache.admit(seq_id, [1, 2, 3])
+    rows = np.array([cache.tables.row_of["c"], cache.tables.row_of["a"]])
+    batch = cache.prepare_decode(rows, np.array([4, 5], dtype=np.int32))
+    rows[:] = cache.tables.row_of["b"]  # the caller reuses its array
+    cache.free("c")
+    cache.admit("d", [9, 9])  # takes c's row
+    assert batch.seq_ids == ("c", "a") and batch.batch_size == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_free_equals_one_owner_at_a_time(seed):
+    """`free` (unique or with repeats, shared and indexed blocks) leaves the same state and
+    events as dropping each owner in its own call, tail first."""
+    rng = np.random.default_rng(seed)
+
+    def build() -> tuple[BlockAllocator, list[int]]:
+        allocator = BlockAllocator(24)
+        ids = allocator.allocate(12).tolist()
+        allocator.register_chain(ids[:4], root_hash(None), np.arange(16, dtype="<i4").tobytes())
+        allocator.share(ids[2:7])
+        allocator.take_events()
+        return allocator, ids
+
+    fast, ids = build()
+    slow, _ = build()
+    picked = rng.choice(ids, rng.integers(1, 12), replace=False).tolist()
+    if seed % 2:
+        picked += rng.choice(ids[2:7], 2, replace=False).tolist()  # repeats of shared ones
+    fast.free(picked, unique=not seed % 2)
+    for block_id in dict.fromkeys(reversed(picked)):  # tail first, each block once
+        slow.free([block_id] * picked.count(block_id))
+    fast.check_invariants()
+    assert fast.snapshot()[:3] == slow.snapshot()[:3]
+    released = [b for e in fast.take_events() for b in e.block_ids]
+    assert sorted(released) == sorted(b for e in slow.take_events() for b in e.block_ids)
+
+
+@pytest.mark.parametrize("num_known", [0, 1, 3])
+def test_register_chain_with_known_keys_equals_hashing_all(num_known):
+    data = np.arange(12, dtype="<i4").tobytes()
+    plain, known = BlockAllocator(8), BlockAllocator(8)
+    keys = plain.register_chain([1, 2, 3], root_hash("t"), data)
+    assert known.register_chain([1, 2, 3], root_hash("t"), data, keys[:num_known]) == keys
+    assert plain.snapshot() == known.snapshot()
