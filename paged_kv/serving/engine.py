@@ -285,15 +285,14 @@ class Engine:
         try:
             return _draw_rows(logits, targets)
         except Exception as exc:
-            by_request: dict[int, list[tuple[int, Sequence]]] = {}
-            for row, target in targets:
-                by_request.setdefault(target.request.request_id, []).append((row, target))
-            if len(by_request) == 1:
+            parts = _by_request({target: row for row, target in targets})
+            if len(parts) == 1:
                 self._fail([t for _, t in targets], f"sampling failed on this step: {exc!r}")
                 return []
         for generator, state in states:  # as if the failed call had never drawn
             generator.set_state(state)
-        return [sample for part in by_request.values() for sample in self._draw(logits, part)]
+        return [sample for part in parts
+                for sample in self._draw(logits, [(row, seq) for seq, row in part.items()])]
 
     def _fail(self, seqs: abc.Iterable[Sequence], message: str) -> None:
         """Fail the requests of `seqs` (finish reason "error", `message` as their error);
@@ -308,8 +307,7 @@ class Engine:
         request = seq.request
         if seq.index or request.params.n == 1 or len(request.samples) == request.params.n:
             return [seq]
-        seed = request.samples[0].generator.initial_seed() if request.samples[0].generator \
-            else 0
+        seed = seq.generator.initial_seed() if seq.generator else 0  # (seq is sample 0)
         children = [Sequence(request, i, list(seq.token_ids), sample_generator(request.params,
                                                                          seed, i))
                     for i in range(1, request.params.n)]
@@ -322,10 +320,9 @@ class Engine:
         request = seq.request
         if request.on_output is None:
             return
-        # only a finished sample can finish its request: most steps skip the scan
-        done = seq.finish_reason is not None and all(
-            s.finish_reason for s in request.samples) and (
-            len(request.samples) == request.params.n or seq.finish_reason in ("abort", "error"))
+        finished = seq.finish_reason is not None and all(s.finish_reason for s in request.samples)
+        done = finished and (len(request.samples) == request.params.n
+                             or seq.finish_reason in ("abort", "error"))
         request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
                                      seq.finish_reason,
                                      request.output(time.perf_counter()) if done else None))
@@ -386,9 +383,8 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
     if not targets:
         return []
     rows = [row for row, _ in targets]
-    drawn = logits  # every row once, in order: the common case needs no copy
-    if len(rows) != len(logits) or rows != list(range(len(rows))):
-        drawn = logits.index_select(0, torch.tensor(rows))
+    drawn = (logits if rows == list(range(len(logits)))  # every row once: no copy
+             else logits.index_select(0, torch.tensor(rows)))
     picked = sample_rows(drawn, [t.request.params for _, t in targets],
                          [t.generator for _, t in targets])
     return [(seq, token, None if seq.request.params.logprobs is None else
@@ -397,7 +393,7 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
 
 
 def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
-    """`plan` cut into one part per request (a request's samples stay together), in order."""
+    """`plan` (samples to token counts or logits rows) cut into one part per request."""
     parts: dict[int, dict[Sequence, int]] = {}
     for seq, n in plan.items():
         parts.setdefault(seq.request.request_id, {})[seq] = n
