@@ -79,12 +79,9 @@ def test_chunk_template_gives_the_bytes_of_the_whole_dump(kind):
     for delta in ["a", '"', "\u00e9\n", "\x00", "", "x\ufffd", "\\u0000"]:
         for index in (0, 3):
             for reason, extra in ((None, {}), ("length", {}), ("stop", {"token_ids": [1]})):
-                if kind == "chat":
-                    choice = {"index": index, "delta": {"content": delta} if delta else {},
-                              "finish_reason": reason, "logprobs": None}
-                else:
-                    choice = {"index": index, "text": delta, "finish_reason": reason,
-                              "logprobs": None}
+                text = ({"delta": {"content": delta} if delta else {}} if kind == "chat"
+                        else {"text": delta})  # the OpenAI shapes, written out here
+                choice = {"index": index, **text, "finish_reason": reason, "logprobs": None}
                 want = f"data: {json.dumps({**head, 'choices': [{**choice, **extra}]})}\n\n"
                 assert encode(index, delta, reason, extra) == want
 
