@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import signal
 from collections.abc import Callable
 
 import zmq
@@ -17,6 +18,8 @@ from ..serving import EngineDeadError, SamplingParams, StepOutput
 from ..serving.limits import EngineLimits
 from . import ipc
 
+# a peer's exit codes when it was asked to stop: drained, Ctrl-C, a signal's default action
+_ASKED = frozenset({0, 130, -signal.SIGTERM, -signal.SIGINT})
 logger = logging.getLogger("paged_kv.server")
 _LAST_WORDS_S = 0.2  # after the core exits, how long its last messages may take to arrive
 _DEAD_EXIT_S = 1.0  # a dead core: answer 503 this long, then exit non-zero for a supervisor
@@ -37,11 +40,16 @@ class CoreClient:
         A file descriptor that turns readable when the core process ends.
     on_exit : callable, optional
         Called with the exit code the server should stop with once the core has stopped:
-        0 after a clean drain (`ipc.Bye`), 1 when it died.
+        0 after a clean drain (`ipc.Bye`), 1 when it died (or a peer did).
+    peers : list of multiprocessing.Process, optional
+        The other API server processes (the first one's forks): one that dies unasked
+        stops this server with exit code 1, as a dead core does, so a supervisor restarts
+        the whole server instead of it running on with fewer front processes.
     """
 
     def __init__(self, address: str, identity: bytes, limits: EngineLimits, core_sentinel: int,
-                 on_exit: Callable[[int], None] | None = None) -> None:
+                 on_exit: Callable[[int], None] | None = None, peers: list | None = None,
+                 ) -> None:
         self.limits, self.registry = limits, CollectorRegistry()
         self.dead: str | None = None
         self.draining = False  # the core said it drains: new requests get 503
@@ -55,6 +63,7 @@ class CoreClient:
         self._waiting = self._sent = 0
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._peers = list(peers or ())
 
     def start(self) -> None:
         """Connect and listen (on the running event loop)."""
@@ -67,11 +76,15 @@ class CoreClient:
         self._socket.send(ipc.encode(ipc.Hello()))
         self._reader = loop.create_task(self._read())
         loop.add_reader(self._sentinel, self._core_gone)
+        for peer in self._peers:
+            loop.add_reader(peer.sentinel, self._peer_gone, peer)
 
     def stop(self) -> None:
         """Stop listening and close the socket."""
         with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(self._sentinel)
+            loop = asyncio.get_running_loop()
+            for fd in (self._sentinel, *(peer.sentinel for peer in self._peers)):
+                loop.remove_reader(fd)
         if self._reader is not None:
             self._reader.cancel()
         if self._socket is not None:
@@ -167,6 +180,15 @@ class CoreClient:
         fresh.difference_update(request_id for request_id, _ in first)
         started = {request_id for request_id, _ in first}
         return first + [pair for pair in outputs if pair[0] not in started]
+
+    def _peer_gone(self, peer) -> None:
+        asyncio.get_running_loop().remove_reader(peer.sentinel)
+        peer.join(0)  # reaped: its exit code is known
+        if peer.exitcode in _ASKED or self.exit_code is not None:
+            return  # stopped with the rest of the server (SIGTERM drained, Ctrl-C)
+        logger.error("API server process %s exited with %s; stopping (exit 1) so that a "
+                     "supervisor restarts the whole server", peer.name, peer.exitcode)
+        self._finish(1)
 
     def _core_gone(self) -> None:
         loop = asyncio.get_running_loop()

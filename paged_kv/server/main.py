@@ -63,19 +63,21 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("serving on http://%s:%d (%d API server processes)", args.host,
                     sock.getsockname()[1], args.api_server_count)
         try:
-            code = run_front(0, args, core, sock, tokenizer, name)
+            code = run_front(0, args, core, sock, tokenizer, name, peers=fronts)
         finally:
             stop_fronts(fronts, args.drain_timeout + 10)
     return code
 
 
-def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name: str) -> int:
+def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name: str,
+              peers: list | None = None) -> int:
     """One API server process: the app over a `CoreClient`, under uvicorn on `sock`.
-    Returns the exit code (1 when the engine core died)."""
+    Returns the exit code (1 when the engine core, or one of `peers`, died)."""
     from .app import create_app
     from .client import CoreClient
 
-    client = CoreClient(core.address, b"api-%d" % index, core.limits, core.sentinel)
+    client = CoreClient(core.address, b"api-%d" % index, core.limits, core.sentinel,
+                        peers=peers)
     app = create_app(client, tokenizer, model_name=name, api_keys=args.api_keys_map,
                      max_waiting=args.max_waiting)
     # access_log off: warning level prints none, but uvicorn would still consult the logger

@@ -182,3 +182,20 @@ def test_two_api_servers_share_one_engine_core(tmp_path, reference):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
     assert _gone(children)
+
+
+def test_a_dead_api_server_stops_the_server_for_its_supervisor(tmp_path):
+    """A forked API server killed: the first one stops the whole server with exit code 1
+    (as for a dead core), instead of serving on with fewer processes; nothing outlives it."""
+    log = tmp_path / "log"
+    with running_server("--api-server-count", "2", log=log) as (proc, url):
+        children = _children(proc.pid)
+        command = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        forked = [pid for pid in children  # a fork runs the parent's command line
+                  if Path(f"/proc/{pid}/cmdline").read_bytes() == command]
+        assert len(forked) == 1, children
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        os.kill(forked[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1, log.read_text()
+        assert "API server process" in log.read_text()
+    assert _gone(children)
