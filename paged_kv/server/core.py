@@ -243,8 +243,9 @@ class EngineCore:
             return
         pending, self._pending = self._pending, {}
         engine = self.engine
+        # (the scheduler's queue, not engine.stats(): a whole snapshot each step for one int)
         waiting = engine.num_waiting_requests - (engine.max_num_seqs
-                                                 - engine.stats().num_running)
+                                                 - len(engine.scheduler.running))
         for front, outputs in pending.items():
             self._socket.send_multipart([front, ipc.encode(ipc.Outputs(outputs, waiting))])
 
