@@ -23,7 +23,7 @@ import zmq
 from ..events import KVEventsConfig
 from ..serving import Engine, EngineDeadError, StepOutput
 from ..serving.limits import EngineLimits
-from ..serving.sizing import cache_config_for_free_memory
+from ..serving.sizing import pool_config
 from ..tiers import TierConfig
 from . import ipc
 
@@ -37,19 +37,10 @@ def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                  tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None,
                  kv_events: KVEventsConfig | None = None) -> Engine:
     """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
-    memory (the host pool as much again for swap)."""
-    probe = model.cache_config(num_blocks=2, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-    if memory_fraction is not None:
-        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
-                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
-    else:
-        num_blocks = int(memory_mib * 2**20) // probe.bytes_per_block
-    if num_blocks < 2:
-        raise ValueError(f"argument --memory-mib: {memory_mib} MiB holds {num_blocks} KV "
-                         f"blocks of {probe.bytes_per_block} bytes; need at least 2")
-    cache_config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
-                                      num_host_blocks=num_blocks if preemption == "swap" else 0,
-                                      kv_cache_dtype=kv_cache_dtype)
+    memory (the host pool as much again for swap): `sizing.pool_config`."""
+    cache_config, _ = pool_config(model, block_size=block_size, memory_mib=memory_mib,
+                                  memory_fraction=memory_fraction, preemption=preemption,
+                                  kv_cache_dtype=kv_cache_dtype)
     return Engine(model, cache_config, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
                   tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
@@ -71,7 +62,6 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
         from ..serving.hf import HFCausalLM
 
         model = HFCausalLM.from_pretrained(args.model)
-    name = "paged-kv-tiny-llama" if args.model is None else Path(args.model).name
     return build_engine(model, memory_mib=args.memory_mib, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -79,7 +69,13 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                         kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         kv_tiers=TierConfig.from_args(args),
-                        kv_events=events_config(args, name))
+                        kv_events=events_config(args, model_name(args)))
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The id ``/v1/models`` reports: the checkpoint directory's name, or the embedded
+    model's."""
+    return "paged-kv-tiny-llama" if args.model is None else Path(args.model).name
 
 
 def events_config(args: argparse.Namespace, model_name: str) -> KVEventsConfig | None:

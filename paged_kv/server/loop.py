@@ -59,7 +59,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests that would wait for a running slot: those queued for the engine and
         waiting inside it, less the slots free now (so an idle server has none)."""
-        free = self.engine.max_num_seqs - self.engine.stats().num_running
+        free = self.engine.max_num_seqs - len(self.engine.scheduler.running)
         return self._inbox.qsize() + self.engine.num_waiting_requests - free
 
     # -- the surface the server uses (shared with `CoreClient`, the engine-core process's) -----

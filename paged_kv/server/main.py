@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .core import build_engine
+from .core import build_engine, model_name
 
 logger = logging.getLogger("paged_kv.server")
 __all__ = ["build_engine", "read_api_keys", "serve"]
@@ -94,9 +94,7 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
 def _tokenizer(args: argparse.Namespace):
     from .tokenizer import ByteTokenizer, HFTokenizer
 
-    if args.model is None:
-        return ByteTokenizer(), "paged-kv-tiny-llama"
-    return HFTokenizer(args.model), Path(args.model).name
+    return (ByteTokenizer() if args.model is None else HFTokenizer(args.model)), model_name(args)
 
 
 class _Server(uvicorn.Server):

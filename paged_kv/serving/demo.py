@@ -8,13 +8,12 @@ import numpy as np
 import torch
 
 from ..accounting import CacheStats
-from ..config import CacheConfig
 from ..tiers import TierConfig
 from ..tiers.manager import TiersStats
 from .engine import Engine
 from .model import TinyLlama, TinyLlamaConfig
 from .sampling import SamplingParams
-from .sizing import cache_config_for_free_memory
+from .sizing import pool_config
 
 
 def make_workload(num_requests: int, *, vocab_size: int, seed: int = 0,
@@ -58,8 +57,9 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
     """
     torch.manual_seed(seed)
     model = model if model is not None else TinyLlama(model_config, seed=seed)
-    cache_config, budget = _cache_config(model, block_size, memory_mib, memory_fraction,
-                                         preemption, kv_cache_dtype)
+    cache_config, budget = pool_config(model, block_size=block_size, memory_mib=memory_mib,
+                                       memory_fraction=memory_fraction, preemption=preemption,
+                                       kv_cache_dtype=kv_cache_dtype)
     engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
                     tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers)
@@ -111,26 +111,6 @@ def tiers_report(stats: TiersStats) -> dict:
     report["fetches"] = {"done": stats.fetches, "deadline_fallbacks": stats.deadline_fallbacks,
                          "skipped": stats.skipped_fetches, "dropped_writes": stats.dropped_writes}
     return report
-
-
-def _cache_config(model: torch.nn.Module, block_size: int, memory_mib: float,
-                  memory_fraction: float | None, preemption: str, kv_cache_dtype: str,
-                  ) -> tuple[CacheConfig, int]:
-    """The pool's config and byte budget: `memory_mib`, or `memory_fraction` of the free
-    memory (a host pool as large for swap)."""
-    probe = model.cache_config(num_blocks=2, block_size=block_size,
-                               kv_cache_dtype=kv_cache_dtype)
-    if memory_fraction is not None:
-        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
-                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
-        budget = num_blocks * probe.bytes_per_block
-    else:
-        budget = int(memory_mib * 2**20)
-        num_blocks = budget // probe.bytes_per_block
-    config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
-                                num_host_blocks=num_blocks if preemption == "swap" else 0,
-                                kv_cache_dtype=kv_cache_dtype)
-    return config, budget
 
 
 def _serve(engine: Engine, num_requests: int, progress: bool,

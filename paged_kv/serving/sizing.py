@@ -105,3 +105,31 @@ def cache_config_for_free_memory(model: torch.nn.Module,
                 block_size, config.num_usable_blocks * block_size, config.total_bytes / 2**30,
                 memory_fraction, free / 2**30)
     return config
+
+
+def pool_config(model: torch.nn.Module, *, block_size: int, memory_mib: float,
+                memory_fraction: float | None = None, preemption: str = "recompute",
+                kv_cache_dtype: str = "auto") -> tuple[CacheConfig, int]:
+    """The pool `paged-kv demo` and `serve` run on, and its byte budget: `memory_mib` of
+    K/V, or `memory_fraction` of the free memory; a host pool as large for swap.
+
+    Raises
+    ------
+    ValueError
+        `memory_mib` holds fewer than 2 blocks (one is the null block).
+    """
+    probe = model.cache_config(num_blocks=2, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    if memory_fraction is not None:
+        num_blocks = cache_config_for_free_memory(model, memory_fraction, block_size=block_size,
+                                                  kv_cache_dtype=kv_cache_dtype).num_blocks
+        budget = num_blocks * probe.bytes_per_block
+    else:
+        budget = int(memory_mib * 2**20)
+        num_blocks = budget // probe.bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"argument --memory-mib: {memory_mib} MiB holds {num_blocks} KV "
+                         f"blocks of {probe.bytes_per_block} bytes; need at least 2")
+    config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                num_host_blocks=num_blocks if preemption == "swap" else 0,
+                                kv_cache_dtype=kv_cache_dtype)
+    return config, budget
