@@ -20,7 +20,7 @@ import torch
 
 from ._checks import require_known, require_new, require_resident
 from ._tensor_ops import TensorOps
-from ._tokens import Step, parse_step, tokens_to_array
+from ._tokens import Step, decode_columns, parse_step, tokens_to_array
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
@@ -30,7 +30,7 @@ from .host import HostTier
 from .kernels.quant import raw
 from .page_table import PageTables
 from .pool import KVPool
-from .step import StepPlan, StepPlanner, decode_columns
+from .step import StepPlan, StepPlanner
 
 
 class PagedKVCache(TensorOps):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._tokens import Step, decode_columns  # noqa: F401  (decode_columns: re-exported)
+from ._tokens import Step
 from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
 from .config import CacheConfig
@@ -40,8 +40,8 @@ class StepPlan(NamedTuple):
 
     Attributes
     ----------
-    step : Step or None
-        The parsed step (None for an admission's: its row does not exist yet).
+    step : Step
+        The parsed step.
     requested : int
         Blocks the step takes: new blocks plus copy-on-write copies.
     new_blocks : np.ndarray or None
@@ -50,16 +50,12 @@ class StepPlan(NamedTuple):
     copies : tuple of np.ndarray
         Copy-on-write: ``[C]`` rows, the column of each row's partly filled last block, and
         that block (the copy's source).
-    revived : int
-        Cached blocks an admission's prefix hits take out of the evictable set (they stop
-        being obtainable once the sequence owns them).
     """
 
-    step: Step | None
+    step: Step
     requested: int
     new_blocks: np.ndarray | None
     copies: tuple[np.ndarray, np.ndarray, np.ndarray] = _NO_COPIES
-    revived: int = 0
 
     def per_sequence(self) -> np.ndarray:
         """``[B]`` int64 blocks each sequence takes (a copy counted for the one making it)."""
@@ -182,14 +178,6 @@ class StepPlanner:
             np.array([end], dtype=np.int32), np.array([0, count], dtype=np.int32), slots,
             count, count, block_size, self._device, max_seq_len=end)  # int32: shipped as is
 
-    def plan_admission(self, num_hit_blocks: int, count: int, hits: list[int]) -> StepPlan:
-        """The plan of a new sequence's first step: `count` tokens after `hits`, its cached
-        prefix (full blocks, so nothing to copy); `admit` commits it."""
-        block_size = self._block_size
-        need = -(-(num_hit_blocks * block_size + count) // block_size) - num_hit_blocks
-        revived = self._allocator.count_cached(hits) if hits else 0
-        return StepPlan(None, need, np.array([need]), revived=revived)
-
     def _plan_one(self, step: Step) -> StepPlan:
         # scalar arithmetic: array bookkeeping costs more than it saves at B = 1
         tables, block_size = self._tables, self._block_size
@@ -234,7 +222,7 @@ class StepPlanner:
 
     def check(self, plan: StepPlan, what: str = "prepare()") -> None:
         """Raise `OutOfBlocksError` unless the blocks `plan` takes are obtainable now."""
-        obtainable = self._allocator.num_obtainable_blocks - plan.revived
+        obtainable = self._allocator.num_obtainable_blocks
         if plan.requested > obtainable:
             raise OutOfBlocksError(plan.requested, obtainable, what)
 
