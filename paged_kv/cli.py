@@ -149,6 +149,16 @@ def _model_dir(text: str) -> str:
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory (a local Hugging Face "
                                          "checkpoint: config.json and weights)")
+    try:  # refuse a model the kernels would serve wrong tokens, before anything starts
+        from .serving.hf import UnsupportedModelError, check_checkpoint
+    except ImportError:  # no hf extra: loading the model says so
+        return text
+    try:
+        check_checkpoint(text)
+    except UnsupportedModelError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except (OSError, ValueError):  # no readable config.json: loading it names the problem
+        pass
     return text
 
 

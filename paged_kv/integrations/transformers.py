@@ -36,6 +36,7 @@ from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import OutOfBlocksError
+from .hf_support import require_supported, window_features
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -381,16 +382,11 @@ class _PagedLayer(CacheLayerMixin):
 
 
 def _require_full_attention(text_config: object) -> None:
-    """Raise ValueError unless every layer attends to the whole past (no window, no state)."""
-    kinds = getattr(text_config, "layer_types", None)
-    if kinds is None:
-        windowed = (getattr(text_config, "sliding_window", None)
-                    or getattr(text_config, "attention_chunk_size", None))
-        kinds = ["sliding_attention" if windowed else "full_attention"]
-    other = sorted(set(kinds) - {"full_attention"})
-    if other:
-        raise ValueError(f"PagedCache: every layer must be full attention; this config has "
-                         f"{other} layers (use DynamicCache for those models)")
+    """Raise `UnsupportedModelError` (a ValueError) unless every layer attends to the whole
+    past. Soft-capped logits and attention sinks are fine here: the model's own attention
+    function runs on the K/V `update` returns."""
+    require_supported(text_config, "PagedCache (use DynamicCache for this model)",
+                      window_features(text_config))
 
 
 __all__ = ["PagedCache"]

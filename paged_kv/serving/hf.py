@@ -16,6 +16,12 @@ import torch
 
 from ..cache import PagedKVCache
 from ..config import CacheConfig
+from ..integrations.hf_support import (
+    UnsupportedModelError,
+    loaded_model_features,
+    require_supported,
+    unsupported_features,
+)
 from ..page_table import StepBatch
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -27,6 +33,7 @@ def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``query (1, Hq, N, D)``, ``key/value (1, Hkv, N, D)``
     -> ``(1, N, Hq, D)``, through ``paged_kv_cache`` and ``paged_kv_batch`` in `kwargs`."""
+    _refuse_unimplemented(module, kwargs)
     cache: PagedKVCache = kwargs["paged_kv_cache"]
     batch: StepBatch = kwargs["paged_kv_batch"]
     layer = module.layer_idx
@@ -34,6 +41,22 @@ def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                 batch)
     out = cache.attention(layer, query[0].transpose(0, 1).contiguous(), batch, scale=scaling)
     return out[None], None
+
+
+def _refuse_unimplemented(module: torch.nn.Module, kwargs: dict) -> None:
+    """The last guard against wrong tokens: a layer that asks the attention function for a
+    window, a soft-cap or sinks the kernels do not compute (a model the config check did not
+    know) fails its step instead of attending to everything."""
+    window = kwargs.get("sliding_window")
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    asked = [f"{name}={kwargs[name]!r}" for name in ("softcap", "s_aux", "sinks")
+             if kwargs.get(name) is not None]
+    if window is not None and (limit is None or window < limit):
+        asked.append(f"sliding_window={window}")
+    if asked:
+        raise UnsupportedModelError(
+            f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} asks the "
+            f"paged attention for {', '.join(asked)}, which its kernels do not implement")
 
 
 def _register() -> None:
@@ -62,10 +85,19 @@ class HFCausalLM(torch.nn.Module):
     eos_token_ids : tuple of int
         The checkpoint's ``generation_config.eos_token_id`` (one id or several; the model
         config's when there is no generation config): the engine stops a sequence at them.
+
+    Raises
+    ------
+    UnsupportedModelError
+        A ValueError: the model asks for attention the paged kernels do not implement — a
+        sliding window, chunked or linear layers, soft-capped attention logits, learned
+        sinks — and would be served wrong tokens (see `paged_kv.integrations.hf_support`).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
+        require_supported(model.config, type(self).__name__,
+                          unsupported_features(model.config) + loaded_model_features(model))
         _register()
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         self.model = model.eval()
@@ -80,11 +112,22 @@ class HFCausalLM(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFCausalLM:
-        """Load a checkpoint from a local directory (never downloads)."""
+        """Load a checkpoint from a local directory (never downloads).
+
+        Raises
+        ------
+        FileNotFoundError
+            `path` is not a local directory.
+        UnsupportedModelError
+            A ValueError: the config asks for attention the kernels do not implement (a
+            window, chunked or linear layers, soft-capped logits, sinks), checked before
+            any weight is read.
+        """
         from transformers import AutoModelForCausalLM
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model path {str(path)!r} is not a local directory")
+        check_checkpoint(path)
         _register()
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                      attn_implementation=ATTN_IMPLEMENTATION)
@@ -111,6 +154,21 @@ class HFCausalLM(torch.nn.Module):
                             use_cache=False, logits_to_keep=logits_indices,
                             paged_kv_cache=cache, paged_kv_batch=batch)
         return output.logits[0].float()
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Refuse a local checkpoint whose config asks for attention the paged kernels do not
+    implement, reading only its ``config.json`` (no weights).
+
+    Raises
+    ------
+    UnsupportedModelError
+        Naming the model type and each setting (a ValueError).
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    require_supported(config, f"model {Path(path).name!r}")
 
 
 def _eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:

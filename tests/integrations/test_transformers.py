@@ -249,5 +249,29 @@ def test_rejects_models_with_windowed_layers():
     config = transformers.MistralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2,
                                         intermediate_size=128, sliding_window=8)
-    with pytest.raises(ValueError, match="full attention"):
+    with pytest.raises(ValueError, match=r"'mistral'.*sliding_window=8 on every layer"):
         PagedCache(config, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", ["gemma2 softcap", "gpt-oss sinks"])
+def test_softcap_and_sinks_on_full_layers_match_dynamic_cache(family):
+    """`PagedCache` hands the model its K/V and the model's own attention applies the
+    soft-cap or the sinks, so these are served (the paged kernels' `HFCausalLM` refuses
+    them): greedy tokens equal `DynamicCache`'s."""
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  layer_types=["full_attention"] * 2, initializer_range=0.3)
+    if family == "gemma2 softcap":
+        config = transformers.Gemma2Config(query_pre_attn_scalar=16, **common)
+    else:
+        config = transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2,
+                                           **common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    model.config._attn_implementation = "eager"
+    ids = prompt(33)
+    want = model.generate(ids, cache=dynamic(model), **GREEDY)
+    cache = paged(model)
+    got = model.generate(ids, cache=cache, **GREEDY)
+    assert torch.equal(got, want)
+    assert cache.num_used_blocks == expected_blocks(got)
