@@ -273,6 +273,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
     serve.add_argument("--api-server-count", type=_at_least(int, 1), default=1,
                        help="API server processes (HTTP, tokenization, SSE) sharing the one "
                             "engine-core process and the listening socket")
+    _add_request_limits(serve)
     events = serve.add_argument_group("KV events, for cache-aware routers (the events extra)")
     events.add_argument("--kv-events", metavar="ENDPOINT", default=None,
                         help="publish the prefix index's changes in vLLM's wire format on this "
@@ -286,6 +287,18 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
                         help="put token ids in BlockStored events: they are the tenants' "
                              "prompts, so off unless you allow it")
     serve.set_defaults(run=_serve)
+
+
+def _add_request_limits(serve: argparse.ArgumentParser) -> None:
+    """What one request may ask (the defaults are `server.protocol.InputLimits`'s; that
+    module needs the serve extra, so they are repeated here)."""
+    limits = serve.add_argument_group("what one request may ask")
+    limits.add_argument("--max-logprobs", type=_at_least(int, 0), default=20,
+                        help="the most top log-probabilities per token (logprobs, "
+                             "top_logprobs, prompt_logprobs); more is a 400, as in vLLM")
+    limits.add_argument("--max-request-bytes", type=_at_least(int, 1),
+                        default=4 * 2**20,
+                        help="a larger request body is refused (413) before it is parsed")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import error_response
+from .protocol import DEFAULT_LIMITS, InputLimits, error_response
 from .routes import chat, completions, router
 from .seam import EngineClient
 from .service import ApiError, OpenAIService
@@ -21,13 +21,14 @@ _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/h
 
 
 def create_app(loop: EngineClient, tokenizer, *, model_name: str,
-               api_keys: dict[str, str] | None = None, max_waiting: int = 256) -> FastAPI:
+               api_keys: dict[str, str] | None = None, max_waiting: int = 256,
+               input_limits: InputLimits = DEFAULT_LIMITS) -> FastAPI:
     """The server's app over a started-or-not `EngineLoop` or `CoreClient` (started and
     stopped with the app);
     the arguments are `OpenAIService`'s. With `api_keys`, every /v1 request needs
     ``Authorization: Bearer KEY``, checked before its body is read."""
     service = OpenAIService(loop, tokenizer, model_name=model_name, api_keys=api_keys,
-                            max_waiting=max_waiting)
+                            max_waiting=max_waiting, input_limits=input_limits)
     app = FastAPI(title="paged_kv", lifespan=_lifespan(loop))
     app.state.service, app.state.created = service, int(time.time())
     app.add_exception_handler(ApiError, _api_error)

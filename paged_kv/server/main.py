@@ -75,11 +75,13 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
     Returns the exit code (1 when the engine core, or one of `peers`, died)."""
     from .app import create_app
     from .client import CoreClient
+    from .protocol import InputLimits
 
     client = CoreClient(core.address, b"api-%d" % index, core.limits, core.sentinel,
                         peers=peers)
     app = create_app(client, tokenizer, model_name=name, api_keys=args.api_keys_map,
-                     max_waiting=args.max_waiting)
+                     max_waiting=args.max_waiting,
+                     input_limits=InputLimits(args.max_logprobs, args.max_request_bytes))
     # access_log off: warning level prints none, but uvicorn would still consult the logger
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=args.drain_timeout))

@@ -3,15 +3,26 @@
 Every field of OpenAI's and vLLM's requests is either honoured or, when set to anything but
 its neutral value, refused with a 400 naming it: an evaluation harness must never get
 numbers computed without the option it asked for. Unknown fields are ignored (clients send
-more than any server uses).
+more than any server uses). Checks sit on the field they refuse (field validators), so the
+400 names it in ``param``; every integer has an upper bound, so nothing a client sends is
+too large to reach the engine core (msgpack carries 64-bit integers).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+MAX_INT = 2**63 - 1  # the largest integer msgpack (msgspec) sends as a signed int
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a million-token prompt as text; far past any context
+
+Count = Annotated[int, Field(ge=1, le=MAX_INT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_INT)]  # --max-logprobs bounds it (service)
 
 # fields this server cannot honour, and the value that means "not asked for"
 _UNSUPPORTED: dict[str, Any] = {
@@ -22,15 +33,47 @@ _UNSUPPORTED: dict[str, Any] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class InputLimits:
+    """What one request may ask of the API server (``paged-kv serve`` flags).
+
+    Parameters
+    ----------
+    max_logprobs : int
+        The most top log-probabilities per token: ``logprobs``, chat's ``top_logprobs``
+        and ``prompt_logprobs`` (``--max-logprobs``; vLLM's default, 20).
+    max_request_bytes : int
+        The largest request body, refused with 413 before it is parsed
+        (``--max-request-bytes``).
+    """
+
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: expected >= 0, got {self.max_logprobs}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: expected >= 1, got {self.max_request_bytes}")
+
+
+DEFAULT_LIMITS = InputLimits()
+
+
+def _no_stream(info: ValidationInfo) -> None:
+    if info.data.get("stream"):
+        raise ValueError("not supported with stream: true; ask for a whole completion")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = None
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    n: int = Field(default=1, ge=1)
-    best_of: int | None = Field(default=None, ge=1)
+    n: Count = 1
+    best_of: Count | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 2**16)  # torch's range
     stop: str | list[str] | None = None
     stream: bool = False
@@ -38,18 +81,18 @@ class _Sampling(BaseModel):
     user: str | None = None  # metadata only
     response_format: dict | None = None
     # vLLM's extensions
-    top_k: int = Field(default=0, ge=-1)  # -1 and 0: all tokens
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT)  # -1 and 0: all tokens
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: NumLogprobs | None = None
     # refused unless neutral (see _UNSUPPORTED)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict | None = None
     min_p: float = 0.0
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=-MAX_INT, le=MAX_INT)
     suffix: str | None = None
     tools: list | None = None
     tool_choice: Any = None
@@ -60,21 +103,43 @@ class _Sampling(BaseModel):
     guided_choice: list | None = None
     guided_grammar: str | None = None
 
-    @model_validator(mode="after")
-    def _refuse_what_is_not_honoured(self) -> _Sampling:
-        for name, neutral in _UNSUPPORTED.items():
-            value = getattr(self, name, neutral)
-            if value not in (neutral, None) and value != {} and value != []:
-                raise ValueError(f"{name}: not supported by this server (got {value!r}); "
-                                 f"leave it out")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of: only best_of == n is supported (got {self.best_of}, "
-                             f"n={self.n})")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed with stream: true")
-        return self
+    @field_validator(*_UNSUPPORTED)
+    @classmethod
+    def _refuse_what_is_not_honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = _UNSUPPORTED[info.field_name]
+        if value not in (neutral, None) and value != {} and value != []:
+            raise ValueError(f"not supported by this server (got {value!r}); leave it out")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"only best_of == n is supported (got {value}, n={n})")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict | None) -> dict | None:
+        if value and value.get("type", "text") != "text":
+            raise ValueError("only {'type': 'text'} is supported")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, value: dict | None, info: ValidationInfo,
+                                      ) -> dict | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None:
+            _no_stream(info)  # (as vLLM: a stream has nowhere to put them)
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
@@ -87,24 +152,35 @@ class _Sampling(BaseModel):
         """Top log-probabilities asked for per generated token (None: none)."""
         return None
 
+    @property
+    def logprob_asks(self) -> dict[str, int]:
+        """``{field: how many top log-probabilities it asks for}``, for the fields set (each
+        bounded by `InputLimits.max_logprobs`)."""
+        return {} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs}
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a prompt as text or as token ids."""
 
-    prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[int]  # token ids: the engine's vocabulary bounds them (service)
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
-    @model_validator(mode="after")
-    def _no_streamed_logprobs(self) -> CompletionRequest:
-        if self.stream and (self.logprobs is not None or self.echo):
-            raise ValueError("logprobs: not supported with stream: true (nor echo); "
-                             "ask for a whole completion")
-        return self
+    @field_validator("logprobs", "echo")
+    @classmethod
+    def _no_streamed_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False):
+            _no_stream(info)
+        return value
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def logprob_asks(self) -> dict[str, int]:
+        asks = super().logprob_asks
+        return asks if self.logprobs is None else {"logprobs": self.logprobs, **asks}
 
 
 class TextPart(BaseModel):
@@ -124,14 +200,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
-    @model_validator(mode="after")
-    def _text_parts_only(self) -> ChatMessage:
-        if isinstance(self.content, list):
-            for part in self.content:
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[TextPart]) -> str | list[TextPart]:
+        if isinstance(content, list):
+            for part in content:
                 if part.type != "text" or part.text is None:
-                    raise ValueError(f"content: only text parts are supported, got a "
-                                     f"{part.type!r} part")
-        return self
+                    raise ValueError(f"only text parts are supported, got a {part.type!r} "
+                                     f"part")
+        return content
 
     def as_template_message(self) -> dict[str, str]:
         """``{"role", "content"}`` for a chat template: parts joined, ``developer`` as
@@ -146,22 +223,33 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: NumLogprobs | None = None
 
-    @model_validator(mode="after")
-    def _logprobs_shape(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
-        if self.stream and self.logprobs:
-            raise ValueError("logprobs: not supported with stream: true; ask for a whole "
-                             "completion")
-        return self
+    @field_validator("logprobs")
+    @classmethod
+    def _no_streamed_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value:
+            _no_stream(info)
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def logprob_asks(self) -> dict[str, int]:
+        asks = super().logprob_asks
+        return asks if self.top_logprobs is None else {"top_logprobs": self.top_logprobs,
+                                                       **asks}
 
 
 def bearer_tenant(api_keys: dict[str, str] | None, authorization: str) -> str | None:
@@ -184,6 +272,8 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    # a message never fails to encode (a lone surrogate quoted from a request would)
+    message = message.encode("utf-8", "backslashreplace").decode()
     return JSONResponse({"error": {"message": message, "type": type_, "param": param,
                                    "code": code if code is not None else str(status)}},
                         status_code=status, headers=headers)

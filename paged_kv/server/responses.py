@@ -46,13 +46,50 @@ def final_body(job: Job, model_name: str, tokenizer) -> dict:
             choice.update(prompt_token_ids=generation.prompt_token_ids,
                           token_ids=c.token_ids)
         choices.append(choice)
-    return {"id": job.response_id, "object": "chat.completion" if kind == "chat"
-            else "text_completion", "created": int(time.time()), "model": model_name,
-            "choices": choices, "usage": generation.usage()}
+    out = {"id": job.response_id, "object": "chat.completion" if kind == "chat"
+           else "text_completion", "created": int(time.time()), "model": model_name,
+           "choices": choices, "usage": generation.usage()}
+    if body.prompt_logprobs is not None:  # where vLLM puts them: per choice, or the chat's
+        rows = prompt_logprobs(tokenizer, generation, body.prompt_logprobs)
+        for choice in choices if kind == "text" else [out]:
+            choice["prompt_logprobs"] = rows
+    return out
 
 
 def _top(entries: dict[int, float], num: int) -> list[tuple[int, float]]:
     return sorted(entries.items(), key=lambda item: -item[1])[:num]
+
+
+def prompt_logprobs(tokenizer, generation: Generation, num: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for it and the `num` likeliest.
+
+    The engine sent its `computed` likeliest (at least `num`, more when ``echo`` asked for
+    more) and the prompt's token, so a rank (1: the likeliest) is known within those; the
+    prompt's token outside them has ``rank`` null (the whole vocabulary is not ranked)."""
+    rows = generation.output.prompt_logprobs if generation.output else None
+    computed = generation.params.prompt_logprobs or 0
+    texts: dict[int, str] = {}  # a prompt's top tokens repeat: decode each once
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = tokenizer.decode([token])
+        return texts[token]
+
+    out: list[dict | None] = []
+    for token, entries in zip(generation.prompt_token_ids, rows or [None], strict=False):
+        if entries is None:
+            out.append(None)
+            continue
+        likeliest = _top({t: lp for t, lp in entries.items() if t != token}
+                         if len(entries) > computed else entries, computed)
+        ranks = {t: rank for rank, (t, _) in enumerate(likeliest, 1)}
+        row = {str(token): {"logprob": entries[token], "rank": ranks.get(token),
+                            "decoded_token": text(token)}}
+        row.update((str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": text(t)})
+                   for t, lp in likeliest[:num])
+        out.append(row)
+    return out
 
 
 def completion_logprobs(tokenizer, generation: Generation, token_ids: list[int],

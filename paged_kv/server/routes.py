@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -16,9 +17,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from .protocol import ChatCompletionRequest, CompletionRequest, error_response
+from .protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_response,
+)
 from .responses import EventStream, error_body, final_body, stream_events
-from .service import Job, OpenAIService
+from .service import ApiError, Job, OpenAIService
 
 router = APIRouter()
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -34,12 +40,16 @@ def tenant(request: Request) -> str | None:
     return getattr(request.state, "tenant", None)
 
 
-async def parse_body(request: Request, model: type[_Body]) -> _Body:
+async def parse_body(request: Request, model: type[_Body],
+                     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> _Body:
     """The request's JSON body as `model`, refused as FastAPI refuses a body parameter (the
     same `RequestValidationError`, so the same 400s), without FastAPI's per-request body and
     dependency machinery: a good part of a request's CPU in the API server, and of the
-    time before it reaches the engine."""
-    raw = await request.body()
+    time before it reaches the engine. Beyond FastAPI, what would have been a 500 is a 400
+    naming the field: a body that is not UTF-8, an integer literal too long for Python (more
+    than 4300 digits), a lone surrogate (``"\\ud800"``: valid JSON, not text); and a body
+    past `max_bytes` is a 413 (`ApiError`) before it is read whole."""
+    raw = await read_body(request, max_bytes)
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",),
                                        "msg": "Field required", "input": None}])
@@ -53,6 +63,14 @@ async def parse_body(request: Request, model: type[_Body]) -> _Body:
             raise RequestValidationError([{
                 "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
                 "input": {}, "ctx": {"error": exc.msg}}]) from None
+        except ValueError as exc:  # not UTF-8, or an integer literal past 4300 digits
+            raise RequestValidationError([json_value_error(raw, exc)]) from None
+        except RecursionError:  # arrays or objects nested past Python's stack
+            raise RequestValidationError([{
+                "type": "json_invalid", "loc": ("body",), "input": {},
+                "msg": "JSON nested too deeply"}]) from None
+        if ESCAPED_SURROGATE.search(raw):  # (a cheap scan; most bodies have none)
+            check_text(data)
     try:
         return model.model_validate(data, from_attributes=True)
     except ValidationError as exc:
@@ -60,18 +78,108 @@ async def parse_body(request: Request, model: type[_Body]) -> _Body:
                                       for e in exc.errors(include_url=False)]) from None
 
 
+# a JSON escape of a UTF-16 surrogate: a lone one is valid JSON and not text (pairs are fine)
+ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class _LongInt:
+    """An integer literal Python refuses to convert (more than 4300 digits)."""
+
+    def __init__(self, literal: str) -> None:
+        self.digits = len(literal.lstrip("-"))
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body; 413 (`ApiError`) as soon as it is known to pass `max_bytes`, from
+    its Content-Length or while it arrives, so a huge body is neither kept nor parsed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body: {size} bytes or more, past this server's limit of "
+                         f"{max_bytes} (--max-request-bytes); send a shorter prompt")
+
+
+def json_value_error(raw: bytes, exc: ValueError) -> dict:
+    """The validation error of a body `json.loads` refused other than as malformed JSON:
+    bytes that are not UTF-8 (at the body), or an integer literal past Python's limit on
+    digits (at the field that holds it, found by parsing again with a stand-in for it)."""
+    if isinstance(exc, UnicodeDecodeError):
+        return {"type": "json_invalid", "loc": ("body",), "input": {},
+                "msg": f"not UTF-8 text (byte {exc.start}: {exc.reason})"}
+
+    def parse_int(literal: str) -> int | _LongInt:
+        try:
+            return int(literal)
+        except ValueError:
+            return _LongInt(literal)
+
+    found = _find(json.loads(raw, parse_int=parse_int), lambda v: isinstance(v, _LongInt))
+    if found is None:  # not an integer after all: say what json said
+        return {"type": "json_invalid", "loc": ("body",), "input": {}, "msg": str(exc)}
+    path, value = found
+    return {"type": "int_parsing", "loc": ("body", *path), "input": {},
+            "msg": f"an integer literal of {value.digits} digits is out of range"}
+
+
+def check_text(data: Any) -> None:
+    """Refuse a string holding a lone surrogate anywhere in `data` (`RequestValidationError`
+    at its field): no tokenizer can encode it, nor can a response quote it."""
+
+    def lone_surrogate(value: Any) -> bool:
+        if not isinstance(value, str):
+            return False
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    found = _find(data, lone_surrogate)
+    if found is not None:
+        path, text = found
+        where = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+        raise RequestValidationError([{
+            "type": "string_unicode", "loc": ("body", *path), "input": {},
+            "msg": f"a lone surrogate ({text[where]!a}) at character {where} is not "
+                   f"text; send valid Unicode"}])
+
+
+def _find(data: Any, match) -> tuple[tuple, Any] | None:
+    """``(path, value)`` of the first value in nested lists and dicts that `match`es."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if match(value):
+            return path, value
+        if isinstance(value, dict):
+            stack += reversed([((*path, key), item) for key, item in value.items()])
+        elif isinstance(value, list):
+            stack += reversed([((*path, i), item) for i, item in enumerate(value)])
+    return None
+
+
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    body = await parse_body(request, CompletionRequest)
     svc = service(request)
+    body = await parse_body(request, CompletionRequest, svc.input_limits.max_request_bytes)
     job = await svc.start(body, svc.completion_prompt(body), tenant(request), "text")
     return await _answer(svc, job, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request) -> Response:
-    body = await parse_body(request, ChatCompletionRequest)
     svc = service(request)
+    body = await parse_body(request, ChatCompletionRequest, svc.input_limits.max_request_bytes)
     job = await svc.start(body, svc.chat_prompt(body), tenant(request), "chat")
     return await _answer(svc, job, request)
 

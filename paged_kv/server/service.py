@@ -11,7 +11,13 @@ from prometheus_client import Counter, Histogram
 from ..keys import HASH_SCHEME
 from ..serving import EngineDeadError, SamplingParams
 from .generation import Generation
-from .protocol import ChatCompletionRequest, CompletionRequest, bearer_tenant
+from .protocol import (
+    DEFAULT_LIMITS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InputLimits,
+    bearer_tenant,
+)
 from .seam import EngineClient
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -49,12 +55,16 @@ class OpenAIService:
         ``{key: tenant}``; the tenant is the prefix-cache salt. None: single tenant, no auth.
     max_waiting : int
         Requests that would wait for a running slot beyond this get 429.
+    input_limits : InputLimits
+        What one request may ask (log-probabilities, body size).
     """
 
     def __init__(self, loop: EngineClient, tokenizer, *, model_name: str,
-                 api_keys: dict[str, str] | None = None, max_waiting: int = 256) -> None:
+                 api_keys: dict[str, str] | None = None, max_waiting: int = 256,
+                 input_limits: InputLimits = DEFAULT_LIMITS) -> None:
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
         self.api_keys, self.max_waiting = api_keys, max_waiting
+        self.input_limits = input_limits
         registry = loop.registry
         self.requests = Counter("paged_kv_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=registry)
@@ -73,17 +83,24 @@ class OpenAIService:
             raise ApiError(401, str(exc)) from None
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        """The prompt's token ids."""
+        """The prompt's token ids; 400 for text the tokenizer refuses."""
         prompt = body.prompt
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(prompt, str):
+            return prompt
+        try:
+            return self.tokenizer.encode(prompt)
+        except ValueError as exc:  # (parse_body refuses lone surrogates, the known case)
+            raise ApiError(400, f"prompt: the tokenizer refused it: {exc}",
+                           param="prompt") from None
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The chat template's prompt for the messages; 400 when the model has none."""
+        """The chat template's prompt for the messages; 400 when the model has none, or its
+        template refuses them (e.g. a system message)."""
         try:
             return self.tokenizer.apply_chat_template(
                 [m.as_template_message() for m in body.messages])
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
 
     def sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int],
                  kind: str) -> SamplingParams:
@@ -92,26 +109,35 @@ class OpenAIService:
         if not prompt:
             raise ApiError(400, "prompt: empty; give at least one token or character",
                            param="prompt")
+        self._check_logprobs(body)
         stop_ids = list(body.stop_token_ids or [])
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if not body.ignore_eos and eos is not None:
             stop_ids.append(eos)
-        echo_logprobs = kind == "text" and body.echo and body.logprobs is not None
         try:
             params = SamplingParams(
                 max_tokens=self._max_tokens(body, prompt, kind), temperature=body.temperature,
                 top_p=body.top_p, top_k=max(body.top_k, 0), n=body.n, seed=body.seed,
                 stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
-                logprobs=body.num_logprobs,
-                prompt_logprobs=body.logprobs if echo_logprobs else body.prompt_logprobs)
+                logprobs=body.num_logprobs, prompt_logprobs=prompt_logprobs(body, kind))
             self.loop.limits.check(prompt, params)
         except (TypeError, ValueError) as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=_param_of(str(exc), body, kind)) from None
         if self.loop.num_waiting >= self.max_waiting:
             raise ApiError(429, f"server busy: {self.loop.num_waiting} requests waiting "
                                 f"(--max-waiting {self.max_waiting}); retry later",
                            headers={"Retry-After": "1"})
         return params
+
+    def _check_logprobs(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 naming the first field that asks for more top log-probabilities than
+        ``--max-logprobs`` (vLLM's rule): the engine ships them for every token."""
+        limit = self.input_limits.max_logprobs
+        for name, asked in body.logprob_asks.items():
+            if asked > limit:
+                raise ApiError(400, f"{name}: {asked} is more than this server's limit of "
+                                    f"{limit} (--max-logprobs); ask for at most {limit}",
+                               param=name)
 
     def _max_tokens(self, body, prompt: list[int], kind: str) -> int:
         """The body's limit, or the default: OpenAI's 16 for completions; for chat, as much as
@@ -165,3 +191,27 @@ class OpenAIService:
     async def metrics_text(self) -> str:
         """Prometheus exposition: the engine's gauges as of now, the server's counters."""
         return await self.loop.metrics_text()
+
+
+def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, kind: str) -> int | None:
+    """How many top log-probabilities the engine computes per prompt token: what
+    ``prompt_logprobs`` asks, or (``echo`` with ``logprobs``) what the echoed prompt's
+    ``logprobs`` need, whichever is more; None when neither asks, so the engine computes
+    none."""
+    asks = [body.prompt_logprobs]
+    if kind == "text" and body.echo:
+        asks.append(body.logprobs)
+    asked = [k for k in asks if k is not None]
+    return max(asked) if asked else None
+
+
+def _param_of(message: str, body: CompletionRequest | ChatCompletionRequest,
+              kind: str) -> str | None:
+    """The request field an engine check's message names (``"SamplingParams.n=..."``,
+    ``"prompt (12) + max_tokens (9) ..."``), for OpenAI's ``param``; None if none."""
+    name = message.removeprefix("SamplingParams.").split("=")[0].split(":")[0].split(" ")[0]
+    if name == "prompt_token_ids":
+        return "messages" if kind == "chat" else "prompt"
+    if name == "prompt":
+        return "max_tokens"  # (too long in all: the one a client can lower)
+    return name if name in type(body).model_fields else None

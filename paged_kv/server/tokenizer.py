@@ -65,14 +65,32 @@ class HFTokenizer:
         return list(self._tokenizer(text)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of `token_ids`, special tokens skipped."""
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        """Text of `token_ids`, special tokens skipped, spaces as the tokens have them.
+
+        No ``clean_up_tokenization_spaces`` (vLLM's choice too): its rules (``" ,"`` to
+        ``","``, ``" 's"`` to ``"'s"``...) drop characters the model generated, and they
+        change text already decoded once a later token arrives, so incremental decoding
+        could not agree with decoding the whole."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """The chat template's prompt for `messages`, ending where the assistant speaks."""
+        """The chat template's prompt for `messages`, ending where the assistant speaks.
+
+        Raises
+        ------
+        ValueError
+            The tokenizer has no chat template, or the template refused the messages (many
+            raise on a role they do not take, e.g. a system message).
+        """
+        from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
+
         if not self._tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; "
                              "use /v1/completions")
-        text = self._tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                   add_generation_prompt=True)
+        try:
+            text = self._tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                       add_generation_prompt=True)
+        except TemplateError as exc:
+            raise ValueError(f"the model's chat template refused them: {exc}") from None
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
