@@ -102,11 +102,13 @@ class StubReplica:
         return JSONResponse({"replica": self.name})
 
     async def _hold(self, request: Request) -> Response:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(BOUND_S):
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                self.left_at = time.monotonic()
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.left_at = time.monotonic()
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(gone(), BOUND_S)
         return JSONResponse({"replica": self.name})
 
     async def _events(self) -> AsyncIterator[bytes]:
@@ -117,7 +119,7 @@ class StubReplica:
         if self.mode == "die_midway":
             await asyncio.sleep(0.05)
             raise ConnectionAbortedError("stub replica dies in the middle of its answer")
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.release.wait(), BOUND_S)
         yield b"data: [DONE]\n\n"
 
