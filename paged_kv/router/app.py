@@ -3,17 +3,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from ..server.protocol import error_response
 from .proxy import Router, RouterError, forward_headers
 
 logger = logging.getLogger("paged_kv.router")
+
+CLIENT_GONE = 499  # nginx's "client closed request", as the replicas count it
+_ERROR_TYPES = {401: "authentication_error", 503: "server_error"}  # as the replicas type them
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -60,14 +68,58 @@ def create_router_app(router: Router) -> FastAPI:
     return app
 
 
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM ends it as any clean shutdown does, exit 0 as
+    ``paged-kv serve`` (uvicorn re-raises the signal once it has shut down: exit 143)."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            logger.info("SIGTERM: shutting down")
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+
 async def _forward(router: Router, request: Request, path: str) -> Response:
     """A request to a replica (or the router's own error), counted by status."""
     try:
         tenant = router.tenant(request.headers.get("authorization", ""))
-        response = await router.forward(path, await request.body(),
-                                        forward_headers(dict(request.headers)), tenant)
+        body = await request.body()
+        response = await _unless_client_leaves(request, router.forward(
+            path, body, forward_headers(dict(request.headers)), tenant))
     except RouterError as exc:
-        kind = "authentication_error" if exc.status == 401 else "server_error"
-        response = error_response(exc.status, exc.message, type_=kind)
+        kind = _ERROR_TYPES.get(exc.status, "invalid_request_error")
+        response = error_response(exc.status, exc.message, type_=kind, param=exc.param,
+                                  headers=exc.headers)
+    except ClientDisconnect:  # gone while sending its body
+        response = Response(status_code=CLIENT_GONE)
     router.requests.labels(endpoint=path, status=str(response.status_code)).inc()
     return response
+
+
+async def _unless_client_leaves(request: Request, forwarding: Awaitable[Response],
+                                ) -> Response:
+    """`forwarding`'s response; if the client leaves first, the forwarding is cancelled
+    (which closes the upstream request, so the replica aborts its work) and the answer is
+    a 499 nobody reads. Until its first byte a replica's answer sends nothing to the
+    client, so nothing else would notice the client gone: a non-streamed request would
+    run to its end."""
+    work = asyncio.ensure_future(forwarding)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # (also when this handler itself is cancelled)
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        logger.info("client left before the answer started: request to the replica "
+                    "cancelled")
+        return Response(status_code=CLIENT_GONE)
+    return work.result()
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has disconnected (its body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -19,6 +19,17 @@ def replica_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def add_route_parser(commands: argparse._SubParsersAction) -> None:
     """``paged-kv route``."""
     route = commands.add_parser(
@@ -47,16 +58,24 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
                             "does not outweigh the queue")
     route.add_argument("--probe-interval", type=float, default=1.0,
                        help="seconds between /health probes of each replica")
+    route.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                       help="connections to the replicas at most, all together: each "
+                            "request in flight holds one (default: no limit; the replicas' "
+                            "--max-waiting refuses what they cannot queue)")
+    route.add_argument("--pool-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="how long a request waits for a connection when "
+                            "--max-connections are in use, then 503")
     route.set_defaults(run=route_main)
 
 
 def route_main(args: argparse.Namespace) -> int:
-    """Run the router until SIGTERM / SIGINT."""
+    """Run the router until SIGTERM (exit 0 once it has shut down cleanly) or SIGINT
+    (130)."""
     import uvicorn
 
     from ..server.main import read_api_keys
     from ..server.tokenizer import ByteTokenizer, HFTokenizer
-    from .app import create_router_app
+    from .app import RouterServer, create_router_app
     from .index import PrefixIndex
     from .proxy import Router
     from .replicas import ReplicaSet
@@ -70,9 +89,16 @@ def route_main(args: argparse.Namespace) -> int:
                                interval=args.probe_interval),
                     tokenizer, policy=args.policy, api_keys=api_keys,
                     balance_abs=args.balance_abs, balance_rel=args.balance_rel,
-                    load_tokens=args.load_tokens)
+                    load_tokens=args.load_tokens, max_connections=args.max_connections,
+                    pool_timeout=args.pool_timeout)
     logger.info("routing (%s) over %d replicas on http://%s:%d", args.policy,
                 len(args.replica), args.host, args.port)
-    uvicorn.run(create_router_app(router), host=args.host, port=args.port,
-                log_level="warning")
-    return 0
+    server = RouterServer(uvicorn.Config(create_router_app(router), host=args.host,
+                                         port=args.port, log_level="warning",
+                                         access_log=False))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
+        return 130
+    return 0 if server.started else 1
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -32,11 +33,13 @@ _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class RouterError(Exception):
-    """An answer the router gives itself: HTTP status and message."""
+    """An answer the router gives itself: HTTP status, message, the body field it names
+    (OpenAI's ``param``) and headers (``Retry-After``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 class Router:
@@ -53,16 +56,30 @@ class Router:
     balance_abs, balance_rel, load_tokens : int, float, float
         The imbalance guard and the cost of a request in flight (see
         `paged_kv.router.policy.choose`).
+    max_connections : int, optional
+        Connections to the replicas at most, all together (each request in flight holds
+        one); None: no limit, the replicas' own queues (``--max-waiting``) refuse what they
+        cannot take.
+    pool_timeout : float
+        Seconds a request waits for a connection when `max_connections` are in use, then
+        the router answers 503.
     """
 
     def __init__(self, replicas: ReplicaSet, tokenizer, *, policy: str = "cache",
                  api_keys: dict[str, str] | None = None, balance_abs: int = 8,
-                 balance_rel: float = 1.5, load_tokens: float = 512.0) -> None:
+                 balance_rel: float = 1.5, load_tokens: float = 512.0,
+                 max_connections: int | None = None, pool_timeout: float = 10.0) -> None:
         self.replicas, self.tokenizer, self.policy = replicas, tokenizer, policy
         self.api_keys, self.balance = api_keys, (balance_abs, balance_rel)
         self.load_tokens = load_tokens
         self._turn = itertools.count()
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
+        # httpx's default pool (100 connections, waited for without end) would cap the
+        # router at 100 requests in flight in total, whatever the replicas could run
+        self.max_connections = max_connections
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=2.0, pool=pool_timeout),
+            limits=httpx.Limits(max_connections=max_connections))
+        self._template_errors = _template_errors()
         self.registry = registry = CollectorRegistry()
         self.decisions = Counter("paged_kv_router_decisions", "Routing decisions by reason",
                                  ["reason"], registry=registry)
@@ -96,17 +113,33 @@ class Router:
 
     def prompt(self, path: str, body: bytes) -> list[int]:
         """The prompt's token ids as a replica computes them (empty when the body is not a
-        valid request: a replica answers it with the right 400)."""
+        valid request: a replica answers it with the right 400).
+
+        Raises
+        ------
+        RouterError
+            400 when the body is not JSON (a replica could only say the same) or the chat
+            template refuses the messages (a jinja2 error).
+        """
         try:
             data = json.loads(body)
+        except (ValueError, RecursionError) as exc:  # also over-long integer literals
+            raise RouterError(400, f"body: not valid JSON: {_first_line(exc)}") from None
+        try:
             if path.endswith("/chat/completions"):
                 request = ChatCompletionRequest.model_validate(data)
-                return list(self.tokenizer.apply_chat_template(
-                    [m.as_template_message() for m in request.messages]))
+                return self._render([m.as_template_message() for m in request.messages])
             prompt = CompletionRequest.model_validate(data).prompt
             return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         except (ValueError, ValidationError, KeyError, TypeError):
             return []
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        try:
+            return list(self.tokenizer.apply_chat_template(messages))
+        except self._template_errors as exc:  # e.g. a template that refuses a system role
+            raise RouterError(400, f"messages: the chat template refused them: "
+                                   f"{_first_line(exc)}", param="messages") from None
 
     def pick(self, tokens: list[int], salt: str | None, exclude: set[str],
              keys_by_size: dict[int, list[bytes]] | None = None,
@@ -139,10 +172,13 @@ class Router:
     async def forward(self, path: str, body: bytes, headers: dict[str, str],
                       tenant: str | None) -> Response:
         """Send the request to the chosen replica; one that fails before the first byte
-        of its answer reaches the client is marked down and the next one is tried."""
+        of its answer reaches the client is marked down and the next one is tried. When
+        none takes it and some answered 429, so does the router, with the longest of their
+        ``Retry-After``."""
         tokens = self.prompt(path, body)
         tried: set[str] = set()
         keys_by_size: dict[int, list[bytes]] = {}
+        busy: list[float] = []  # the Retry-After of each replica that answered 429
         while (picked := self.pick(tokens, tenant, tried, keys_by_size)) is not None:
             replica, choice, keys = picked
             tried.add(replica.url)
@@ -152,6 +188,8 @@ class Router:
             except _Retry as exc:
                 replica.in_flight -= 1
                 self.retries.labels(reason=exc.reason).inc()
+                if exc.retry_after is not None:
+                    busy.append(exc.retry_after)
                 continue
             except BaseException:  # the client left (cancelled) while the replica worked
                 replica.in_flight -= 1
@@ -160,6 +198,10 @@ class Router:
             return _RelayResponse(first, chunks, _Done(replica, upstream),
                                   status_code=upstream.status_code,
                                   headers=_response_headers(upstream))
+        if busy:
+            raise RouterError(429, f"every replica that could take the request is busy "
+                                   f"({len(busy)} answered 429); retry later",
+                              headers={"Retry-After": str(math.ceil(max(busy)))})
         raise RouterError(503, f"no replica can take the request (tried {len(tried)} of "
                                f"{len(self.replicas.replicas)})")
 
@@ -175,10 +217,15 @@ class Router:
                 await upstream.aclose()
                 if upstream.status_code != 429:
                     self.replicas.mark_down(replica, f"answered {upstream.status_code}")
-                raise _Retry(str(upstream.status_code))
+                    raise _Retry(str(upstream.status_code))
+                raise _Retry("429", retry_after(upstream.headers.get("retry-after")))
             chunks = upstream.aiter_raw()
             first = await anext(chunks, b"")
             return upstream, chunks, first
+        except httpx.PoolTimeout:  # the router's own limit, not the replica's fault
+            raise RouterError(503, f"the router is busy: all {self.max_connections} "
+                                   f"connections to the replicas in use (--max-connections)",
+                              headers={"Retry-After": "1"}) from None
         except httpx.HTTPError as exc:
             if upstream is not None:
                 await upstream.aclose()
@@ -233,10 +280,35 @@ _GAUGES = (("in_flight", "Requests in flight at each replica", ["replica"]),
             ["replica", "outcome"]))
 
 
+def _template_errors() -> tuple[type[Exception], ...]:
+    """What a chat template raises (jinja2 comes with the hf extra; without it, nothing)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return ()
+    return (TemplateError,)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def retry_after(value: str | None, default: float = 1.0) -> float:
+    """A ``Retry-After`` header's seconds (`default` when absent, a date, or nonsense)."""
+    try:
+        seconds = float(value) if value is not None else default
+    except ValueError:
+        return default
+    return seconds if math.isfinite(seconds) and seconds >= 0 else default
+
+
 class _Retry(Exception):
-    def __init__(self, reason: str) -> None:
+    """The replica cannot take the request now: try another (`retry_after`: it was busy,
+    and said when to come back)."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.retry_after = reason, retry_after
 
 
 class _Done:

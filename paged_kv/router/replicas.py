@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import urllib.parse
 from collections.abc import Callable
+from typing import NamedTuple
 
 import httpx
 
+from ..keys import HASH_SCHEME
 from .index import PrefixIndex
 
 logger = logging.getLogger("paged_kv.router")
 
 DEFAULT_BLOCK_SIZE = 16  # a replica without events: `paged-kv serve`'s default
+_ENDPOINT = re.compile(r"tcp://\S+:\d+|ipc://\S+")
 
 
 class Replica:
@@ -42,6 +46,64 @@ def reachable_endpoint(endpoint: str, host: str) -> str:
     if bound.strip("[]") in ("*", "0.0.0.0", "::", ""):
         bound = f"[{host}]" if ":" in host else host
     return f"{scheme}://{bound}:{port}"
+
+
+class EventsInfo(NamedTuple):
+    """What a replica's ``/kv_events`` announces, checked: where to subscribe (reachable
+    from here), its block size and pool size."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    block_size: int
+    num_blocks: int
+
+    @classmethod
+    def parse(cls, info: dict, host: str) -> EventsInfo:
+        """Check a ``/kv_events`` answer of a replica on `host`.
+
+        Raises
+        ------
+        ValueError
+            Naming the field: a block size that is not a positive integer, a pool size
+            that is not a non-negative one, an endpoint that is not a ZMQ ``tcp://`` /
+            ``ipc://`` address, or keys hashed another way than this router hashes them.
+        """
+        block_size = info.get("block_size", DEFAULT_BLOCK_SIZE)
+        num_blocks = info.get("num_blocks", 0)
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size: expected a positive integer, got {block_size!r}")
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise ValueError(f"num_blocks: expected a non-negative integer, got "
+                             f"{num_blocks!r}")
+        if info.get("hash", HASH_SCHEME) != HASH_SCHEME:
+            raise ValueError(f"hash: keys made as {info['hash']!r}, this router makes them "
+                             f"as {HASH_SCHEME!r}")
+        replay = info.get("replay_endpoint")
+        return cls(_endpoint("endpoint", info["endpoint"], host),
+                   None if replay is None else _endpoint("replay_endpoint", replay, host),
+                   block_size, num_blocks)
+
+
+def _endpoint(field: str, value: object, host: str) -> str:
+    if not isinstance(value, str) or not _ENDPOINT.fullmatch(value):
+        raise ValueError(f"{field}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    return reachable_endpoint(value, host) if value.startswith("tcp://") else value
+
+
+def _subscriber(announced: EventsInfo, replica: Replica,
+                on_batch: Callable[[Replica, float, list[list]], None], index: PrefixIndex):
+    """An `EventSubscriber` feeding `on_batch` (ValueError: ZMQ refused the endpoint)."""
+    import zmq
+
+    from ..events.subscriber import EventSubscriber
+
+    try:
+        return EventSubscriber(
+            announced.endpoint, replay_endpoint=announced.replay_endpoint,
+            on_batch=lambda stamp, events: on_batch(replica, stamp, events),
+            on_reset=lambda: index.clear(replica.url))
+    except zmq.ZMQError as exc:
+        raise ValueError(f"endpoint: {exc}") from None
 
 
 class ReplicaSet:
@@ -77,8 +139,13 @@ class ReplicaSet:
         await self._client.aclose()
 
     async def refresh(self) -> None:
-        """One round of probes (and discoveries for replicas that came up)."""
-        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+        """One round of probes (and discoveries for replicas that came up); one replica's
+        failure is logged and never stops the others' probes (or the router's start)."""
+        outcomes = await asyncio.gather(*(self._probe(r) for r in self.replicas),
+                                        return_exceptions=True)
+        for replica, outcome in zip(self.replicas, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                logger.error("replica %s: probe failed", replica.url, exc_info=outcome)
         self.index.expire()
 
     def mark_down(self, replica: Replica, why: str) -> None:
@@ -116,9 +183,12 @@ class ReplicaSet:
             await self._unsubscribe(replica)
 
     async def _discover(self, replica: Replica) -> None:
-        """Subscribe to the replica's events (found at its ``/kv_events``)."""
+        """Subscribe to the replica's events (found at its ``/kv_events``); a replica
+        without them, or announcing what this router cannot follow, is routed by the
+        router's own history of it."""
         await self._unsubscribe(replica)
         self.index.clear(replica.url)  # whatever it held before it went down is gone
+        replica.events, replica.block_size, replica.capacity = None, DEFAULT_BLOCK_SIZE, 0
         if not self._subscribe:
             return
         try:
@@ -129,19 +199,18 @@ class ReplicaSet:
         if not isinstance(info, dict) or "endpoint" not in info:
             logger.warning("replica %s publishes no KV events: routed by this router's own "
                            "history of it", replica.url)
-            replica.events = None
             return
-        from ..events.subscriber import EventSubscriber
-
-        replica.events, replica.block_size = info, int(info.get("block_size", 16))
-        replica.capacity = int(info.get("num_blocks", 0))
-        replay = info.get("replay_endpoint")
-        replica.subscriber = EventSubscriber(
-            reachable_endpoint(info["endpoint"], replica.host),
-            replay_endpoint=None if replay is None else reachable_endpoint(replay, replica.host),
-            on_batch=lambda stamp, events: self._on_batch(replica, stamp, events),
-            on_reset=lambda: self.index.clear(replica.url))
-        logger.info("replica %s: following KV events at %s", replica.url, info["endpoint"])
+        try:
+            announced = EventsInfo.parse(info, replica.host)
+            subscriber = _subscriber(announced, replica, self._on_batch, self.index)
+        except ValueError as exc:
+            logger.warning("replica %s announces KV events this router cannot follow (%s): "
+                           "routed without them, by this router's own history of it",
+                           replica.url, exc)
+            return
+        replica.events, replica.subscriber = info, subscriber
+        replica.block_size, replica.capacity = announced.block_size, announced.num_blocks
+        logger.info("replica %s: following KV events at %s", replica.url, announced.endpoint)
 
     async def _unsubscribe(self, replica: Replica) -> None:
         subscriber, replica.subscriber = replica.subscriber, None

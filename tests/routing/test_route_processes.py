@@ -211,20 +211,37 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(tmp_path):
             process.stop()
 
 
-def test_no_replica_up_is_a_503(tmp_path):
+def _lone_router(tmp_path) -> tuple[Process, httpx.Response]:
+    """A router whose only replica is a dead URL, once it answers; and its /health."""
     router = Process([sys.executable, "-m", "paged_kv.cli", "route", "--replica",
                       f"http://127.0.0.1:{free_port()}"], tmp_path / "router.log")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            return router, httpx.get(f"{router.url}/health", timeout=1)
+        if time.monotonic() > deadline or router.process.poll() is not None:
+            router.stop()
+            pytest.fail(f"the router did not answer:\n{router.log.read_text()}")
+        time.sleep(0.1)
+
+
+def test_no_replica_up_is_a_503(tmp_path):
+    router, health = _lone_router(tmp_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                health = httpx.get(f"{router.url}/health", timeout=1)
-                break
-            assert time.monotonic() < deadline and router.process.poll() is None
-            time.sleep(0.1)
         assert health.status_code == 503
         answer = _complete(router.url, "hi")
         assert answer.status_code == 503 and "no replica" in answer.text
+    finally:
+        router.stop()
+
+
+def test_sigterm_stops_the_router_with_exit_0(tmp_path):
+    """As ``paged-kv serve`` does after a clean shutdown (uvicorn re-raised the signal:
+    143)."""
+    router, _ = _lone_router(tmp_path)
+    try:
+        router.process.send_signal(signal.SIGTERM)
+        assert router.process.wait(timeout=30) == 0, router.log.read_text()
     finally:
         router.stop()
 

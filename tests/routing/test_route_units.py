@@ -129,3 +129,16 @@ def test_prompt_keys_are_the_keys_an_engine_indexes():
         assert len(keys) == 7 and set(keys) <= indexed
     assert prompt_keys(prompt, 4, "a")[0] != prompt_keys(prompt, 4, "b")[0]
     assert prompt_keys(prompt[:3], 4, None) == []
+
+
+def test_the_connection_cap_flag_takes_positive_integers_only():
+    import argparse
+
+    import pytest
+
+    from paged_kv.router.cli import positive_int
+
+    assert positive_int("128") == 128
+    for bad in ("0", "-4", "many", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"positive integer, got '{bad}'"):
+            positive_int(bad)
