@@ -20,6 +20,7 @@ from .wire import decode_batch
 
 logger = logging.getLogger(__name__)
 
+MAX_REPLAY_REQUESTS = 32  # per gap (or start): replies are capped, history is not
 OnBatch = Callable[[float, list[list]], None]
 
 
@@ -115,7 +116,7 @@ class EventSubscriber:
     def _replay(self, start: int, stop: int | None) -> None:
         """Apply the buffered batches numbered ``start <= seq < stop`` (all from `start`
         when `stop` is None); those the publisher no longer has are counted missed."""
-        got = self._fetch_replay(start) if self.replay_endpoint is not None else []
+        got = self._fetch_replays(start, stop) if self.replay_endpoint is not None else []
         wanted = [(s, p) for s, p in got if s >= start and (stop is None or s < stop)]
         for seq, payload in wanted:
             if self.next_seq is None or seq >= self.next_seq:
@@ -124,6 +125,22 @@ class EventSubscriber:
         if stop is not None:
             self.counts["missed"] += max(stop - start - len(wanted), 0)
             self.next_seq = stop
+
+    def _fetch_replays(self, start: int, stop: int | None) -> list[tuple[int, bytes]]:
+        """What the publisher has from `start` (to `stop`): a reply holds a bounded number
+        of batches, so ask again from where one stopped until a reply brings nothing new
+        or `stop` is reached (a bounded number of times)."""
+        got: list[tuple[int, bytes]] = []
+        for _ in range(MAX_REPLAY_REQUESTS):
+            new = [(seq, payload) for seq, payload in self._fetch_replay(start)
+                   if seq >= start]
+            got.extend(new)
+            if not new:
+                break
+            start = max(seq for seq, _ in new) + 1
+            if stop is not None and start >= stop:
+                break
+        return got
 
     def _fetch_replay(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self._context.socket(zmq.DEALER)
