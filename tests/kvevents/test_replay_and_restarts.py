@@ -5,6 +5,7 @@ but never sent on its PUB socket, as when a subscriber is not connected at that 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import zmq
@@ -171,6 +172,49 @@ def test_a_restart_replays_what_the_new_publisher_sent_before_the_reconnect():
         assert index.num_blocks == 2 * (3 + published), "nothing lost, nothing stale"
         assert subscriber.counts["missed"] == 0
     finally:
+        subscriber.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_restart_whose_numbers_passed_ours_before_the_reconnect_is_seen():
+    """The restarted publisher sent more batches while the subscriber was away than the
+    old one ever had: no number goes back, and its next live batch looks like a gap in
+    the old stream. The reconnection itself must be checked."""
+    first = _publisher()
+    endpoints = (first.endpoint, first.replay_endpoint)
+    index, resets = PrefixIndex(), []
+    gate, held = threading.Event(), threading.Event()
+
+    def on_batch(stamp, events):
+        index.apply("r", events)
+        if index.num_blocks == 6:  # the old publisher's third batch: hold the thread
+            held.set()
+            assert gate.wait(30)
+
+    subscriber = EventSubscriber(endpoints[0], replay_endpoint=endpoints[1],
+                                 on_batch=on_batch, replay_timeout=30.0,
+                                 on_reset=lambda: (resets.append(1), index.clear("r")))
+    second = None
+    try:
+        time.sleep(0.3)  # subscribed: the batches below go out live
+        allocator = BlockAllocator(64)
+        for salt in "abc":
+            first.publish(_store_batch(allocator, salt))
+        assert held.wait(30)
+        first.close()  # while the subscriber is held, the publisher restarts...
+        second = EventPublisher(KVEventsConfig(*endpoints), block_size=BLOCK)
+        allocator = BlockAllocator(64)
+        for salt in "vwxyz":  # ... and sends numbers 0-4 before it is followed again
+            _lost_on_the_wire(second, _store_batch(allocator, salt))
+        gate.set()
+        _until(lambda: resets == [1] and subscriber.next_seq == 5, timeout=30)
+        second.publish(_store_batch(allocator, "live"))  # number 5
+        _until(lambda: subscriber.next_seq == 6)
+        assert index.num_blocks == 12, "the new publisher's six batches, none of the old"
+        assert subscriber.counts["missed"] == 0
+    finally:
+        gate.set()
         subscriber.close()
         if second is not None:
             second.close()
