@@ -10,6 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+try:
+    import numba
+except ImportError:  # the compiled page-table path is then not there to test
+    numba = None
+
 from paged_kv import PagedKVCache
 from paged_kv.prefix import forget_unwritten, match_prefix
 
@@ -18,8 +23,8 @@ from ..conftest import tiny_config
 BLOCK = 4
 
 
-def _cache() -> PagedKVCache:
-    return PagedKVCache(tiny_config(block_size=BLOCK, num_blocks=24))
+def _cache(compiled: bool | None = None) -> PagedKVCache:
+    return PagedKVCache(tiny_config(block_size=BLOCK, num_blocks=24), compiled=compiled)
 
 
 def _kv(cache: PagedKVCache, tokens: list[int]) -> torch.Tensor:
@@ -45,19 +50,23 @@ def _cached_k(cache: PagedKVCache, prompt: list[int]) -> torch.Tensor:
     return k[0, :hit, 0, 0]
 
 
+@pytest.mark.parametrize("compiled", [False, True] if numba is not None else [False])
+@pytest.mark.parametrize("rows", [2, 1])
 @pytest.mark.parametrize("count", [1, 2])
-def test_a_truncated_rows_indexed_block_is_copied_in_a_multi_row_step(count):
+def test_a_truncated_rows_indexed_block_is_copied_before_it_is_written(count, rows, compiled):
     """Fault: a multi-row step's copy-on-write plan keeps an indexed block for in-place
     writes when the row is its only owner (a truncated row then overwrites the cached
-    prefix). `count` 1 is a decode step, which falls back to the general plan."""
-    cache = _cache()
+    prefix). Next to it: the one-row plan and the decode plan (`count` 1, numpy and
+    compiled), which must send such a step to the copying plan."""
+    cache = _cache(compiled)
     prompt = list(range(10, 18))  # two full blocks, both indexed
     cache.add_sequence("a")
     cache.add_sequence("b")
     _step(cache, {"a": prompt, "b": [1, 2, 3]})
     cache.truncate("a", 6)  # its last kept block is the indexed [14..17], partly used now
     before = cache.tables.blocks("a").copy()
-    _step(cache, {"a": [90 + i for i in range(count)], "b": [4] * count})
+    new = {"a": [90 + i for i in range(count)], "b": [4] * count}
+    _step(cache, dict(list(new.items())[:rows]))
     assert cache.tables.blocks("a")[1] != before[1], "the indexed block was written in place"
     assert _cached_k(cache, [*prompt, 0]).tolist() == prompt, "the cached prefix changed"
     assert cache.gather(0, ["a"])[0][0, :6 + count, 0, 0].tolist() == \
