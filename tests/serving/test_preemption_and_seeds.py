@@ -62,3 +62,28 @@ def test_seed_zero_is_a_seed(model):
     [other] = make_engine(model).generate(
         [prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=16))
     assert tokens_of(other) != tokens_of(alone), "the seed is used"
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64 - 1])
+def test_a_seed_at_the_ends_of_its_range_samples_n_and_the_engine_goes_on(model, seed):
+    """A negative seed (which the API accepts) with ``n=2``: sample 1's seed overflowed
+    torch's inside the step that forks the samples, and every later step raised. Seeds
+    wrap as torch reads them: sample 1 of seed -1 is seed 0 alone."""
+    prompt = make_prompt(20, seed=35)
+    params = SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=8)
+    engine = make_engine(model)
+    [out] = engine.generate([prompt], params)
+    assert out.error is None and len(out.outputs) == 2
+    for i, sample in enumerate(out.outputs):
+        [alone] = make_engine(model).generate([prompt], SamplingParams(
+            temperature=1.0, seed=(seed + i) % 2**64, max_tokens=8))
+        assert sample.token_ids == alone.outputs[0].token_ids, f"sample {i}"
+    [after] = engine.generate([prompt], SamplingParams(max_tokens=3))
+    assert after.error is None and len(after.outputs[0].token_ids) == 3
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, True, 1.5, "7"])
+def test_a_seed_out_of_range_is_refused_when_the_params_are_made(seed):
+    with pytest.raises(ValueError, match=r"SamplingParams.seed: expected None or an int in"):
+        SamplingParams(seed=seed)
