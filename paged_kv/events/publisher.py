@@ -3,8 +3,9 @@
 The step thread only numbers a batch and queues it (never blocks: a full queue drops the
 batch, and subscribers see the gap); a thread of its own encodes and sends. Frames are
 vLLM's: ``(topic, sequence number as 8 bytes big-endian, msgpack payload)``. The replay
-socket (ROUTER) answers a DEALER's ``(b"", start)`` with every buffered ``(b"", seq,
-payload)`` from `start` on, then ``(b"", -1, b"")``.
+socket (ROUTER) answers a DEALER's ``(b"", start)`` with the buffered ``(b"", seq,
+payload)`` from `start` on (at most ``replay_max_batches``), then ``(b"", -1, b"")``; a
+client past its share of requests (`ReplayLimiter`) gets the end marker alone.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import time
 import zmq
 
 from ..keys import BlockEvent
+from .replay import ReplayLimiter
 from .wire import MEDIUM_DEVICE, KVEventsConfig, encode_batch, to_wire
 
 logger = logging.getLogger(__name__)
 
 INDEX_KINDS = frozenset({"stored", "evicted", "removed", "cleared"})
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REQUESTS_PER_PASS = 32  # replay requests read between two batches: a flood waits its turn
 
 
 class EventPublisher:
@@ -71,7 +74,9 @@ class EventPublisher:
         self._numbering = threading.Lock()  # the step thread and the tiers' writer publish
         self._sent: collections.deque[tuple[int, bytes]] = \
             collections.deque(maxlen=config.buffer_steps)
-        self.num_published = self.num_dropped = 0
+        self.num_published = self.num_dropped = self.num_replays = 0
+        self.replay_limiter = ReplayLimiter(config.replay_rate, config.replay_burst,
+                                            config.replay_total_rate)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paged-kv-events", daemon=True)
         self._thread.start()
@@ -135,16 +140,28 @@ class EventPublisher:
             logger.exception("paged_kv events: batch %d not sent", seq)
 
     def _answer_replays(self) -> None:
-        while self._replay is not None:
+        for _ in range(REQUESTS_PER_PASS if self._replay is not None else 0):
             try:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            allowed = self.replay_limiter.allow(frames[0], time.monotonic())
             if len(frames) != 3 or len(frames[2]) != 8:
-                logger.warning("paged_kv events: malformed replay request ignored")
+                if allowed:  # a flood of them is not logged line by line
+                    logger.warning("paged_kv events: malformed replay request ignored")
                 continue
-            client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-            for seq, payload in list(self._sent):
-                if seq >= start:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+            if allowed:
+                self._replay_from(frames[0], int.from_bytes(frames[2], "big", signed=True))
+            self._replay.send_multipart((frames[0], b"", END_OF_REPLAY, b""))
+
+    def _replay_from(self, client: bytes, start: int) -> None:
+        """Send `client` the buffered batches numbered `start` on, the oldest first, at most
+        ``replay_max_batches`` of them (the end marker is the caller's)."""
+        self.num_replays += 1
+        budget = self.config.replay_max_batches
+        for seq, payload in list(self._sent):
+            if seq >= start:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                budget -= 1
+                if budget == 0:
+                    return

@@ -45,6 +45,14 @@ class KVEventsConfig:
     max_queue : int
         Batches waiting for the publisher thread; past it a batch is dropped, which a
         subscriber sees as a gap in the sequence numbers.
+    replay_max_batches : int
+        Batches one replay request gets at most (the oldest from its start; a subscriber
+        asks again from where the reply stopped).
+    replay_rate, replay_burst : float, int
+        Replay requests one client (ZMQ identity) may make per second over time, and at
+        once; past them a request is answered with the end-of-replay marker alone.
+    replay_total_rate : float
+        Replay requests per second all clients together may make.
     """
 
     endpoint: str
@@ -53,6 +61,10 @@ class KVEventsConfig:
     token_ids: bool = False
     buffer_steps: int = 10_000
     max_queue: int = 10_000
+    replay_max_batches: int = 1000
+    replay_rate: float = 1.0
+    replay_burst: int = 10
+    replay_total_rate: float = 20.0
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -60,8 +72,13 @@ class KVEventsConfig:
             if value is not None and "://" not in value:
                 raise ValueError(f"{name}: expected a ZMQ endpoint like tcp://HOST:PORT, "
                                  f"got {value!r}")
-        if self.buffer_steps < 1 or self.max_queue < 1:
-            raise ValueError("buffer_steps and max_queue: must be at least 1")
+        for name in ("buffer_steps", "max_queue", "replay_max_batches", "replay_burst"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected at least 1, got {getattr(self, name)}")
+        for name in ("replay_rate", "replay_total_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a rate > 0 per second, "
+                                 f"got {getattr(self, name)}")
 
 
 def to_wire(events: Iterable[BlockEvent], *, block_size: int, medium: str = MEDIUM_DEVICE,

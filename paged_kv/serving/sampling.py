@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,8 +29,9 @@ class SamplingParams:
     top_p : float
         Keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
     seed : int, optional
-        Seed of this request's own generator (sample i uses ``seed + i``), so results do not
-        depend on the batch it runs in.
+        Seed of this request's own generator (sample i uses ``seed + i``, modulo 2**64 as
+        torch takes seeds), so results do not depend on the batch it runs in; any int in
+        ``[-2**63, 2**64)``.
     n : int
         Samples per prompt; they share the prompt's blocks.
     stop_token_ids : tuple of int
@@ -85,6 +87,12 @@ class SamplingParams:
                                       or value < 0):
                 raise ValueError(f"SamplingParams.{name}: expected None or an int >= 0, "
                                  f"got {value!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
+                    or not -2**63 <= self.seed < 2**64:
+                raise ValueError(f"SamplingParams.seed: expected None or an int in "
+                                 f"[-2**63, 2**64), got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))  # a numpy int would wrap
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos: expected a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -256,7 +264,9 @@ def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[in
 
 
 def sample_generator(params: SamplingParams, seed: int, index: int) -> torch.Generator | None:
-    """Sample `index`'s own generator: ``seed + index``, so it equals that seed run alone."""
+    """Sample `index`'s own generator: ``seed + index``, so it equals that seed run alone;
+    modulo 2**64, torch's own reading of a seed (a negative seed's sample 1 overflowed
+    inside the step that forks the samples, and the engine could no longer step)."""
     if params.temperature == 0:
         return None
-    return torch.Generator().manual_seed(seed + index)
+    return torch.Generator().manual_seed((seed + index) % 2**64)

@@ -269,6 +269,11 @@ def test_bad_endpoints_are_refused_before_anything_starts():
         KVEventsConfig("127.0.0.1:5557")
     with pytest.raises(ValueError, match="buffer_steps"):
         KVEventsConfig(ANY, buffer_steps=0)
+    with pytest.raises(ValueError, match="replay_max_batches: expected at least 1, got 0"):
+        KVEventsConfig(ANY, replay_max_batches=0)
+    for rate in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="replay_total_rate: expected a rate > 0"):
+            KVEventsConfig(ANY, replay_total_rate=rate)
     taken = _publisher()
     try:
         with pytest.raises(ValueError, match=f"cannot bind {taken.endpoint}"):

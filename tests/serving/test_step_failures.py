@@ -183,3 +183,31 @@ def test_blocks_a_failed_step_planned_are_never_found_by_a_later_prompt(model, m
     [out] = engine.generate([prompt_ids], GREEDY)
     assert out.prefix_hit_tokens == 0
     assert out.outputs[0].token_ids == want
+
+
+def test_a_failed_chunk_starting_mid_block_leaves_that_block_out_of_the_index(model,
+                                                                              monkeypatch):
+    """The chunk that fails starts inside a block (12 of the prompt's tokens computed, 8 a
+    block): the block it would have completed holds only its first 4 tokens' K/V, so it
+    leaves the index with the blocks after it; the block before stays cached and is hit."""
+    prompt_ids = prompt(40, 8)
+    want = alone(model, prompt_ids, GREEDY)
+    engine = make_engine(model, max_num_batched_tokens=12)
+    real_forward = model.forward
+    calls = [0]
+
+    def forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] >= 2:  # the first chunk runs, every later call fails
+            raise RuntimeError("the model failed")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    [failed] = engine.generate([prompt_ids], GREEDY)
+    assert failed.error is not None and calls[0] >= 2
+    engine.cache.check()
+    assert engine.cache.allocator.num_cached_blocks == 1, "only the block written whole"
+    calls[0] = -1_000_000
+    [out] = engine.generate([prompt_ids], GREEDY)
+    assert out.prefix_hit_tokens == 8
+    assert out.outputs[0].token_ids == want
