@@ -94,10 +94,6 @@ class HeldKeys:
             for key in keys:
                 self._held.pop(key, None)
 
-    def holds(self, tier: str, key: bytes) -> bool:
-        with self._lock:
-            return bool(self._held.get(key, 0) & self._bits[tier])
-
 
 class TierWriter:
     """One background thread that encodes queued blocks and puts each into every tier not
