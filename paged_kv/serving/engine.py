@@ -115,8 +115,6 @@ class Engine:
         except BaseException:
             if group is not None:  # no half-built engine leaves the group initialised
                 group.close()
-            if getattr(self, "tiers", None) is not None:  # nor its tiers' threads, nor the
-                self.tiers.close()  # disk directory's lock
             raise
         self.model = model
         self._next_id = 0

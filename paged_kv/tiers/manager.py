@@ -69,7 +69,7 @@ class Fetch:
     """One prompt's missing blocks being fetched; the engine's thread polls `done`."""
 
     def __init__(self, keys: list[bytes], token_ids: np.ndarray, deadline: float,
-                 parent: bytes = b"") -> None:
+                 parent: bytes) -> None:
         self.keys, self.token_ids, self.deadline = keys, token_ids, deadline
         self.parent = parent  # the key the first block chains from (its BlockStored parent)
         self.started = time.monotonic()
