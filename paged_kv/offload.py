@@ -38,7 +38,7 @@ def stored_blocks(allocator: BlockAllocator, events: Iterable[BlockEvent],
 
 
 def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
-                payload: torch.Tensor) -> int:
+                payload: torch.Tensor, parent_key: bytes) -> int:
     """Put fetched blocks into the device pool as cached blocks under their keys.
 
     Parameters
@@ -50,6 +50,9 @@ def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
         ``[len(keys) * block_size]`` the blocks' token ids.
     payload : torch.Tensor
         ``[len(keys), pool.block_nbytes]`` uint8, the blocks as `KVPool.read_blocks` gave them.
+    parent_key : bytes
+        The key the first block chains from (the device's last block of the prompt, or the
+        root): its `stored` event names it as the parent, as for a block computed here.
 
     Returns
     -------
@@ -64,7 +67,7 @@ def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
     block_ids = allocator.allocate(n)
     cache.pool.write_blocks(block_ids, payload)
     pieces = split_blocks(encode_tokens(token_ids), n)
-    parents = [b"", *keys[:-1]]  # the first one's parent is on the device (or the root)
+    parents = [parent_key, *keys[:-1]]
     for block_id, key, piece, parent in zip(block_ids.tolist(), keys, pieces, parents,
                                             strict=True):
         allocator.register(block_id, key, piece, parent)

@@ -95,13 +95,15 @@ def forget_unwritten(allocator: BlockAllocator, tables: PageTables, seq_id: obje
 
 
 def missing_blocks(allocator: BlockAllocator, token_ids: np.ndarray, block_size: int,
-                   salt: str | None = None) -> tuple[int, list[bytes], np.ndarray]:
+                   salt: str | None = None) -> tuple[int, bytes, list[bytes], np.ndarray]:
     """The full blocks of a prompt the device index lacks, as a lower tier would know them.
 
     Returns
     -------
     num_hit : int
         Blocks found on the device (the prefix `match_prefix` counts).
+    parent_key : bytes
+        The key the first missing block chains from: the last hit's, or the root's.
     keys : list of bytes
         The chained keys of the prompt's remaining full blocks, in order (never the block
         holding the last token, which is always computed).
@@ -114,4 +116,4 @@ def missing_blocks(allocator: BlockAllocator, token_ids: np.ndarray, block_size:
     start, end = len(hits) * block_size, (len(tokens) - 1) // block_size * block_size
     rest = tokens[start:end] if end > start else tokens[:0]
     keys, _ = hash_chain(chain, encode_tokens(rest), len(rest) // block_size)
-    return len(hits), keys, rest
+    return len(hits), chain, keys, rest

@@ -150,9 +150,9 @@ class Scheduler:
         """Ask the tiers for the prompt's full blocks the device lacks; True when a fetch
         started (`seq` is loading)."""
         seq.tiered = True
-        _, keys, tokens = missing_blocks(self.cache.allocator, seq.token_ids,
-                                         self.cache.config.block_size, seq.request.salt)
-        seq.fetch = self.tiers.start_fetch(keys, tokens)
+        _, parent, keys, tokens = missing_blocks(self.cache.allocator, seq.token_ids,
+                                                 self.cache.config.block_size, seq.request.salt)
+        seq.fetch = self.tiers.start_fetch(keys, tokens, parent)
         if seq.fetch is None:
             return False
         seq.status = Status.LOADING

@@ -60,7 +60,9 @@ class TierConfig:
     remote_url : str, optional
         ``redis://HOST:PORT/DB`` of a Redis that every replica points at.
     model_id : str
-        Names the model's weights in the fingerprint (blocks of other weights never match).
+        Names the model's weights in the fingerprint in place of a digest of all their bytes
+        (`identity.weights_id`, read at start-up when this is empty); the model's config is
+        in the fingerprint either way. Blocks of other weights or configs never match.
     fetch_deadline_s : float, optional
         Longest a request waits for a fetch before it recomputes; default: the engine's
         estimate of recomputing the fetched tokens.

@@ -1,10 +1,11 @@
 """Self-verifying block values: a fixed header, then the block's bytes.
 
-Header (little-endian, 80 bytes): magic ``PKVB``, format version, checksum kind, the full
-chained key (32), the fingerprint (16), the payload length, the payload's checksum
-(xxh3-64 when ``xxhash`` is installed, else CRC-32; the kind says which). A value
-verifies only when every field matches what the reader asked for and the payload's
-checksum is right: a truncated, torn, foreign or colliding value is a miss.
+Header (little-endian, 72 bytes: `HEADER`): magic ``PKVB`` (4), format version (2),
+checksum kind (2), the full chained key (32), the fingerprint's digest (16), the payload
+length (8), the payload's checksum (8: xxh3-64 when ``xxhash`` is installed, else CRC-32;
+the kind says which). A value verifies only when every field matches what the reader asked
+for and the payload's checksum is right: a truncated (even empty, or shorter than the
+header), torn, foreign or colliding value is a miss, and `decode` never raises for one.
 
 The store key is the fingerprint's namespace and the chained key in hex: the same in every
 process and on every machine (sha256, never Python's ``hash``), and the tenant's salt is
@@ -17,12 +18,8 @@ import dataclasses
 import hashlib
 import struct
 import zlib
-from typing import TYPE_CHECKING
 
 from ..config import CacheConfig
-
-if TYPE_CHECKING:
-    import torch
 
 try:
     import xxhash
@@ -37,10 +34,17 @@ KEY_HEX_CHARS = 64  # tests shorten it to force collisions (see `store_key`)
 
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
-    """Everything a block's bytes depend on besides its tokens: blocks of another model,
-    dtype, page format, block size, shape or tensor-parallel rank never match."""
+    """Everything a block's bytes depend on besides its tokens: blocks of other weights,
+    another model config (RoPE, norms, attention, layer kinds), dtype, page format, block
+    size, shape or tensor-parallel rank never match.
+
+    `model_id` names the weights (`identity.weights_id`: a digest of all their bytes) and
+    `model_config` the rest of the model (`identity.config_id`); build one from a model
+    with `identity.model_fingerprint`.
+    """
 
     model_id: str
+    model_config: str
     dtype: str
     kv_cache_dtype: str
     block_size: int
@@ -51,11 +55,12 @@ class Fingerprint:
     tp_size: int = 1
 
     @classmethod
-    def of(cls, config: CacheConfig, model_id: str, tp_rank: int = 0,
+    def of(cls, config: CacheConfig, model_id: str, model_config: str, tp_rank: int = 0,
            tp_size: int = 1) -> Fingerprint:
         """The fingerprint of a cache's blocks (`config` as this rank holds it)."""
-        return cls(model_id, str(config.dtype), config.kv_cache_dtype, config.block_size,
-                   config.num_layers, config.num_kv_heads, config.head_dim, tp_rank, tp_size)
+        return cls(model_id, model_config, str(config.dtype), config.kv_cache_dtype,
+                   config.block_size, config.num_layers, config.num_kv_heads, config.head_dim,
+                   tp_rank, tp_size)
 
     @property
     def digest(self) -> bytes:
@@ -101,8 +106,11 @@ def encode(key: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
 def decode(value: bytes | None, key: bytes, digest: bytes, payload_len: int,
            ) -> memoryview | None:
     """The payload of `value` when it is the block `key` of fingerprint `digest` with
-    `payload_len` bytes and an intact checksum; None otherwise (a miss)."""
-    if value is None or len(value) != HEADER.size + payload_len:
+    `payload_len` bytes and an intact checksum; None otherwise (a miss), whatever `value`
+    holds: empty, shorter than the header, or any other bytes."""
+    if value is None or len(value) < HEADER.size:  # empty (a power cut) or a cut header
+        return None
+    if len(value) != HEADER.size + payload_len:
         return None
     magic, version, kind, stored_key, stored_digest, length, value_sum = HEADER.unpack_from(
         value)
@@ -120,19 +128,3 @@ def decode(value: bytes | None, key: bytes, digest: bytes, payload_len: int,
         ok = False
     return payload if ok else None
 
-
-def weights_id(model: torch.nn.Module) -> str:
-    """A short identity of a model's weights for the fingerprint: sha256 over every
-    parameter's name, shape, dtype and a sample of its bytes (the first and last 4 KiB and
-    a strided sample), so different weights, seeds or checkpoints never share blocks."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1).cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        raw = flat.view(torch.uint8) if flat.numel() else flat
-        step = max(1, raw.numel() // 4096)
-        for part in (raw[:4096], raw[-4096:], raw[::step][:4096]):
-            digest.update(part.contiguous().numpy().tobytes())
-    return digest.hexdigest()[:32]

@@ -8,7 +8,11 @@ torn by a power cut fails the codec's checksum and is a miss, like any other.
 
 The index (key -> bytes, least recently used first) is in memory, rebuilt at start from the
 files' mtimes, which every write and hit stamps from a strictly increasing clock: the LRU
-order survives restarts. One directory belongs to one store at a time. Files are read and
+order survives restarts. One directory belongs to one store at a time: the store holds an
+exclusive ``flock`` on ``directory/.lock`` from its start until `DiskStore.close` (or its
+process ends, however it ends), and a second store on the directory, in this process or
+another, is refused before it touches a file (two would each keep their own cap, and the
+second's start would remove the first's temp files as a dead writer's). Files are read and
 written outside the lock (a fetch never waits behind a batch of writes); the index, the
 cap's accounting, renames and removals are under it, so the index names the files on disk.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -27,6 +32,7 @@ import time
 logger = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"  # a value being written; never a final name (those are hex)
+LOCK_NAME = ".lock"  # empty; its flock says a store has the directory (see the docstring)
 _KEY = re.compile(r"([0-9a-f]+):([0-9a-f]{3,})")
 
 
@@ -43,6 +49,8 @@ class DiskStore:
 
     Raises
     ------
+    DirectoryInUseError
+        A ValueError: another open store (another server) holds `directory`.
     ValueError
         When `directory` cannot be created; from `put`, for a key that is not
         ``<hex namespace>:<hex hash>`` (at least 3 hash digits).
@@ -57,6 +65,11 @@ class DiskStore:
     3
     >>> store.contains([a, b, c]), store.usage()
     ([False, True, True], (2, 8))
+    >>> DiskStore(tmp.name, cap_bytes=10)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    paged_kv.tiers.disk.DirectoryInUseError: directory '...' is in use by another disk tier ...
+    >>> store.close()
     >>> DiskStore(tmp.name, cap_bytes=10).get([b, c])  # the next run sees the same files
     [b'12345', b'123']
     >>> tmp.cleanup()
@@ -74,6 +87,7 @@ class DiskStore:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"directory: cannot create {directory!r}: {exc.strerror}") from None
+        self._owner = _lock(self.directory)  # before any file is read or removed
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._bytes = 0  # of the files in the index
         self._reserved = 0  # of values being written (their temp files count against the cap)
@@ -122,7 +136,9 @@ class DiskStore:
             return len(self._index), self._bytes
 
     def close(self) -> None:
-        """Nothing is held open between calls; the files stay for the next store."""
+        """Release the directory for the next store; the files stay for it. Nothing else is
+        held open between calls."""
+        self._owner.close()
 
     def drop_page_cache(self, keys: list[str] | None = None) -> int:
         """Drop files from the OS page cache, so a benchmark reads them from the disk.
@@ -265,6 +281,29 @@ class DiskStore:
             self._index[key] = size
             self._bytes += size
             self._clock = mtime
+
+
+class DirectoryInUseError(ValueError):
+    """Another open `DiskStore` (in this process or another) holds the directory."""
+
+
+def _lock(directory: str):
+    """An open file holding an exclusive flock on `directory`'s lock file (released when
+    the file is closed, or the process ends); DirectoryInUseError when another holds it."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        owner = open(path, "ab")  # noqa: SIM115 - held open for the store's lifetime
+    except OSError as exc:
+        raise ValueError(f"directory: cannot open {path!r}: {exc.strerror}") from None
+    try:
+        fcntl.flock(owner.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner.close()
+        raise DirectoryInUseError(
+            f"directory {directory!r} is in use by another disk tier (another paged-kv "
+            f"server holds {LOCK_NAME} in it): give each server its own --kv-disk "
+            "directory") from None
+    return owner
 
 
 def _entries(path: str, dirs: bool) -> list[os.DirEntry]:

@@ -1,9 +1,10 @@
 """`TierManager`: writes stored blocks down the tiers and fetches a prompt's blocks back.
 
-Two background threads, so a step never waits on a tier. The writer takes batches of
-(key, bytes) that the engine's thread copied out of the pool right after the step that
-wrote them, encodes them (`codec`) and puts them into every tier; its queue is bounded and
-a batch that does not fit is dropped and counted. The fetcher takes one `Fetch` at a time:
+Two background threads, so a step never waits on a tier. The writer (`writer.TierWriter`)
+takes batches of (key, bytes) that the engine's thread copied out of the pool right after
+the step that wrote them, encodes them (`codec`) and puts them into every tier not known to
+hold them (`writer.HeldKeys`); its queue is bounded and a batch that does not fit is dropped
+and counted. The fetcher takes one `Fetch` at a time:
 one lookup per tier for the whole run of keys (one round trip on Redis), the longest
 contiguous run any tier holds, whether fetching it beats recomputing (the engine's
 measured prefill rate against the tier's measured fetch rate), then the values in
@@ -20,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,11 +29,9 @@ from ..cache import PagedKVCache
 from ..offload import load_blocks, stored_blocks
 from . import codec
 from .base import Store, TierConfig
-from .codec import weights_id
+from .identity import model_fingerprint
 from .memory import HostStore
-
-# medium, stored keys, removed keys (see `TierManager.watch`)
-TierChange = Callable[[str, list[bytes], list[bytes]], None]
+from .writer import HeldKeys, TierChange, TierWriter
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +68,16 @@ class TiersStats:
 class Fetch:
     """One prompt's missing blocks being fetched; the engine's thread polls `done`."""
 
-    def __init__(self, keys: list[bytes], token_ids: np.ndarray, deadline: float) -> None:
+    def __init__(self, keys: list[bytes], token_ids: np.ndarray, deadline: float,
+                 parent: bytes) -> None:
         self.keys, self.token_ids, self.deadline = keys, token_ids, deadline
+        self.parent = parent  # the key the first block chains from (its BlockStored parent)
         self.started = time.monotonic()
         self.done = False  # set last, by the fetcher
         self.cancelled = False  # set by the engine's thread: the fetcher stops early
         self.payload: torch.Tensor | None = None  # [n, block_nbytes], the run fetched
         self.sources: list[str] = []  # the tier of each fetched block
+        self.found: list[list[bool]] = []  # per store: whether its lookup found each key
 
     @property
     def expired(self) -> bool:
@@ -91,109 +92,54 @@ class TierManager:
     config : TierConfig
     cache : PagedKVCache
         Whose pool the blocks are copied from and loaded into.
-    model_id : str
-        The weights' identity for the fingerprint (`weights_id`).
+    fingerprint : codec.Fingerprint
+        Of the cache's blocks (`identity.model_fingerprint`): the stores' namespace, and
+        what every value's header must carry.
     """
 
-    def __init__(self, config: TierConfig, cache: PagedKVCache, model_id: str) -> None:
-        self.config, self.cache = config, cache
-        fingerprint = codec.Fingerprint.of(cache.config, model_id)
+    def __init__(self, config: TierConfig, cache: PagedKVCache,
+                 fingerprint: codec.Fingerprint) -> None:
+        self.config, self.cache, self.fingerprint = config, cache, fingerprint
         self._digest, self._namespace = fingerprint.digest, fingerprint.namespace
         self._nbytes = cache.pool.block_nbytes
         self.stores: list[Store] = _open_stores(config, codec.HEADER.size + self._nbytes)
         self._counts = {s.name: collections.Counter() for s in self.stores}
         self._totals: collections.Counter = collections.Counter()
         self._fetch_seconds: collections.deque[float] = collections.deque(maxlen=256)
-        self._written: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._held = HeldKeys([s.name for s in self.stores])
         # measured rates: seconds per prefill token; per tier, seconds per call and per byte
         self._token_s: float | None = None
         self._call_s = {s.name: 0.0 for s in self.stores}
         self._byte_s = {s.name: 0.0 for s in self.stores}
-        self._writes: queue.Queue = queue.Queue(maxsize=max(1, config.queue_blocks))
         self._fetches: queue.Queue = queue.Queue()
-        self._on_change: TierChange | None = None
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=fn, name=f"paged-kv-tier-{name}", daemon=True)
-                         for name, fn in (("writer", self._write_loop),
-                                          ("fetcher", self._fetch_loop))]
-        for thread in self._threads:
-            thread.start()
+        self._writer = TierWriter(self.stores, self._held, self._namespace, self._digest,
+                                  config.queue_blocks)
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="paged-kv-tier-fetcher",
+                                         daemon=True)
+        self._fetcher.start()
 
     # -- the write path (engine thread: copy out; writer thread: encode, put) ------------
     def after_step(self, events: list) -> None:
-        """Copy the blocks `events` stored (and still indexed) out of the pool and queue
-        them for the tiers; a batch that does not fit the queue is dropped and counted."""
+        """Copy the blocks `events` stored (and still indexed) that some tier is not known
+        to hold out of the pool and queue them for the tiers; a batch that does not fit the
+        queue is dropped and counted."""
         block_ids, keys = stored_blocks(self.cache.allocator, events)
-        new = [i for i, key in enumerate(keys) if key not in self._written]
+        new = self._held.claim_missing(keys)
         if not new:
             return
-        keys = [keys[i] for i in new]
         data = self.cache.pool.read_blocks(block_ids[new])  # before the slot can be reused
-        try:
-            self._writes.put_nowait((keys, data))
-        except queue.Full:
-            self._totals["dropped_writes"] += len(keys)
-            return
-        self._remember(keys)
-
-    def _remember(self, keys: list[bytes]) -> None:
-        written = self._written
-        written.update(dict.fromkeys(keys))
-        while len(written) > 1 << 20:  # a bounded memory of what was queued
-            written.popitem(last=False)
-
-    def _write_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                keys, data = self._writes.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                rows = data.numpy()
-                items = [(codec.store_key(self._namespace, key),
-                          codec.encode(key, self._digest, rows[i].data))
-                         for i, key in enumerate(keys)]
-                for store in self.stores:
-                    try:  # one tier's failure must not cost the others the batch
-                        written = store.put(items)
-                        self._counts[store.name]["written_blocks"] += written
-                        self._report(store, keys if written == len(items) else [])
-                    except Exception:
-                        logger.exception("paged_kv tiers: a write to %s failed", store.name)
-            except Exception:  # nor end the writer
-                logger.exception("paged_kv tiers: a write batch failed")
-            finally:
-                self._writes.task_done()
+        self._writer.submit([keys[i] for i in new], data)
 
     def watch(self, on_change: TierChange) -> None:
         """Call ``on_change(medium, stored keys, removed keys)`` on the writer thread after
         each write to a tier that names its medium (host "CPU", disk "DISK"; Redis is
         shared and evicts by itself, so it is not reported): KV events of the tiers."""
-        self._on_change = on_change
-        for store in self.stores:
-            if getattr(store, "medium", None):
-                store.removed = collections.deque(maxlen=1 << 16)
-
-    def _report(self, store: Store, stored: list[bytes]) -> None:
-        medium = getattr(store, "medium", None)
-        if self._on_change is None or not medium:
-            return
-        removed = []
-        while store.removed:
-            hex_key = store.removed.popleft().rpartition(":")[2]
-            if len(hex_key) == 64:  # a full key (test modes cut them: not reported)
-                removed.append(bytes.fromhex(hex_key))
-        if stored or removed:
-            self._on_change(medium, stored, removed)
+        self._writer.watch(on_change)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued write reached the tiers; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._writes.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return self._writer.flush(timeout)
 
     # -- the read path ------------------------------------------------------------------
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -206,47 +152,53 @@ class TierManager:
         """Estimated seconds to recompute `num_tokens` (None before any prefill was seen)."""
         return None if self._token_s is None else self._token_s * num_tokens
 
-    def start_fetch(self, keys: list[bytes], token_ids: np.ndarray) -> Fetch | None:
-        """Start fetching the blocks of `keys` (a prompt's missing full blocks, in order);
-        None when there is nothing to fetch."""
+    def start_fetch(self, keys: list[bytes], token_ids: np.ndarray, parent: bytes,
+                    ) -> Fetch | None:
+        """Start fetching the blocks of `keys` (a prompt's missing full blocks, in order,
+        the first chained from `parent`: the device's last hit, or the root); None when
+        there is nothing to fetch."""
         if not keys or not any(getattr(s, "available", True) for s in self.stores):
             return None  # nothing to fetch, or every store is down: recompute at once
         deadline_s = self.config.fetch_deadline_s
         if deadline_s is None:
             estimate = self.recompute_seconds(len(token_ids))
             deadline_s = 1.0 if estimate is None else max(0.02, 0.75 * estimate)
-        fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s)
+        fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s, parent)
         self._fetches.put(fetch)
         return fetch
 
     def land(self, fetch: Fetch, spare_blocks: int) -> int:
         """Load a finished fetch's blocks as cached device blocks (at most `spare_blocks`);
         returns how many, counted as hits of the tiers they came from."""
-        if fetch.payload is None or not len(fetch.sources):
-            self._forget(fetch.keys)
-            return 0
-        n = min(len(fetch.sources), max(0, spare_blocks))
-        size = self.cache.config.block_size
-        loaded = load_blocks(self.cache, fetch.keys[:n], fetch.token_ids[:n * size],
-                             fetch.payload[:n])
-        self._remember(fetch.keys[:loaded])  # already in the tiers: never written again
-        for source in fetch.sources[:loaded]:
-            self._counts[source]["hit_tokens"] += size
-        self._totals["loaded_blocks"] += loaded
-        self._forget(fetch.keys[loaded:])
+        loaded = 0
+        if fetch.payload is not None and len(fetch.sources):
+            n = min(len(fetch.sources), max(0, spare_blocks))
+            size = self.cache.config.block_size
+            loaded = load_blocks(self.cache, fetch.keys[:n], fetch.token_ids[:n * size],
+                                 fetch.payload[:n], fetch.parent)
+            for source in fetch.sources[:loaded]:
+                self._counts[source]["hit_tokens"] += size
+            self._totals["loaded_blocks"] += loaded
+        self._observed(fetch, loaded)
         return loaded
 
-    def _forget(self, keys: list[bytes]) -> None:
-        """Keys the tiers lack (evicted, flushed, failed verification, dropped): when the
-        request recomputes them they are written down again."""
-        for key in keys:
-            self._written.pop(key, None)
+    def _observed(self, fetch: Fetch, loaded: int) -> None:
+        """What a fetch saw of the tiers: its loaded blocks are held where the lookups
+        found them (so they are written only to the tiers that lack them); the rest are
+        known nowhere any more (missing, failed, or gone since the lookup: when computed
+        they are written to every tier again)."""
+        for store, found in zip(self.stores, fetch.found, strict=False):
+            self._held.add(store.name, [key for key, held in zip(fetch.keys[:loaded], found,
+                                                                 strict=False) if held])
+            self._held.discard(store.name, [key for key, held in zip(
+                fetch.keys[:loaded], found, strict=False) if not held])
+        self._held.forget(fetch.keys[loaded:])
 
     def fell_back(self, fetch: Fetch) -> None:
         """The engine gave up waiting for `fetch` (its deadline passed)."""
         fetch.cancelled = True
         self._totals["deadline_fallbacks"] += 1
-        self._forget(fetch.keys)
+        self._held.forget(fetch.keys)
 
     def _fetch_loop(self) -> None:
         while not self._stop.is_set():
@@ -274,6 +226,7 @@ class TierManager:
             self._rate(store.name, time.monotonic() - start, 0)
             self._counts[store.name]["misses"] += found.count(False)
             held.append(found)
+        fetch.found = held
         sources = []
         for i in range(len(names)):  # each block from the first tier that holds it
             tier = next((t for t, found in enumerate(held) if found[i]), None)
@@ -354,18 +307,18 @@ class TierManager:
             counts = self._counts[store.name]
             tiers.append(TierStats(store.name, blocks, nbytes, counts["hit_tokens"],
                                    counts["misses"], counts["verify_failures"],
-                                   counts["written_blocks"]))
+                                   self._writer.written_blocks[store.name]))
         totals = self._totals
-        return TiersStats(tuple(tiers), totals["dropped_writes"], totals["deadline_fallbacks"],
+        return TiersStats(tuple(tiers), self._writer.dropped_writes,
+                          totals["deadline_fallbacks"],
                           totals["skipped_fetches"], totals["loaded_blocks"],
                           totals["fetches"], tuple(self._fetch_seconds))
 
     def close(self) -> None:
         """Stop the threads (queued writes are given a moment) and close the stores."""
-        self.flush(timeout=2.0)
+        self._writer.close()
         self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5.0)
+        self._fetcher.join(timeout=5.0)
         for store in self.stores:
             with contextlib.suppress(Exception):
                 store.close()
@@ -374,10 +327,11 @@ class TierManager:
 def open_tiers(config: TierConfig | None, cache: PagedKVCache,
                model: torch.nn.Module) -> TierManager | None:
     """The tiers behind `cache`, or None when none is configured; blocks are namespaced by
-    the weights' identity (`weights_id`) unless the config names the model."""
+    `model`'s fingerprint (`identity.model_fingerprint`: its config, and all its weights'
+    bytes unless the config names the weights)."""
     if config is None or not config.enabled:
         return None
-    return TierManager(config, cache, config.model_id or weights_id(model))
+    return TierManager(config, cache, model_fingerprint(model, cache.config, config.model_id))
 
 
 def _open_stores(config: TierConfig, value_bytes: int) -> list[Store]:

@@ -121,11 +121,7 @@ def chained_keys(prompt: list[int], salt: str | None = None,
 
 def fingerprint(engine):
     """The `codec.Fingerprint` of `engine`'s blocks in its tiers."""
-    from paged_kv.tiers import codec
-    from paged_kv.tiers.manager import weights_id
-
-    model_id = engine.tiers.config.model_id or weights_id(engine.model)
-    return codec.Fingerprint.of(engine.cache.config, model_id)
+    return engine.tiers.fingerprint
 
 
 def store_keys(engine, prompt: list[int], salt: str | None = None) -> list[str]:

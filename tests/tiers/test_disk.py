@@ -6,6 +6,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -34,6 +37,7 @@ def test_restart_keeps_values_and_lru_order(tmp_path):
     again.get([keys[1], keys[0]])  # order 2, 1, 0
     again.put([(keys[3], b"3" * 100)])
     assert again.contains(keys) == [True, True, False, True]
+    again.close()
 
     third = DiskStore(str(tmp_path), cap_bytes=300)  # order 1, 0, 3 read from the mtimes
     third.put([(key(9), b"9" * 100)])
@@ -45,6 +49,7 @@ def test_lowered_cap_evicts_oldest_at_start(tmp_path):
     keys = [key(i) for i in range(10)]
     for i, k in enumerate(keys):  # one at a time: oldest first
         store.put([(k, bytes([i]) * 100)])
+    store.close()
     smaller = DiskStore(str(tmp_path), cap_bytes=450)
     assert smaller.usage() == (4, 400)
     assert held_bytes(smaller) == 400
@@ -60,6 +65,7 @@ def test_leftover_temp_files_removed_stray_files_kept(tmp_path):
     with open(torn, "wb") as file:
         file.write(b"half a val")
     stray.write_text("not a block")
+    store.close()  # the store died mid-write: the next start removes its temp file
 
     again = DiskStore(str(tmp_path), cap_bytes=1000)
     assert not os.path.exists(torn)
@@ -73,6 +79,7 @@ def test_truncated_file_returned_as_is(tmp_path):
     store.put([(key(0), b"0123456789" * 10)])
     os.truncate(file_of(store, key(0)), 10)
     assert store.get([key(0)]) == [b"0123456789"]  # the manager's codec rejects it
+    store.close()
     assert DiskStore(str(tmp_path), cap_bytes=1000).usage() == (1, 10)
 
 
@@ -155,6 +162,41 @@ def test_drop_page_cache(tmp_path):
     assert store.drop_page_cache() == expected
     assert store.drop_page_cache([key(0), key(5)]) == expected // 2
     assert store.get([key(0), key(1)]) == [b"a" * 100, b"b" * 100]
+
+
+def test_a_second_store_on_a_directory_in_use_is_refused_and_touches_nothing(tmp_path):
+    store = DiskStore(str(tmp_path), cap_bytes=1000)
+    store.put([(key(0), b"a" * 10)])
+    directory = os.path.dirname(file_of(store, key(0)))
+    writing = os.path.join(directory, disk.TEMP_PREFIX + "being-written")  # the live store's
+    with open(writing, "wb") as file:
+        file.write(b"half")
+    with pytest.raises(disk.DirectoryInUseError, match=re.escape(repr(str(tmp_path)))):
+        DiskStore(str(tmp_path), cap_bytes=10)  # a lower cap would evict too: it must not
+    assert os.path.exists(writing), "a refused store removed the live store's temp file"
+    assert store.get([key(0)]) == [b"a" * 10] and store.usage() == (1, 10)
+    assert store.put([(key(1), b"b" * 10)]) == 1  # the first store goes on as before
+
+    store.close()  # released: the next store owns the directory (and cleans up)
+    again = DiskStore(str(tmp_path), cap_bytes=1000)
+    assert not os.path.exists(writing)
+    assert again.get([key(0), key(1)]) == [b"a" * 10, b"b" * 10]
+    again.close()
+
+
+def test_the_lock_holds_across_processes_until_the_holder_exits(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from paged_kv.tiers.disk import DiskStore; "
+         f"store = DiskStore({str(tmp_path)!r}, 100); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(disk.DirectoryInUseError, match="in use by another disk tier"):
+            DiskStore(str(tmp_path), cap_bytes=100)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    DiskStore(str(tmp_path), cap_bytes=100).close()  # a killed holder's lock is gone
 
 
 def test_directory_that_cannot_be_created(tmp_path):

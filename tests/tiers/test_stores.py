@@ -108,3 +108,16 @@ def test_value_larger_than_cap_not_stored(make_store, kind):
     assert store.put([(key(1), b"y" * 1001), (key(2), b"z" * 100)]) == 1, kind
     assert store.contains([key(0), key(1), key(2)]) == [True, False, True], kind
     assert held_bytes(store) == 700, kind
+
+
+@pytest.mark.parametrize("kind", CAPPED_KINDS)
+def test_a_value_exactly_the_cap_is_stored(make_store, kind):
+    store = make_store(kind, cap_bytes=1000)
+    assert store.put([(key(0), b"x" * 600)]) == 1
+    assert store.put([(key(1), b"y" * 1000)]) == 1, kind  # evicts everything else
+    assert store.contains([key(0), key(1)]) == [False, True], kind
+    assert store.usage() == (1, 1000) and held_bytes(store) == 1000, kind
+    assert store.get([key(1)]) == [b"y" * 1000], kind
+    assert store.put([(key(2), b"z" * 400), (key(3), b"w" * 600)]) == 2, kind  # fills it
+    assert store.contains([key(1), key(2), key(3)]) == [False, True, True], kind
+    assert held_bytes(store) == 1000, kind

@@ -3,8 +3,9 @@
 On a small TinyLlama with greedy sampling, every output is compared with an engine without
 tiers. Store keys forced to collide (``codec.KEY_HEX_CHARS`` = 3) are verification
 failures, not wrong K/V; two tenants (salts) never share a block through any tier; another
-block size, KV dtype or model's weights on the same disk and Redis never hit; truncated,
-bit-flipped or extended values are misses, counted, deleted and rewritten; a Redis killed
+block size, KV dtype or model's weights on the same disk and Redis never hit; truncated
+(down to empty), bit-flipped, extended or foreign (another fingerprint) values are misses,
+counted, deleted and rewritten; a Redis killed
 and restarted mid-run, flushed mid-run, slowed past the fetch deadline by a proxy, or never
 reachable costs recomputation only, within the deadline.
 """
@@ -249,9 +250,24 @@ def extended(value: bytes) -> bytes:
     return value + b"\0"
 
 
+def emptied(value: bytes) -> bytes:
+    return b""  # a file created, its data never written: a power cut
+
+
+def header_cut(value: bytes) -> bytes:
+    return value[:codec.HEADER.size // 2]
+
+
+def foreign_fingerprint(value: bytes) -> bytes:
+    """The same block's value as another model's engine would write it: every field and
+    the checksum intact, another fingerprint in the header."""
+    key, payload = value[8:40], value[codec.HEADER.size:]
+    return codec.encode(key, bytes(16), payload)
+
+
 # (prompt, block, damage): prompt 3 is left intact
 DAMAGE = [(0, 0, truncated), (1, 2, payload_bit_flipped), (2, 1, key_field_flipped),
-          (4, 3, extended)]
+          (4, 3, extended), (5, 0, emptied), (6, 2, header_cut), (7, 1, foreign_fingerprint)]
 
 
 def value_path(config: TierConfig, name: str) -> str:
@@ -280,7 +296,7 @@ def write_value(config: TierConfig, name: str, value: bytes) -> None:
 @pytest.mark.parametrize("tier", ["disk", "remote"])
 def test_torn_values_are_counted_deleted_and_rewritten(request, tmp_path, monkeypatch,
                                                        tier_engines, reference_tokens, tier):
-    prompts = random_prompts(5, PROMPT_LEN, seed=17)
+    prompts = random_prompts(8, PROMPT_LEN, seed=17)
     expected = reference_tokens(prompts)
     if tier == "disk":
         config = deadline_config(disk_dir=str(tmp_path / "disk"), disk_mib=8)

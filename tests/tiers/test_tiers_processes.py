@@ -144,3 +144,22 @@ def test_a_restarted_server_finds_its_blocks_on_disk(tmp_path, serve_processes):
     fetched = restarted.complete(PROMPT)
     assert cached_tokens(fetched) == CACHED, restarted.log.read_text()
     assert same_completion(fetched, computed)
+
+
+def test_a_second_server_on_a_disk_directory_in_use_exits_2(tmp_path, serve_processes):
+    directory = tmp_path / "blocks"
+    flags = ("--kv-disk", str(directory), "--kv-disk-mib", "64")
+    first = serve_processes(*flags)
+    first.wait_healthy()
+    second = serve_processes(*flags)
+    try:
+        code = second.process.wait(timeout=START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the second server started:\n{second.log.read_text()}")
+    log = second.log.read_text()
+    assert code == 2, log
+    assert f"{str(directory)!r} is in use by another disk tier" in log, log
+    assert "Traceback" not in log.split("paged-kv serve: error:")[-1], log
+    # the first server goes on serving from its directory
+    assert cached_tokens(first.complete(PROMPT)) == 0
+    assert cached_tokens(first.complete(PROMPT)) == CACHED

@@ -1,0 +1,203 @@
+"""The tiers' write path: which tier holds which block (`HeldKeys`), and the writer thread
+that puts blocks into the tiers that lack them (`TierWriter`).
+
+A block is known to be held by a tier once a write to that tier succeeded (never when the
+write was only queued: a store that is down, flushed or refusing writes does not hold what
+it was sent) or once a lookup found it there; it is known not to be after a lookup missed
+it or its value failed verification. A block some tier is not known to hold is written to
+that tier the next time the device stores it (computed again, or loaded from another
+tier), so a Redis restarted empty is filled again by the blocks computed afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from . import codec
+from .base import Store
+
+# medium, stored keys, removed keys (see `TierWriter.watch`)
+TierChange = Callable[[str, list[bytes], list[bytes]], None]
+
+logger = logging.getLogger(__name__)
+
+MAX_KNOWN_KEYS = 1 << 20  # bounds HeldKeys: ~150 B a key; a forgotten key is written again
+
+
+class HeldKeys:
+    """Which tiers hold which blocks, as far as this process has seen, and which blocks are
+    queued for writing. Thread-safe: the engine's thread, the writer and the fetcher call.
+
+    Parameters
+    ----------
+    tiers : list of str
+        The stores' names, fastest first.
+    """
+
+    def __init__(self, tiers: list[str]) -> None:
+        self._bits = {name: 1 << i for i, name in enumerate(tiers)}
+        self._all = (1 << len(tiers)) - 1
+        self._held: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._queued: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def claim_missing(self, keys: list[bytes]) -> list[int]:
+        """Indices of `keys` that some tier is not known to hold and that are not queued
+        already; they count as queued from now on (`unqueue` when written or dropped)."""
+        with self._lock:
+            held, queued, every = self._held, self._queued, self._all
+            new = [i for i, key in enumerate(keys)
+                   if held.get(key, 0) != every and key not in queued]
+            queued.update(keys[i] for i in new)
+        return new
+
+    def unqueue(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._queued.difference_update(keys)
+
+    def lacking(self, tier: str, keys: list[bytes]) -> list[int]:
+        """Indices of `keys` that `tier` is not known to hold."""
+        bit = self._bits[tier]
+        with self._lock:
+            return [i for i, key in enumerate(keys) if not self._held.get(key, 0) & bit]
+
+    def add(self, tier: str, keys: list[bytes]) -> None:
+        """`tier` holds `keys` (a write succeeded, a lookup found them)."""
+        bit, held = self._bits[tier], self._held
+        with self._lock:
+            for key in keys:
+                held[key] = held.pop(key, 0) | bit
+            while len(held) > MAX_KNOWN_KEYS:
+                held.popitem(last=False)
+
+    def discard(self, tier: str, keys: list[bytes]) -> None:
+        """`tier` lacks `keys` (a lookup missed them, a value failed verification)."""
+        bit, held = self._bits[tier], self._held
+        with self._lock:
+            for key in keys:
+                left = held.get(key, 0) & ~bit
+                if left:
+                    held[key] = left
+                else:
+                    held.pop(key, None)
+
+    def forget(self, keys: list[bytes]) -> None:
+        """No tier is known to hold `keys` any more."""
+        with self._lock:
+            for key in keys:
+                self._held.pop(key, None)
+
+
+class TierWriter:
+    """One background thread that encodes queued blocks and puts each into every tier not
+    known to hold it; a tier's failure costs only that tier the batch.
+
+    Parameters
+    ----------
+    stores : list of Store
+    held : HeldKeys
+        Updated after each write that succeeded.
+    namespace, digest : str, bytes
+        The fingerprint's (`codec.Fingerprint`).
+    queue_blocks : int
+        Blocks waiting to be written before further batches are dropped.
+    """
+
+    def __init__(self, stores: list[Store], held: HeldKeys, namespace: str, digest: bytes,
+                 queue_blocks: int) -> None:
+        self.stores, self.held = stores, held
+        self._namespace, self._digest = namespace, digest
+        self.written_blocks: collections.Counter = collections.Counter()  # by store name
+        self.dropped_writes = 0  # blocks not written: the queue was full
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
+        self._on_change: TierChange | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="paged-kv-tier-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: list[bytes], data: torch.Tensor) -> bool:
+        """Queue blocks (``data[i]`` holds ``keys[i]``, already claimed in `held`); False,
+        counted and unclaimed, when the queue is full."""
+        try:
+            self._queue.put_nowait((keys, data))
+        except queue.Full:
+            self.dropped_writes += len(keys)
+            self.held.unqueue(keys)
+            return False
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                keys, data = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self._write(keys, data)
+            except Exception:  # never end the writer
+                logger.exception("paged_kv tiers: a write batch failed")
+            finally:
+                self.held.unqueue(keys)
+                self._queue.task_done()
+
+    def _write(self, keys: list[bytes], data: torch.Tensor) -> None:
+        rows = data.numpy()
+        values = [(codec.store_key(self._namespace, key),
+                   codec.encode(key, self._digest, rows[i].data)) for i, key in enumerate(keys)]
+        for store in self.stores:
+            wanted = self.held.lacking(store.name, keys)
+            if not wanted:
+                continue
+            try:
+                written = store.put([values[i] for i in wanted])
+            except Exception:
+                logger.exception("paged_kv tiers: a write to %s failed", store.name)
+                continue
+            self.written_blocks[store.name] += written
+            done = [keys[i] for i in wanted] if written == len(wanted) else []
+            self.held.add(store.name, done)  # only now: the store holds them
+            self._report(store, done)
+
+    def watch(self, on_change: TierChange) -> None:
+        """Call ``on_change(medium, stored keys, removed keys)`` on the writer thread after
+        each write to a tier that names its medium (host "CPU", disk "DISK"; Redis is
+        shared and evicts by itself, so it is not reported): KV events of the tiers."""
+        self._on_change = on_change
+        for store in self.stores:
+            if getattr(store, "medium", None):
+                store.removed = collections.deque(maxlen=1 << 16)
+
+    def _report(self, store: Store, stored: list[bytes]) -> None:
+        medium = getattr(store, "medium", None)
+        if self._on_change is None or not medium:
+            return
+        removed = []
+        while store.removed:
+            hex_key = store.removed.popleft().rpartition(":")[2]
+            if len(hex_key) == 64:  # a full key (test modes cut them: not reported)
+                removed.append(bytes.fromhex(hex_key))
+        if stored or removed:
+            self._on_change(medium, stored, removed)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued write reached the tiers; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        """Give queued writes a moment, then stop the thread."""
+        self.flush(timeout=2.0)
+        self._stop.set()
+        self._thread.join(timeout=5.0)
