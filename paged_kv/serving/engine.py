@@ -102,6 +102,7 @@ class Engine:
         if tensor_parallel_size != 1:
             model, cache_config, group = TensorParallelRunner.start(model, cache_config,
                                                                     tensor_parallel_size)
+        self.tiers = None
         try:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
@@ -113,14 +114,22 @@ class Engine:
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
             self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
         except BaseException:
-            if group is not None:  # no half-built engine leaves the group initialised
-                group.close()
+            self._close_parts(group)
             raise
         self.model = model
         self._next_id = 0
         self._requests: dict[int, Request] = {}  # unfinished, by id
         self._seed_source = torch.Generator().manual_seed(0)
         self._dead: str | None = None  # why the engine cannot step any more
+
+    def _close_parts(self, group) -> None:
+        """Undo a constructor that failed part-way: no half-built engine leaves the group
+        initialised, or the tiers' threads running and their disk directory locked (a retry
+        in this process would be refused it)."""
+        if self.tiers is not None:
+            self.tiers.close()
+        if group is not None:
+            group.close()
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,

@@ -185,3 +185,25 @@ def test_a_request_aborted_while_loading_leaves_the_engine_stepping(tier_engines
     engine.check()
 
 
+
+
+def test_an_engine_that_fails_to_start_releases_its_disk_directory(tmp_path, tier_model):
+    """A constructor failing after the tiers opened (here: the events port is taken) closes
+    them, so a retry in the same process gets the disk directory back."""
+    zmq = pytest.importorskip("zmq")
+    from paged_kv.events import KVEventsConfig
+    from paged_kv.serving import Engine
+    from paged_kv.tiers.disk import DiskStore
+
+    config = TierConfig(disk_dir=str(tmp_path / "disk"), disk_mib=1)
+    model = tier_model()
+    context = zmq.Context.instance()
+    taken = context.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match="--kv-events: cannot bind"):  # after the tiers
+            Engine(model, model.cache_config(num_blocks=32), kv_tiers=config,
+                   kv_events=KVEventsConfig(f"tcp://127.0.0.1:{port}", None))
+    finally:
+        taken.close(linger=0)
+    DiskStore(config.disk_dir, cap_bytes=1 << 20).close()  # not held by the failed engine
