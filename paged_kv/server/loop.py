@@ -13,6 +13,7 @@ from typing import Any
 
 from ..serving import Engine, EngineDeadError, SamplingParams, StepOutput
 from ..serving.limits import EngineLimits
+from .seam import waiting_count
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests that would wait for a running slot: those queued for the engine and
         waiting inside it, less the slots free now (so an idle server has none)."""
-        free = self.engine.max_num_seqs - len(self.engine.scheduler.running)
-        return self._inbox.qsize() + self.engine.num_waiting_requests - free
+        return self._inbox.qsize() + waiting_count(self.engine)
 
     # -- the surface the server uses (shared with `CoreClient`, the engine-core process's) -----
     @property
