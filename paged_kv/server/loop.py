@@ -87,8 +87,10 @@ class EngineLoop:
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: int) -> None:
-        """Free a request's blocks before the next step (does not wait)."""
-        self.submit(lambda: self.engine.abort(request_id))
+        """Free a request's blocks before the next step (does not wait; nothing once the
+        engine is gone)."""
+        if self.is_alive:
+            self.submit(lambda: self.engine.abort(request_id))
 
     async def metrics_text(self) -> str:
         """Prometheus exposition, the engine's gauges as of now and the server's counters."""

@@ -43,7 +43,8 @@ class EngineClient(Protocol):
         """Queue a request; `on_output` runs on the calling event loop per step output."""
 
     def abort(self, request_id: int) -> None:
-        """Free a request's blocks (does not wait)."""
+        """Free a request's blocks (does not wait), while the engine drains too; nothing
+        once it is gone."""
 
     async def metrics_text(self) -> str:
         """Prometheus exposition: the engine's gauges and the server's counters."""
