@@ -119,9 +119,11 @@ def test_429_threshold_counts_running_and_waiting_exactly(tmp_path):
 
 def test_requests_that_cannot_reach_the_core_leave_no_count(tmp_path):
     """Stop token ids msgpack cannot carry (>= 2**64) failed after the count was raised, so
-    `--max-waiting` of them turned every later request into a 429 until restart."""
-    with running_server("--max-waiting", "2", log=tmp_path / "log") as (_, url):
-        for _ in range(6):
+    a few of them (the free slots plus `--max-waiting`) turned every later request into a
+    429 until restart."""
+    flags = ("--max-num-seqs", "2", "--max-waiting", "0")
+    with running_server(*flags, log=tmp_path / "log") as (_, url):
+        for _ in range(4):
             bad = _post(url, prompt="x", stop_token_ids=[2**64])
             assert bad.status_code in (400, 500), bad.text  # refused, never served
         assert _post(url, prompt="good").status_code == 200
