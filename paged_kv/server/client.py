@@ -17,12 +17,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ..serving import EngineDeadError, SamplingParams, StepOutput
 from ..serving.limits import EngineLimits
 from . import ipc
+from .procs import describe_exit
 
 # a peer's exit codes when it was asked to stop: drained, Ctrl-C, a signal's default action
 _ASKED = frozenset({0, 130, -signal.SIGTERM, -signal.SIGINT})
 logger = logging.getLogger("paged_kv.server")
 _LAST_WORDS_S = 0.2  # after the core exits, how long its last messages may take to arrive
 _DEAD_EXIT_S = 1.0  # a dead core: answer 503 this long, then exit non-zero for a supervisor
+_REAP_S = 5.0  # at most this long for an exited peer to become reapable
 
 
 class CoreClient:
@@ -194,11 +196,14 @@ class CoreClient:
 
     def _peer_gone(self, peer) -> None:
         asyncio.get_running_loop().remove_reader(peer.sentinel)
-        peer.join(0)  # reaped: its exit code is known
+        # reaped, so its exit code is known: the sentinel turns readable as the process
+        # closes its files, a moment before it can be reaped (join(0) read None)
+        peer.join(_REAP_S)
         if peer.exitcode in _ASKED or self.exit_code is not None:
             return  # stopped with the rest of the server (SIGTERM drained, Ctrl-C)
         logger.error("API server process %s exited with %s; stopping (exit 1) so that a "
-                     "supervisor restarts the whole server", peer.name, peer.exitcode)
+                     "supervisor restarts the whole server", peer.name,
+                     describe_exit(peer.exitcode))
         self._finish(1)
 
     def _core_gone(self) -> None:

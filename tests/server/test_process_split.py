@@ -198,7 +198,8 @@ def test_a_dead_api_server_stops_the_server_for_its_supervisor(tmp_path):
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         os.kill(forked[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1, log.read_text()
-        assert "API server process" in log.read_text()
+        lines = [line for line in log.read_text().splitlines() if "exited with" in line]
+        assert len(lines) == 1 and "exited with signal SIGKILL" in lines[0], lines
     assert _gone(children)
 
 
@@ -321,3 +322,11 @@ def test_a_client_leaving_while_the_core_drains_is_aborted(tmp_path):
                 pass
         assert proc.wait(timeout=60) == 0, log.read_text()
     assert _gone([core])
+
+
+def test_exit_codes_are_logged_as_codes_or_signals():
+    from paged_kv.server.procs import describe_exit
+
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe_exit(-200) == "signal 200"
