@@ -330,3 +330,31 @@ def test_exit_codes_are_logged_as_codes_or_signals():
     assert describe_exit(1) == "exit code 1"
     assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
     assert describe_exit(-200) == "signal 200"
+
+
+def test_n_2_chat_stream_gives_both_choices(shared_server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{shared_server}/v1/chat/completions", json=body,
+                      timeout=120) as response:
+        events = sse_events(list(response.iter_lines()))
+    assert events[-1] == "DONE", events[-3:]
+    texts, reasons = {0: "", 1: ""}, {}
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"] is not None:
+                reasons[c["index"]] = c["finish_reason"]
+    assert reasons == {0: "length", 1: "length"} and texts[0] == texts[1], (texts, reasons)
+    assert _live_blocks_freed(shared_server)
+
+
+def test_n_2_stream_left_midway_frees_both_samples(shared_server):
+    body = {"prompt": "two", "n": 2, "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", f"{shared_server}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(shared_server, "paged_kv_running_requests") == 2
+    assert _live_blocks_freed(shared_server), "a sample of the left request still runs"
