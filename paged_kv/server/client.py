@@ -17,12 +17,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ..serving import EngineDeadError, SamplingParams, StepOutput
 from ..serving.limits import EngineLimits
 from . import ipc
+from .procs import describe_exit
 
 # a peer's exit codes when it was asked to stop: drained, Ctrl-C, a signal's default action
 _ASKED = frozenset({0, 130, -signal.SIGTERM, -signal.SIGINT})
 logger = logging.getLogger("paged_kv.server")
 _LAST_WORDS_S = 0.2  # after the core exits, how long its last messages may take to arrive
 _DEAD_EXIT_S = 1.0  # a dead core: answer 503 this long, then exit non-zero for a supervisor
+_REAP_S = 5.0  # at most this long for an exited peer to become reapable
 
 
 class CoreClient:
@@ -60,7 +62,9 @@ class CoreClient:
         self._fresh: set[int] = set()  # requests still waiting for their first output
         self._metrics: dict[int, asyncio.Future[str]] = {}
         self._ids = itertools.count()
-        self._waiting = self._sent = 0
+        # the core's queue as it last told (an idle engine until it does: minus its slots),
+        # and the `Add`s sent to it, of which it had taken `_received` by then
+        self._waiting, self._sent, self._received = -limits.max_num_seqs, 0, 0
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._peers = list(peers or ())
@@ -103,9 +107,9 @@ class CoreClient:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for a running slot as of the core's last step, plus those sent
-        since."""
-        return self._waiting + self._sent
+        """Requests waiting for a running slot as of the core's last step (every API
+        server's), plus those this one sent that the core had not taken by then."""
+        return self._waiting + self._sent - self._received
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
                   on_output: Callable[[StepOutput], None]) -> int:
@@ -115,10 +119,19 @@ class CoreClient:
                                                 "new requests elsewhere" if self.draining
                                                 else "the engine core has stopped"))
         request_id = next(self._ids)
+        frame = ipc.encode(ipc.Add(request_id, prompt_token_ids, params, salt))
+        # counted while sent, uncounted if the send fails: a request that never reached
+        # the core must leave no entry and no count behind (the count would never heal)
         self._requests[request_id] = (on_output, params.n)
         self._fresh.add(request_id)
         self._sent += 1
-        await self._socket.send(ipc.encode(ipc.Add(request_id, prompt_token_ids, params, salt)))
+        try:
+            await self._socket.send(frame)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            self._fresh.discard(request_id)
+            self._sent -= 1
+            raise
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -146,7 +159,7 @@ class CoreClient:
     def _dispatch(self, message: ipc.Outputs | ipc.MetricsText | ipc.Bye | ipc.Draining,
                   ) -> None:
         if isinstance(message, ipc.Outputs):
-            self._waiting, self._sent = message.waiting, 0
+            self._waiting, self._received = message.waiting, message.received
             requests = self._requests
             for request_id, out in self._first_tokens_first(message.outputs):
                 entry = requests.get(request_id)
@@ -183,11 +196,14 @@ class CoreClient:
 
     def _peer_gone(self, peer) -> None:
         asyncio.get_running_loop().remove_reader(peer.sentinel)
-        peer.join(0)  # reaped: its exit code is known
+        # reaped, so its exit code is known: the sentinel turns readable as the process
+        # closes its files, a moment before it can be reaped (join(0) read None)
+        peer.join(_REAP_S)
         if peer.exitcode in _ASKED or self.exit_code is not None:
             return  # stopped with the rest of the server (SIGTERM drained, Ctrl-C)
         logger.error("API server process %s exited with %s; stopping (exit 1) so that a "
-                     "supervisor restarts the whole server", peer.name, peer.exitcode)
+                     "supervisor restarts the whole server", peer.name,
+                     describe_exit(peer.exitcode))
         self._finish(1)
 
     def _core_gone(self) -> None:

@@ -26,6 +26,7 @@ from ..serving.limits import EngineLimits
 from ..serving.sizing import pool_config
 from ..tiers import TierConfig
 from . import ipc
+from .seam import waiting_count
 
 logger = logging.getLogger("paged_kv.server.core")
 _IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
@@ -147,6 +148,8 @@ class EngineCore:
         self._ids: dict[tuple[bytes, int], int] = {}  # (API server, its id) -> engine id
         self._pending: dict[bytes, list[tuple[int, StepOutput]]] = {}
         self._fronts: set[bytes] = set()
+        self._received: dict[bytes, int] = {}  # API server -> the `Add`s taken from it
+        self._told: dict[bytes, tuple[int, int]] = {}  # API server -> (waiting, received)
         self._draining = self._announced = False
 
     def drain(self, *_: object) -> None:
@@ -215,6 +218,7 @@ class EngineCore:
 
     def _add(self, front: bytes, message: ipc.Add) -> None:
         self._fronts.add(front)
+        self._received[front] = self._received.get(front, 0) + 1
         try:
             if self._draining:
                 raise ValueError("the engine core is shutting down")
@@ -234,16 +238,20 @@ class EngineCore:
             self._ids.pop((front, request_id), None)
 
     def _flush(self) -> None:
-        """One `Outputs` message per API server that has outputs from this step."""
-        if not self._pending:
-            return
+        """One `Outputs` message to each API server that has outputs from this step, or
+        whose queue count (`waiting_count`, and the `Add`s taken from it) changed since it
+        was last told: a server's 429s count the queue of every server, and a request it
+        refuses never reaches the core, so waiting for its own outputs could leave it
+        refusing for good on an idle core."""
         pending, self._pending = self._pending, {}
-        engine = self.engine
-        # (the scheduler's queue, not engine.stats(): a whole snapshot each step for one int)
-        waiting = engine.num_waiting_requests - (engine.max_num_seqs
-                                                 - len(engine.scheduler.running))
-        for front, outputs in pending.items():
-            self._socket.send_multipart([front, ipc.encode(ipc.Outputs(outputs, waiting))])
+        waiting = waiting_count(self.engine)
+        for front in self._fronts | pending.keys():
+            outputs = pending.get(front)
+            counts = (waiting, self._received.get(front, 0))
+            if outputs or self._told.get(front) != counts:
+                self._told[front] = counts
+                self._socket.send_multipart(
+                    [front, ipc.encode(ipc.Outputs(outputs or [], *counts))])
 
     def _fail_all(self, message: str) -> None:
         for request_id in self.engine.unfinished_request_ids():

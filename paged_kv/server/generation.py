@@ -66,8 +66,10 @@ class Generation:
         return self.error is not None or any(c.finish_reason == "error" for c in self.choices)
 
     def abort(self) -> None:
-        """Free the request's blocks in the engine (idempotent; does not wait)."""
-        if self.request_id is not None and self.output is None and self._loop.is_alive:
+        """Free the request's blocks in the engine (idempotent; does not wait). Also while the
+        engine drains (not `is_alive`, yet finishing what it has): the client's `abort`
+        itself skips an engine that is gone."""
+        if self.request_id is not None and self.output is None:
             self._loop.abort(self.request_id)
 
     async def updates(self):

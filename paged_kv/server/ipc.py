@@ -3,7 +3,7 @@ over one ZMQ DEALER (each API server, its own identity) / ROUTER (the core) pair
 
 An API server sends requests, aborts and metrics queries; the core answers with one
 `Outputs` message per step per API server (every token that step made for that server's
-requests), never one per token.
+requests, and the queue's length), never one per token.
 """
 
 from __future__ import annotations
@@ -39,11 +39,16 @@ class Hello(msgspec.Struct, array_like=True, tag=3):
 
 
 class Outputs(msgspec.Struct, array_like=True, tag=10):
-    """One step's outputs for one API server: ``(request_id, StepOutput)`` pairs, and the
-    requests that would wait for a running slot after the step (for its 429s)."""
+    """One step's outputs for one API server: ``(request_id, StepOutput)`` pairs (maybe
+    none), the requests that would wait for a running slot after the step, whichever API
+    server sent them, and how many `Add`s the core has taken from this one (those are in
+    `waiting` already; the ones it sent since are not): what its 429s count. Every API
+    server is sent one after each step that changed either number, so none keeps a count
+    that no longer holds."""
 
     outputs: list[tuple[int, StepOutput]]
     waiting: int
+    received: int
 
 
 class MetricsText(msgspec.Struct, array_like=True, tag=11):

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..serving import Engine, EngineDeadError, SamplingParams, StepOutput
 from ..serving.limits import EngineLimits
+from .seam import waiting_count
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests that would wait for a running slot: those queued for the engine and
         waiting inside it, less the slots free now (so an idle server has none)."""
-        free = self.engine.max_num_seqs - len(self.engine.scheduler.running)
-        return self._inbox.qsize() + self.engine.num_waiting_requests - free
+        return self._inbox.qsize() + waiting_count(self.engine)
 
     # -- the surface the server uses (shared with `CoreClient`, the engine-core process's) -----
     @property
@@ -87,8 +87,10 @@ class EngineLoop:
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: int) -> None:
-        """Free a request's blocks before the next step (does not wait)."""
-        self.submit(lambda: self.engine.abort(request_id))
+        """Free a request's blocks before the next step (does not wait; nothing once the
+        engine is gone)."""
+        if self.is_alive:
+            self.submit(lambda: self.engine.abort(request_id))
 
     async def metrics_text(self) -> str:
         """Prometheus exposition, the engine's gauges as of now and the server's counters."""

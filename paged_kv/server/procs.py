@@ -5,6 +5,7 @@ or ZMQ context exists, sharing the listening socket the first one bound)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -51,8 +52,9 @@ class CoreProcess:
         try:
             while not ready.poll(0.1):
                 if not self._process.is_alive():
-                    raise RuntimeError(f"the engine core exited with {self._process.exitcode} "
-                                       "while starting")
+                    raise RuntimeError(f"the engine core exited with "
+                                       f"{describe_exit(self._process.exitcode)} while "
+                                       "starting")
             kind, payload = ready.recv()
         except BaseException:
             self.stop()
@@ -90,6 +92,17 @@ class CoreProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code for a log line: ``exit code 1``, ``signal SIGKILL``."""
+    if code is None:
+        return "an exit status not known yet"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit code {code}"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,12 +1,13 @@
 """`EngineClient`: what the server needs of an engine, met by `EngineLoop` (the engine on a
-thread of this process) and by `CoreClient` (the engine core in a process of its own)."""
+thread of this process) and by `CoreClient` (the engine core in a process of its own); and
+the one count of waiting requests both report."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
 
-from ..serving import SamplingParams, StepOutput
+from ..serving import Engine, SamplingParams, StepOutput
 from ..serving.limits import EngineLimits
 
 
@@ -42,7 +43,16 @@ class EngineClient(Protocol):
         """Queue a request; `on_output` runs on the calling event loop per step output."""
 
     def abort(self, request_id: int) -> None:
-        """Free a request's blocks (does not wait)."""
+        """Free a request's blocks (does not wait), while the engine drains too; nothing
+        once it is gone."""
 
     async def metrics_text(self) -> str:
         """Prometheus exposition: the engine's gauges and the server's counters."""
+
+
+def waiting_count(engine: Engine) -> int:
+    """Requests that would wait for a running slot: those waiting in the engine less the
+    slots free now (an idle engine's count is minus its free slots, so a server with
+    ``--max-waiting 0`` still serves). The scheduler's queue, not ``engine.stats()``: a
+    whole snapshot each step for one int."""
+    return engine.num_waiting_requests - (engine.max_num_seqs - len(engine.scheduler.running))

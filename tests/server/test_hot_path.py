@@ -19,6 +19,7 @@ from paged_kv.server.protocol import ChatCompletionRequest, CompletionRequest
 from paged_kv.server.responses import _chunk_encoder
 from paged_kv.server.routes import parse_body
 from paged_kv.serving import StepOutput
+from paged_kv.serving.limits import EngineLimits
 
 BODIES = [
     (b"{not json", "application/json"), (b'{"prompt": 5}', "application/json"),
@@ -87,7 +88,8 @@ def test_chunk_template_gives_the_bytes_of_the_whole_dump(kind):
 
 
 def test_first_outputs_of_a_request_go_before_the_steps_other_outputs():
-    client = CoreClient("ipc:///nowhere", b"api-0", limits=None, core_sentinel=-1)
+    limits = EngineLimits(model_config=None, max_num_seqs=1, cache_config=None)
+    client = CoreClient("ipc:///nowhere", b"api-0", limits=limits, core_sentinel=-1)
     client._fresh = {7, 9}
     outputs = [(1, StepOutput(1, 0, [5], None)), (7, StepOutput(7, 0, [6], None)),
                (2, StepOutput(2, 0, [7], None)), (7, StepOutput(7, 1, [8], None)),

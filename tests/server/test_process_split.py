@@ -7,6 +7,7 @@ also checks that no process it started outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -197,5 +198,163 @@ def test_a_dead_api_server_stops_the_server_for_its_supervisor(tmp_path):
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         os.kill(forked[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1, log.read_text()
-        assert "API server process" in log.read_text()
+        lines = [line for line in log.read_text().splitlines() if "exited with" in line]
+        assert len(lines) == 1 and "exited with signal SIGKILL" in lines[0], lines
     assert _gone(children)
+
+
+# -- planted faults the suite missed (issue 28): request id 0, n > 1, aborts while draining --
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    with running_server(log=tmp_path_factory.mktemp("split") / "log") as (_, url):
+        yield url
+
+
+def _live_blocks_freed(url: str, timeout: float = 15.0) -> bool:
+    """Whether nothing runs and no block is live within `timeout` seconds (bounded poll)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(url, "paged_kv_running_requests") == 0 \
+                and metric(url, "paged_kv_blocks", '{state="live"}') == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _n2(url: str, stream: bool, **body) -> list[dict]:
+    """A completion with n=2: each choice's index, token ids and finish reason (the streamed
+    chunks of a choice joined), sorted by index."""
+    body = {"prompt": "two samples", "n": 2, "ignore_eos": True, "return_token_ids": True,
+            "stream": stream, **body}
+    if not stream:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return sorted(({k: c[k] for k in ("index", "token_ids", "finish_reason", "text")}
+                       for c in response.json()["choices"]), key=lambda c: c["index"])
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        events = sse_events(list(response.iter_lines()))
+    assert events[-1] == "DONE", events[-3:]
+    choices: dict[int, dict] = {}
+    for event in events[:-1]:
+        for c in event["choices"]:
+            choice = choices.setdefault(c["index"], {"index": c["index"], "text": ""})
+            choice["text"] += c["text"]
+            if c["finish_reason"] is not None:
+                choice.update(token_ids=c["token_ids"], finish_reason=c["finish_reason"])
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_2_greedy_gives_two_whole_samples(shared_server, reference, stream):
+    prompt = make_prompt(20, seed=40)
+    want = reference([prompt], 9)[0]
+    choices = _n2(shared_server, stream, prompt=prompt, max_tokens=9, temperature=0)
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["token_ids"] for c in choices] == [want, want]
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
+    assert _live_blocks_freed(shared_server)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_2_samples_that_finish_at_different_steps(shared_server, stream):
+    """One sample stops on a token the other never makes: the request goes on for the other
+    sample, and ends once both have (a request dropped at its first finished sample hung)."""
+    seeded = {"max_tokens": 12, "temperature": 1.0}
+    for seed in range(20):  # bounded: a seed whose sample 0 has a token sample 1 lacks
+        first, second = (c["token_ids"] for c in _n2(shared_server, False, seed=seed,
+                                                      **seeded))
+        stops = [t for t in first[:6] if t not in second]
+        if stops:
+            break
+    else:
+        pytest.fail("no seed in 20 gave two samples that differ in their first tokens")
+    cut = first[:first.index(stops[0]) + 1]
+    choices = _n2(shared_server, stream, seed=seed, stop_token_ids=[stops[0]], **seeded)
+    assert [(c["token_ids"], c["finish_reason"]) for c in choices] == \
+        [(cut, "stop"), (second, "length")]
+    assert _live_blocks_freed(shared_server)
+
+
+def test_the_first_request_the_engine_sees_can_be_aborted(tmp_path):
+    """The engine's and the API server's request ids start at 0: a falsy id must still be
+    aborted (a fresh server, so the stream below is request 0 everywhere)."""
+    with running_server(log=tmp_path / "log") as (_, url):
+        body = {"prompt": "first", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+            assert metric(url, "paged_kv_running_requests") == 1
+        assert _live_blocks_freed(url), "request 0 still runs after its client left"
+
+
+def test_a_client_leaving_while_the_core_drains_is_aborted(tmp_path):
+    """SIGTERM to the core: it finishes what runs, but a request whose client has left is
+    aborted as ever, not run to its end holding the shutdown up. Two equal streams: once
+    one client leaves, one request runs, while the other stream is still far from done."""
+    log = tmp_path / "log"
+    body = {"prompt": "leaving", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with running_server(log=log) as (proc, url):
+        core = _core_pid(proc.pid)
+        with contextlib.ExitStack() as stack:
+            client = stack.enter_context(httpx.Client(timeout=60))
+            streams = [stack.enter_context(client.stream("POST", f"{url}/v1/completions",
+                                                         json=body)) for _ in range(2)]
+            leaving, staying = (contextlib.closing(s) for s in streams)
+            lines = [stream.iter_lines() for stream in streams]  # (dropped: closes it)
+            for each in lines:
+                next(each)
+            assert metric(url, "paged_kv_running_requests") == 2
+            os.kill(core, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                assert time.monotonic() < deadline, "still healthy after SIGTERM to the core"
+                time.sleep(0.02)
+            with leaving:
+                pass
+            deadline = time.monotonic() + 300  # (the two would end together, ~4000 steps on)
+            while (running := metric(url, "paged_kv_running_requests")) == 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert running == 1, "the left request ran to its end while the core drained"
+            with staying:
+                pass
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    assert _gone([core])
+
+
+def test_exit_codes_are_logged_as_codes_or_signals():
+    from paged_kv.server.procs import describe_exit
+
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe_exit(-200) == "signal 200"
+
+
+def test_n_2_chat_stream_gives_both_choices(shared_server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{shared_server}/v1/chat/completions", json=body,
+                      timeout=120) as response:
+        events = sse_events(list(response.iter_lines()))
+    assert events[-1] == "DONE", events[-3:]
+    texts, reasons = {0: "", 1: ""}, {}
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"] is not None:
+                reasons[c["index"]] = c["finish_reason"]
+    assert reasons == {0: "length", 1: "length"} and texts[0] == texts[1], (texts, reasons)
+    assert _live_blocks_freed(shared_server)
+
+
+def test_n_2_stream_left_midway_frees_both_samples(shared_server):
+    body = {"prompt": "two", "n": 2, "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", f"{shared_server}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(shared_server, "paged_kv_running_requests") == 2
+    assert _live_blocks_freed(shared_server), "a sample of the left request still runs"
