@@ -20,6 +20,7 @@ from ..server.protocol import (
     bearer_tenant,
     error_response,
 )
+from ..server.tokenizer import ChatTemplateRefused
 from .index import prompt_keys
 from .policy import Choice, choose
 from .replicas import Replica, ReplicaSet
@@ -281,12 +282,13 @@ _GAUGES = (("in_flight", "Requests in flight at each replica", ["replica"]),
 
 
 def _template_errors() -> tuple[type[Exception], ...]:
-    """What a chat template raises (jinja2 comes with the hf extra; without it, nothing)."""
+    """What a chat template's refusal raises: `HFTokenizer`'s own error, or jinja2's from
+    a tokenizer that lets it through (jinja2 comes with the hf extra)."""
     try:
         from jinja2 import TemplateError
     except ImportError:
-        return ()
-    return (TemplateError,)
+        return (ChatTemplateRefused,)
+    return (ChatTemplateRefused, TemplateError)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,6 +10,11 @@ _SPECIALS = range(256, 261)
 _PRINTABLE = bytes(range(33, 127))  # "!" to "~"
 
 
+class ChatTemplateRefused(ValueError):
+    """The model's chat template raised on the messages (many refuse a role they do not
+    take, e.g. a system message): the client's input, answered 400 at ``messages``."""
+
+
 class ByteTokenizer:
     """The embedded model's tokenizer: one id per byte (0-255) plus a few specials.
 
@@ -80,8 +85,9 @@ class HFTokenizer:
         Raises
         ------
         ValueError
-            The tokenizer has no chat template, or the template refused the messages (many
-            raise on a role they do not take, e.g. a system message).
+            The tokenizer has no chat template; `ChatTemplateRefused` (a ValueError) when
+            the template refused the messages (many raise on a role they do not take, e.g. a
+            system message).
         """
         from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
 
@@ -92,5 +98,6 @@ class HFTokenizer:
             text = self._tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                        add_generation_prompt=True)
         except TemplateError as exc:
-            raise ValueError(f"the model's chat template refused them: {exc}") from None
+            raise ChatTemplateRefused(f"the model's chat template refused them: {exc}") \
+                from None
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
