@@ -8,7 +8,10 @@ import pytest
 from paged_kv.serving import SamplingParams, TinyLlama
 
 from ..conftest import make_engine
+from . import test_serving
 from .test_serving import assert_drained, drive, make_prompt, tokens_of
+
+CONFIG = test_serving.CONFIG  # the model fixture's: test_serving's model
 
 SHARED = make_prompt(16, seed=30)  # one full block of 16
 
