@@ -14,8 +14,8 @@ import time
 
 import torch
 
+from paged_kv.demo.run import run_demo
 from paged_kv.serving import engine as engine_module
-from paged_kv.serving.demo import run_demo
 from paged_kv.serving.engine import Engine
 from paged_kv.serving.model import TinyLlama
 from paged_kv.serving.scheduler import Scheduler

@@ -1,5 +1,5 @@
-"""Workload 1 at small size: trace replay and a 256-sequence decode step, paged against the
-Python-object baseline (``pytest benchmarks/ --benchmark-only``)."""
+"""The ``allocator`` workload at small size: trace replay and a 256-sequence decode step, paged
+against the Python-object baseline (``pytest benchmarks/ --benchmark-only``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workload 2 at small size: each kernel and its ``dst.copy_(src)`` of the same bytes;
+"""The ``kernels`` workload at small size: each kernel and its ``dst.copy_(src)`` of the same bytes;
 paged attention against gather + SDPA and SDPA on contiguous K/V."""
 
 from __future__ import annotations

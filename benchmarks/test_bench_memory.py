@@ -1,4 +1,4 @@
-"""Workload 4 at small size: the occupancy replay at several block sizes and parallel
+"""The ``memory`` workload at small size: the occupancy replay at several block sizes and parallel
 sampling; the memory fractions go to ``extra_info`` (the timing is of the replay)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Workload 6 at small size: write_kv / gather_kv on float16, int8 and fp8 pages (the
-torch path), with the tokens each format fits in 1 GiB and its attention error as
+"""The ``quantised`` workload at small size: write_kv / gather_kv on float16, int8 and fp8 pages
+(the torch path), with the tokens each format fits in 1 GiB and its attention error as
 ``extra_info``."""
 
 from __future__ import annotations

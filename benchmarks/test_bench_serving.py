@@ -1,5 +1,5 @@
-"""Workload 5 at small size: the engine on the paged cache against the same engine on a
-contiguous max-length cache with the same memory budget; throughput in ``extra_info``."""
+"""The ``serving`` workload at small size: the engine on the paged cache against the same engine
+on a contiguous max-length cache with the same memory budget; throughput in ``extra_info``."""
 
 from __future__ import annotations
 

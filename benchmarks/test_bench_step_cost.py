@@ -1,5 +1,5 @@
-"""Workload 3 at small size: one decode step of 8 sequences against history length, the
-paged cache against the seeds' list and contiguous caches."""
+"""The ``step_cost`` workload at small size: one decode step of 8 sequences against history
+length, the paged cache against the seeds' list and contiguous caches."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ import torch
 from .accounting import CacheStats
 from .bench.cli import add_bench_parser
 from .config import KV_CACHE_DTYPES, CacheConfig
+from .demo.synthetic import run_synthetic
 from .router.cli import add_route_parser
 from .tiers import TierConfig
-from .workload import run_synthetic
 
 DEMO_HOST_MIB = 64.0  # the demo shows a host tier at work by default
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,8 +69,9 @@ def _demo(args: argparse.Namespace) -> int:
                   "model, give --memory-mib", file=sys.stderr)
             return 2
         return _synthetic_demo(args)
+    from .demo.report import format_report
+    from .demo.run import run_demo
     from .serving import TinyLlamaConfig
-    from .serving.demo import format_report, run_demo
 
     model_config = TinyLlamaConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                    num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,

@@ -5,11 +5,16 @@ measured in the same run, written to a report with plots.
                   saved and loaded as JSON lines
     replay.py     replay a trace through any block manager's bookkeeping
     baselines.py  the same-run baselines: a Python-object block manager, the seeds' caches
-    workloads/    allocator, kernels, step_cost, memory, serving, quantised, peers (one ``run``
-                  each)
+    scale.py      the sizes of every workload for the quick and the full run
+    workloads/    one ``run`` each: allocator, kernels, step_cost, memory, serving,
+                  quantised, peers, tensor_parallel by default; service, tiers, replicas
+                  only when named (they start servers, redis-server and writer processes)
+    netdelay.py   the tiers workload's loopback helpers: a private redis-server, and a TCP
+                  proxy that adds latency and counts round trips
     timing.py     repeats -> median / min / max, and `Figure` (value, baseline, ratio)
+    results.py    what a workload hands the report: figures, facts, plots
     report.py     report.md, results.json, PNGs (matplotlib, imported lazily)
-    cli.py        ``paged-kv bench [--quick] [--out DIR]``
+    cli.py        ``paged-kv bench [--quick] [--out DIR] [--workloads NAME ...]``
 
 Importing this package needs neither matplotlib nor the serving extra.
 """

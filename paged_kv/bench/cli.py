@@ -1,4 +1,4 @@
-"""``paged-kv bench``: run the six workloads, print a summary table, write the report.
+"""``paged-kv bench``: run the workloads, print a summary table, write the report.
 
 Importing this module is cheap (the parser only); the workloads load when the command runs.
 """

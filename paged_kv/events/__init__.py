@@ -1,16 +1,18 @@
 """KV events: the cache's index changes, published in vLLM's wire format and followed.
 
-`wire` turns the allocator's index events into vLLM's ``BlockStored`` / ``BlockRemoved`` /
+`schema` turns the allocator's index events into vLLM's ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` arrays (msgpack, array-like, as llm-d decodes them) and back;
 `publisher` sends one batch per step over ZMQ PUB with a replay socket; `subscriber`
-follows one publisher in order, replaying gaps. Sockets live here, never in the cache.
+follows one publisher in order, replaying gaps; `config` holds `KVEventsConfig`, where and
+how a replica publishes. Sockets live here, never in the cache.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .wire import MEDIUM_DEVICE, KVEventsConfig, decode_batch, encode_batch, to_wire
+from .config import KVEventsConfig
+from .schema import MEDIUM_DEVICE, decode_batch, encode_batch, to_wire
 
 if TYPE_CHECKING:
     from .publisher import EventPublisher

@@ -20,8 +20,9 @@ import time
 import zmq
 
 from ..keys import BlockEvent
+from .config import KVEventsConfig
 from .replay import ReplayLimiter
-from .wire import MEDIUM_DEVICE, KVEventsConfig, encode_batch, to_wire
+from .schema import MEDIUM_DEVICE, encode_batch, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ REQUESTS_PER_PASS = 32  # replay requests read between two batches: a flood wait
 
 
 class EventPublisher:
-    """Publishes a cache's index events (see `paged_kv.events.wire` for the schema).
+    """Publishes a cache's index events (see `paged_kv.events.schema` for the schema).
 
     Parameters
     ----------

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .wire import decode_batch
+from .schema import decode_batch
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import torch
 
-from .._threads import ThreadGovernor, intra_op_threads
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..events import KVEventsConfig, open_publisher
@@ -24,6 +23,7 @@ from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_generator, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
+from .threads import ThreadGovernor, intra_op_threads
 
 logger = logging.getLogger(__name__)
 

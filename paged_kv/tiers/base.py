@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import abc
+import collections
 import dataclasses
 import os
-from typing import Protocol
 
 
-class Store(Protocol):
+class Store(abc.ABC):
     """One tier: a byte-capped map of string keys to encoded block values (`codec`).
 
     Every method is one round trip to the store (one pipeline on Redis), takes whole
@@ -17,27 +18,45 @@ class Store(Protocol):
     """
 
     name: str  # "host", "disk" or "remote": the tier's label in stats and metrics
+    # where a block lives as KV events name it ("CPU", "DISK"); None: the tier's changes
+    # are not published (a shared Redis evicts by itself, for every replica)
+    medium: str | None = None
+    # keys evicted or deleted since the writer last reported them; None until the writer
+    # watches a store with a medium (`TierWriter.watch`), so nothing piles up unwatched
+    removed: collections.deque[str] | None = None
 
+    @property
+    def available(self) -> bool:
+        """Whether a call may reach the store now; a store that backs off after a failure
+        says False meanwhile, and the manager starts no fetch that could only miss."""
+        return True
+
+    @abc.abstractmethod
     def contains(self, keys: list[str]) -> list[bool]:
         """Whether each key is held (a best guess: a later `get` may still miss)."""
         ...
 
+    @abc.abstractmethod
     def get(self, keys: list[str]) -> list[bytes | None]:
         """Each key's value, or None (absent, evicted, unreachable)."""
         ...
 
+    @abc.abstractmethod
     def put(self, items: list[tuple[str, bytes]]) -> int:
         """Store values (LRU eviction keeps the cap); returns how many were written."""
         ...
 
+    @abc.abstractmethod
     def delete(self, keys: list[str]) -> None:
         """Forget keys (a value that failed verification)."""
         ...
 
+    @abc.abstractmethod
     def usage(self) -> tuple[int, int]:
         """Blocks and bytes held now (values, as the cap counts them)."""
         ...
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release files, sockets and threads."""
         ...

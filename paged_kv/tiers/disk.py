@@ -29,6 +29,8 @@ import tempfile
 import threading
 import time
 
+from .base import Store
+
 logger = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"  # a value being written; never a final name (those are hex)
@@ -36,7 +38,7 @@ LOCK_NAME = ".lock"  # empty; its flock says a store has the directory (see the 
 _KEY = re.compile(r"([0-9a-f]+):([0-9a-f]{3,})")
 
 
-class DiskStore:
+class DiskStore(Store):
     """Blocks in files under `directory`, least recently used evicted first.
 
     Parameters
@@ -93,7 +95,6 @@ class DiskStore:
         self._reserved = 0  # of values being written (their temp files count against the cap)
         self._clock = 0  # the last mtime stamped, ns
         self._lock = threading.Lock()  # the writer and the fetcher are different threads
-        self.removed: collections.deque[str] | None = None  # a deque: keys evicted, deleted
         self._load()
         with self._lock:
             self._evict_to(self.cap_bytes)  # the cap may have been lowered since the last run

@@ -4,12 +4,16 @@ Two background threads, so a step never waits on a tier. The writer (`writer.Tie
 takes batches of (key, bytes) that the engine's thread copied out of the pool right after
 the step that wrote them, encodes them (`codec`) and puts them into every tier not known to
 hold them (`writer.HeldKeys`); its queue is bounded and a batch that does not fit is dropped
-and counted. The fetcher takes one `Fetch` at a time:
-one lookup per tier for the whole run of keys (one round trip on Redis), the longest
-contiguous run any tier holds, whether fetching it beats recomputing (the engine's
-measured prefill rate against the tier's measured fetch rate), then the values in
-batches, each verified; it gives up at the fetch's deadline. The engine's thread polls a
-fetch and loads what arrived (`paged_kv.offload.load_blocks`).
+and counted. The fetcher (`fetcher.TierFetcher`) takes one `Fetch` at a time: one lookup per
+tier for the whole run of keys (one round trip on Redis), the longest contiguous run any
+tier holds, whether fetching it beats recomputing (the engine's measured prefill rate
+against the tier's measured fetch rate), then the values in batches, each verified; it
+gives up at the fetch's deadline. The engine's thread polls a fetch and loads what arrived
+(`paged_kv.offload.load_blocks`).
+
+The manager is their coordinator, on the engine's thread: it opens the stores, copies
+stored blocks out for the writer, starts fetches and lands them, keeps which tier holds
+which block (`HeldKeys`) up to date with what a fetch saw, and adds up the counters.
 """
 
 from __future__ import annotations
@@ -17,9 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import logging
-import queue
-import threading
 import time
 
 import numpy as np
@@ -29,13 +30,11 @@ from ..cache import PagedKVCache
 from ..offload import load_blocks, stored_blocks
 from . import codec
 from .base import Store, TierConfig
+from .fetcher import Fetch, TierFetcher
 from .identity import model_fingerprint
 from .memory import HostStore
 from .writer import HeldKeys, TierChange, TierWriter
 
-logger = logging.getLogger(__name__)
-
-FETCH_BATCH = 64  # blocks per get: one round trip each
 MIB = 1 << 20
 
 
@@ -65,25 +64,6 @@ class TiersStats:
     recent_fetch_seconds: tuple[float, ...]  # the last (up to 256) fetches' durations
 
 
-class Fetch:
-    """One prompt's missing blocks being fetched; the engine's thread polls `done`."""
-
-    def __init__(self, keys: list[bytes], token_ids: np.ndarray, deadline: float,
-                 parent: bytes) -> None:
-        self.keys, self.token_ids, self.deadline = keys, token_ids, deadline
-        self.parent = parent  # the key the first block chains from (its BlockStored parent)
-        self.started = time.monotonic()
-        self.done = False  # set last, by the fetcher
-        self.cancelled = False  # set by the engine's thread: the fetcher stops early
-        self.payload: torch.Tensor | None = None  # [n, block_nbytes], the run fetched
-        self.sources: list[str] = []  # the tier of each fetched block
-        self.found: list[list[bool]] = []  # per store: whether its lookup found each key
-
-    @property
-    def expired(self) -> bool:
-        return time.monotonic() > self.deadline
-
-
 class TierManager:
     """The tiers behind one cache (one process, tensor parallelism refused by the engine).
 
@@ -103,21 +83,13 @@ class TierManager:
         self._digest, self._namespace = fingerprint.digest, fingerprint.namespace
         self._nbytes = cache.pool.block_nbytes
         self.stores: list[Store] = _open_stores(config, codec.HEADER.size + self._nbytes)
-        self._counts = {s.name: collections.Counter() for s in self.stores}
-        self._totals: collections.Counter = collections.Counter()
-        self._fetch_seconds: collections.deque[float] = collections.deque(maxlen=256)
+        self._hit_tokens: collections.Counter = collections.Counter()  # by store name
+        self._loaded_blocks = self._deadline_fallbacks = 0
         self._held = HeldKeys([s.name for s in self.stores])
-        # measured rates: seconds per prefill token; per tier, seconds per call and per byte
-        self._token_s: float | None = None
-        self._call_s = {s.name: 0.0 for s in self.stores}
-        self._byte_s = {s.name: 0.0 for s in self.stores}
-        self._fetches: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
         self._writer = TierWriter(self.stores, self._held, self._namespace, self._digest,
                                   config.queue_blocks)
-        self._fetcher = threading.Thread(target=self._fetch_loop, name="paged-kv-tier-fetcher",
-                                         daemon=True)
-        self._fetcher.start()
+        self._fetcher = TierFetcher(self.stores, self._namespace, self._digest, self._nbytes,
+                                    cache.config.block_size)
 
     # -- the write path (engine thread: copy out; writer thread: encode, put) ------------
     def after_step(self, events: list) -> None:
@@ -144,27 +116,25 @@ class TierManager:
     # -- the read path ------------------------------------------------------------------
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """One step's computed tokens and its model time: the recompute rate."""
-        if num_tokens >= 32 and seconds > 0:  # decode-only steps say little per token
-            rate = seconds / num_tokens
-            self._token_s = rate if self._token_s is None else 0.8 * self._token_s + 0.2 * rate
+        self._fetcher.observe_prefill(num_tokens, seconds)
 
     def recompute_seconds(self, num_tokens: int) -> float | None:
         """Estimated seconds to recompute `num_tokens` (None before any prefill was seen)."""
-        return None if self._token_s is None else self._token_s * num_tokens
+        return self._fetcher.recompute_seconds(num_tokens)
 
     def start_fetch(self, keys: list[bytes], token_ids: np.ndarray, parent: bytes,
                     ) -> Fetch | None:
         """Start fetching the blocks of `keys` (a prompt's missing full blocks, in order,
         the first chained from `parent`: the device's last hit, or the root); None when
         there is nothing to fetch."""
-        if not keys or not any(getattr(s, "available", True) for s in self.stores):
+        if not keys or not any(s.available for s in self.stores):
             return None  # nothing to fetch, or every store is down: recompute at once
         deadline_s = self.config.fetch_deadline_s
         if deadline_s is None:
             estimate = self.recompute_seconds(len(token_ids))
             deadline_s = 1.0 if estimate is None else max(0.02, 0.75 * estimate)
         fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s, parent)
-        self._fetches.put(fetch)
+        self._fetcher.submit(fetch)
         return fetch
 
     def land(self, fetch: Fetch, spare_blocks: int) -> int:
@@ -177,8 +147,8 @@ class TierManager:
             loaded = load_blocks(self.cache, fetch.keys[:n], fetch.token_ids[:n * size],
                                  fetch.payload[:n], fetch.parent)
             for source in fetch.sources[:loaded]:
-                self._counts[source]["hit_tokens"] += size
-            self._totals["loaded_blocks"] += loaded
+                self._hit_tokens[source] += size
+            self._loaded_blocks += loaded
         self._observed(fetch, loaded)
         return loaded
 
@@ -197,128 +167,27 @@ class TierManager:
     def fell_back(self, fetch: Fetch) -> None:
         """The engine gave up waiting for `fetch` (its deadline passed)."""
         fetch.cancelled = True
-        self._totals["deadline_fallbacks"] += 1
+        self._deadline_fallbacks += 1
         self._held.forget(fetch.keys)
-
-    def _fetch_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                fetch = self._fetches.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                if not (fetch.cancelled or fetch.expired):
-                    self._fetch(fetch)
-            except Exception:
-                logger.exception("paged_kv tiers: a fetch failed; the request recomputes")
-                fetch.payload, fetch.sources = None, []
-            finally:
-                self._fetch_seconds.append(time.monotonic() - fetch.started)
-                self._totals["fetches"] += 1
-                fetch.done = True
-
-    def _fetch(self, fetch: Fetch) -> None:
-        names = [codec.store_key(self._namespace, key) for key in fetch.keys]
-        held = []
-        for store in self.stores:  # one lookup per tier for the whole run
-            start = time.monotonic()
-            found = store.contains(names)
-            self._rate(store.name, time.monotonic() - start, 0)
-            self._counts[store.name]["misses"] += found.count(False)
-            held.append(found)
-        fetch.found = held
-        sources = []
-        for i in range(len(names)):  # each block from the first tier that holds it
-            tier = next((t for t, found in enumerate(held) if found[i]), None)
-            if tier is None:
-                break
-            sources.append(tier)
-        if not sources or not self._worth_it(sources):
-            self._totals["skipped_fetches"] += bool(sources)
-            return
-        rows: list[torch.Tensor] = []
-        for start in range(0, len(sources), FETCH_BATCH):
-            if fetch.cancelled or fetch.expired:
-                break
-            got = self._get_batch(fetch, names, sources, start)
-            rows += got
-            if len(got) < len(sources[start:start + FETCH_BATCH]):
-                break
-        if rows:
-            fetch.payload = torch.stack(rows)
-            fetch.sources = [self.stores[t].name for t in sources[:len(rows)]]
-
-    def _get_batch(self, fetch: Fetch, names: list[str], sources: list[int],
-                   start: int) -> list[torch.Tensor]:
-        """Blocks ``start ..`` of the run (one get per tier involved), verified, up to the
-        first that fails."""
-        batch = range(start, min(start + FETCH_BATCH, len(sources)))
-        values: dict[int, bytes | None] = {}
-        for tier in sorted({sources[i] for i in batch}):
-            store, wanted = self.stores[tier], [i for i in batch if sources[i] == tier]
-            began = time.monotonic()
-            for i, value in zip(wanted, store.get([names[i] for i in wanted]), strict=True):
-                values[i] = value
-            nbytes = len(wanted) * self._nbytes
-            self._rate(store.name, time.monotonic() - began, nbytes)
-        rows = []
-        for i in batch:
-            payload = codec.decode(values[i], fetch.keys[i], self._digest, self._nbytes)
-            if payload is None:
-                store = self.stores[sources[i]]
-                if values[i] is not None:  # present but wrong: never served, never again
-                    self._counts[store.name]["verify_failures"] += 1
-                    store.delete([names[i]])
-                else:
-                    self._counts[store.name]["misses"] += 1
-                break
-            rows.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        return rows
-
-    def _rate(self, tier: str, seconds: float, nbytes: int) -> None:
-        if nbytes:
-            per_byte = seconds / nbytes
-            self._byte_s[tier] = 0.8 * self._byte_s[tier] + 0.2 * per_byte \
-                if self._byte_s[tier] else per_byte
-        else:
-            self._call_s[tier] = 0.8 * self._call_s[tier] + 0.2 * seconds \
-                if self._call_s[tier] else seconds
-
-    def _worth_it(self, sources: list[int]) -> bool:
-        """Whether fetching the run beats recomputing its tokens (true until the engine
-        has measured a prefill)."""
-        recompute = self.recompute_seconds(len(sources) * self.cache.config.block_size)
-        if recompute is None:
-            return True
-        fetch = 0.0
-        for tier in set(sources):
-            name = self.stores[tier].name
-            blocks = sources.count(tier)
-            calls = -(-blocks // FETCH_BATCH)
-            fetch += calls * self._call_s[name] + blocks * self._nbytes * self._byte_s[name]
-        return fetch < recompute
 
     # -- observation and lifetime -------------------------------------------------------
     def stats(self) -> TiersStats:
         """Counters so far and each tier's contents now."""
-        tiers = []
+        tiers, fetcher = [], self._fetcher
         for store in self.stores:
             blocks, nbytes = store.usage()
-            counts = self._counts[store.name]
-            tiers.append(TierStats(store.name, blocks, nbytes, counts["hit_tokens"],
-                                   counts["misses"], counts["verify_failures"],
-                                   self._writer.written_blocks[store.name]))
-        totals = self._totals
-        return TiersStats(tuple(tiers), self._writer.dropped_writes,
-                          totals["deadline_fallbacks"],
-                          totals["skipped_fetches"], totals["loaded_blocks"],
-                          totals["fetches"], tuple(self._fetch_seconds))
+            name = store.name
+            tiers.append(TierStats(name, blocks, nbytes, self._hit_tokens[name],
+                                   fetcher.misses[name], fetcher.verify_failures[name],
+                                   self._writer.written_blocks[name]))
+        return TiersStats(tuple(tiers), self._writer.dropped_writes, self._deadline_fallbacks,
+                          fetcher.skipped_fetches, self._loaded_blocks, fetcher.fetches,
+                          tuple(fetcher.fetch_seconds))
 
     def close(self) -> None:
         """Stop the threads (queued writes are given a moment) and close the stores."""
         self._writer.close()
-        self._stop.set()
-        self._fetcher.join(timeout=5.0)
+        self._fetcher.close()
         for store in self.stores:
             with contextlib.suppress(Exception):
                 store.close()

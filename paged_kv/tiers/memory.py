@@ -5,8 +5,10 @@ from __future__ import annotations
 import collections
 import threading
 
+from .base import Store
 
-class HostStore:
+
+class HostStore(Store):
     """Blocks in this process's memory, least recently used evicted first.
 
     Parameters
@@ -31,7 +33,6 @@ class HostStore:
         self._values: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # the writer and the fetcher are different threads
-        self.removed: collections.deque[str] | None = None  # a deque: keys evicted, deleted
 
     def contains(self, keys: list[str]) -> list[bool]:
         with self._lock:

@@ -24,6 +24,8 @@ import urllib.parse
 from collections.abc import Callable
 from typing import TypeVar
 
+from .base import Store
+
 try:
     import redis
     from redis.backoff import NoBackoff
@@ -44,7 +46,7 @@ MAX_TRACKED_KEYS = 1 << 18  # bounds `usage`'s bookkeeping: ~270 B a key, ~70 MB
 T = TypeVar("T")
 
 
-class RedisStore:
+class RedisStore(Store):
     """Blocks in a Redis server, evicted by the server's own LRU.
 
     Parameters

@@ -172,11 +172,11 @@ class TierWriter:
         shared and evicts by itself, so it is not reported): KV events of the tiers."""
         self._on_change = on_change
         for store in self.stores:
-            if getattr(store, "medium", None):
+            if store.medium:
                 store.removed = collections.deque(maxlen=1 << 16)
 
     def _report(self, store: Store, stored: list[bytes]) -> None:
-        medium = getattr(store, "medium", None)
+        medium = store.medium
         if self._on_change is None or not medium:
             return
         removed = []

@@ -3,7 +3,7 @@ vLLM's ``prompt_logprobs``, 400s (never 500s) naming the field in ``param`` for 
 too large to send, lone surrogates, over-long integer literals and chat templates that
 refuse, a request-size limit, and detokenization that keeps every character.
 
-Most tests run the app in-process (Starlette's TestClient, as `test_server_bugs`); one
+Most tests run the app in-process (Starlette's TestClient, as `test_openai_semantics`); one
 `paged-kv serve` subprocess checks the same through the process split and the flags.
 """
 
@@ -24,8 +24,8 @@ from paged_kv.server.generation import Generation
 from paged_kv.server.protocol import InputLimits
 from paged_kv.serving import RequestOutput, SamplingParams, StepOutput, TinyLlama
 
+from .test_openai_semantics import CONFIG, PROMPT, make_client, sse
 from .test_server import httpx, running_server
-from .test_server_bugs import CONFIG, PROMPT, make_client, sse
 
 BIG = 2**64  # msgpack cannot send it: the engine core never may get it
 

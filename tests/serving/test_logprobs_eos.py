@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_kv.cli import main
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig, sizing
+from paged_kv.serving import Engine, SamplingParams, TinyLlamaConfig, sizing
 from paged_kv.serving.sampling import token_logprobs
 
 from ..conftest import tiny_llama_config
@@ -18,11 +18,7 @@ from ..conftest import tiny_llama_config
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=96,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position=256)
 PROMPT_LENGTHS = [1, 9, 17, 30]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return TinyLlama(CONFIG, seed=3)
+MODEL_SEED = 3
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

@@ -7,14 +7,13 @@ import pytest
 
 from paged_kv.serving import SamplingParams, TinyLlama
 
-from .test_serving import CONFIG, assert_drained, drive, make_engine, make_prompt, tokens_of
+from ..conftest import make_engine
+from . import test_serving
+from .test_serving import assert_drained, drive, make_prompt, tokens_of
+
+CONFIG = test_serving.CONFIG  # the model fixture's: test_serving's model
 
 SHARED = make_prompt(16, seed=30)  # one full block of 16
-
-
-@pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(CONFIG, seed=0)
 
 
 def _two_that_outgrow_the_pool(model: TinyLlama, mode: str):

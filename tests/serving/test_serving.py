@@ -17,19 +17,17 @@ from paged_kv.serving import (
     Engine,
     RequestOutput,
     SamplingParams,
-    TinyLlama,
     TinyLlamaConfig,
 )
 from paged_kv.serving.sampling import sample
 
-from ..conftest import make_engine as shared_make_engine
+from ..conftest import make_engine
 from ..conftest import prometheus_value as metric
 
 CONFIG = TinyLlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                          hidden_size=128, intermediate_size=256, vocab_size=512,
                          max_position=1024)
 VOCAB = CONFIG.vocab_size
-BLOCK_SIZE = 16
 PROMPT_LENGTHS = (1, 15, 16, 17, 33, 100)  # cross block boundaries mid-prefill and mid-decode
 SMALL_POOL = 12  # 11 usable blocks = 176 tokens: too few for the 9-prompt batch at once
 
@@ -40,11 +38,6 @@ def make_prompt(length: int, seed: int) -> list[int]:
 
 
 SYSTEM = make_prompt(40, seed=999)  # 2 full blocks + 8 tokens
-
-
-@pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(CONFIG, seed=0)  # float32 weights, cache_config() is float32 too
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +54,6 @@ def dense(model):
         return out[:max_tokens]
 
     return run
-
-
-def make_engine(model: TinyLlama, num_blocks: int = 256, num_host_blocks: int = 0,
-                **kwargs) -> Engine:
-    return shared_make_engine(model, num_blocks, BLOCK_SIZE, num_host_blocks, **kwargs)
 
 
 def drive(engine: Engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]],

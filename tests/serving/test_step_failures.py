@@ -8,33 +8,24 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from paged_kv.serving import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving import engine as engine_module
+
+from ..conftest import make_engine
+from .conftest import prompt
 
 CONFIG = TinyLlamaConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                          hidden_size=64, intermediate_size=128, vocab_size=256,
                          max_position=512)
 GREEDY = SamplingParams(max_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(CONFIG, seed=3)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CONFIG.vocab_size, (length,), generator=generator).tolist()
-
-
-def make_engine(model: TinyLlama, **kwargs) -> Engine:
-    return Engine(model, model.cache_config(num_blocks=64, block_size=8), **kwargs)
+MODEL_SEED = 3
+VOCAB = CONFIG.vocab_size
+POOL = dict(num_blocks=64, block_size=8)  # make_engine's pool
 
 
 def alone(model: TinyLlama, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-    [out] = make_engine(model).generate([prompt_ids], params)
+    [out] = make_engine(model, **POOL).generate([prompt_ids], params)
     return out.outputs[0].token_ids
 
 
@@ -66,11 +57,11 @@ def final(stream: list) -> tuple[list[int], str, str | None]:
 
 
 def test_a_model_error_fails_only_the_request_whose_input_raises(model, monkeypatch):
-    good = [prompt(20, 1), prompt(9, 2), prompt(30, 3), prompt(5, 4)]
+    good = [prompt(20, 1, VOCAB), prompt(9, 2, VOCAB), prompt(30, 3, VOCAB), prompt(5, 4, VOCAB)]
     want = [alone(model, p, GREEDY) for p in good]
     mark = min(set(range(CONFIG.vocab_size)) - {t for p, w in zip(good, want, strict=True)
                                                   for t in p + w})
-    bad = [*prompt(12, 5)[:6], mark, *prompt(12, 5)[6:]]
+    bad = [*prompt(12, 5, VOCAB)[:6], mark, *prompt(12, 5, VOCAB)[6:]]
     real_forward = model.forward
 
     def forward(token_ids, *args, **kwargs):  # the model raises on the marked token
@@ -80,7 +71,7 @@ def test_a_model_error_fails_only_the_request_whose_input_raises(model, monkeypa
 
     monkeypatch.setattr(model, "forward", forward)
     # two decoding when the culprit arrives with a batch-mate; a fourth waits for a slot
-    engine = make_engine(model, max_num_seqs=4, max_num_batched_tokens=128)
+    engine = make_engine(model, **POOL, max_num_seqs=4, max_num_batched_tokens=128)
     streams = run(engine, {0: [(good[0], GREEDY), (good[1], GREEDY)],
                            2: [(bad, GREEDY), (good[2], GREEDY), (good[3], GREEDY)]})
     tokens, reason, error = final(streams[2])
@@ -101,7 +92,7 @@ def test_generate_returns_a_failed_request_instead_of_waiting_for_it(model, monk
     ok = [1, 2, 3]
     want = alone(model, ok, SamplingParams(max_tokens=1))
     outs: list = []
-    engine = make_engine(model)
+    engine = make_engine(model, **POOL)
     # it used to wait forever for the failed request: a thread, so a hang is a failure
     worker = threading.Thread(target=lambda: outs.extend(
         engine.generate([[7, 8], ok], SamplingParams(max_tokens=1))), daemon=True)
@@ -116,7 +107,8 @@ def test_generate_returns_a_failed_request_instead_of_waiting_for_it(model, monk
 def test_a_sampling_error_fails_only_its_request(model, monkeypatch):
     seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=5)
     culprit = SamplingParams(max_tokens=6, temperature=0.9, seed=13)
-    good = [(prompt(10, 6), seeded), (prompt(17, 7), GREEDY), (prompt(4, 8), seeded)]
+    good = [(prompt(10, 6, VOCAB), seeded), (prompt(17, 7, VOCAB), GREEDY),
+            (prompt(4, 8, VOCAB), seeded)]
     want = [alone(model, p, params) for p, params in good]
     real = engine_module.sample_rows
 
@@ -127,8 +119,8 @@ def test_a_sampling_error_fails_only_its_request(model, monkeypatch):
         return tokens
 
     monkeypatch.setattr(engine_module, "sample_rows", sample_rows)
-    engine = make_engine(model)
-    streams = run(engine, {0: good[:2], 1: [(prompt(8, 9), culprit)], 2: good[2:]})
+    engine = make_engine(model, **POOL)
+    streams = run(engine, {0: good[:2], 1: [(prompt(8, 9, VOCAB), culprit)], 2: good[2:]})
     _, reason, error = final(streams[2])
     assert reason == "error" and "sampling blew up" in error
     for request_id, expected in zip((0, 1, 3), want, strict=True):
@@ -136,7 +128,7 @@ def test_a_sampling_error_fails_only_its_request(model, monkeypatch):
 
 
 def test_a_closed_engine_raises_engine_dead_error_on_every_step(model):
-    engine = make_engine(model)
+    engine = make_engine(model, **POOL)
     engine.generate([[1, 2, 3]], GREEDY)
     engine.close()
     engine.add_request([4, 5], GREEDY)
@@ -147,8 +139,8 @@ def test_a_closed_engine_raises_engine_dead_error_on_every_step(model):
 
 def test_the_queues_are_read_through_stats_and_unfinished_request_ids(model):
     """What the server's loop needs to fail every request, without the scheduler."""
-    engine = make_engine(model, max_num_seqs=2)
-    ids = [engine.add_request(prompt(5, seed), GREEDY) for seed in range(3)]
+    engine = make_engine(model, **POOL, max_num_seqs=2)
+    ids = [engine.add_request(prompt(5, seed, VOCAB), GREEDY) for seed in range(3)]
     engine.step()
     stats = engine.stats()
     assert (engine.max_num_seqs, stats.num_running, stats.num_waiting) == (2, 2, 1)
@@ -163,9 +155,9 @@ def test_blocks_a_failed_step_planned_are_never_found_by_a_later_prompt(model, m
     """A step indexes the full blocks it plans before the model writes them; when the model
     then fails, those blocks hold no K/V of their tokens. They must leave the prefix index:
     the same prompt sent again computes them instead of being served garbage."""
-    prompt_ids = prompt(40, 7)  # five full blocks of 8, and more
+    prompt_ids = prompt(40, 7, VOCAB)  # five full blocks of 8, and more
     want = alone(model, prompt_ids, GREEDY)
-    engine = make_engine(model)
+    engine = make_engine(model, **POOL)
     real_forward = model.forward
     failing = [True]
 
@@ -190,9 +182,9 @@ def test_a_failed_chunk_starting_mid_block_leaves_that_block_out_of_the_index(mo
     """The chunk that fails starts inside a block (12 of the prompt's tokens computed, 8 a
     block): the block it would have completed holds only its first 4 tokens' K/V, so it
     leaves the index with the blocks after it; the block before stays cached and is hit."""
-    prompt_ids = prompt(40, 8)
+    prompt_ids = prompt(40, 8, VOCAB)
     want = alone(model, prompt_ids, GREEDY)
-    engine = make_engine(model, max_num_batched_tokens=12)
+    engine = make_engine(model, **POOL, max_num_batched_tokens=12)
     real_forward = model.forward
     calls = [0]
 

@@ -23,16 +23,12 @@ from ..conftest import ROOT, tiny_llama_config
 
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=100,
                          num_heads=4, num_kv_heads=2, head_dim=16)
+MODEL_SEED = 3
 SYSTEM = list(range(1, 21))
 PROMPTS = [[*SYSTEM, 30, 31], [*SYSTEM, 40], [5, 6, 7], [9] * 33, SYSTEM[:17]]
 PARAMS = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=12),
           SamplingParams(max_tokens=8, n=2, temperature=0.8, seed=7),
           SamplingParams(max_tokens=10), SamplingParams(max_tokens=6)]
-
-
-@pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(CONFIG, seed=3)
 
 
 def _tokens(outputs) -> list:

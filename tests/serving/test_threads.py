@@ -1,5 +1,5 @@
-"""CPU thread policy of the engine's steps (see paged_kv/_threads.py): all of torch's threads
-while the machine's cores are free, fewer while other processes use them, an explicit
+"""CPU thread policy of the engine's steps (see paged_kv/serving/threads.py): all of torch's
+threads while the machine's cores are free, fewer while other processes use them, an explicit
 ``num_threads`` always honoured, and torch's setting restored after every step."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_kv import _threads
-from paged_kv._threads import ThreadGovernor, intra_op_threads
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig, threads
+from paged_kv.serving.threads import ThreadGovernor, intra_op_threads
 
 
 class FakeMachine:
@@ -20,11 +19,11 @@ class FakeMachine:
         self.wall = self.own = 0.0
         self.busy = 0  # ticks of 1/100 s
         self.others, self.own_rate = 0.0, 1.0
-        monkeypatch.setattr(_threads, "_busy_ticks", lambda: (self.busy, 10**9))
-        monkeypatch.setattr(_threads.time, "monotonic", lambda: self.wall)
-        monkeypatch.setattr(_threads.time, "process_time", lambda: self.own)
-        monkeypatch.setattr(_threads.os, "cpu_count", lambda: cores)
-        monkeypatch.setattr(_threads.os, "sysconf", lambda name: 100)
+        monkeypatch.setattr(threads, "_busy_ticks", lambda: (self.busy, 10**9))
+        monkeypatch.setattr(threads.time, "monotonic", lambda: self.wall)
+        monkeypatch.setattr(threads.time, "process_time", lambda: self.own)
+        monkeypatch.setattr(threads.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(threads.os, "sysconf", lambda name: 100)
 
     def advance(self, seconds: float) -> None:
         self.wall += seconds
@@ -51,7 +50,7 @@ def test_the_governor_follows_the_cores_other_processes_leave(monkeypatch):
 
 def test_without_proc_stat_torch_keeps_its_count(monkeypatch):
     machine = FakeMachine(monkeypatch)
-    monkeypatch.setattr(_threads, "_busy_ticks", lambda: None)
+    monkeypatch.setattr(threads, "_busy_ticks", lambda: None)
     governor = ThreadGovernor(max_threads=2)
     machine.others = 1.0
     machine.advance(1.0)

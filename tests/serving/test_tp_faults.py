@@ -23,11 +23,11 @@ from paged_kv.serving import (
     SamplingParams,
     TinyLlama,
     TinyLlamaConfig,
-    parallel,
 )
 from paged_kv.serving import engine as engine_module
-from paged_kv.serving.parallel import apply_ops
-from paged_kv.serving.sharding import ModelSpec
+from paged_kv.serving.parallel import group
+from paged_kv.serving.parallel.plan import apply_ops
+from paged_kv.serving.parallel.sharding import ModelSpec
 
 from ..conftest import ROOT, tiny_config
 
@@ -107,9 +107,9 @@ def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
     model = TinyLlama(CONFIG, seed=1)
     config = model.cache_config(num_blocks=32)
     with monkeypatch.context() as patch:
-        patch.setattr(parallel.sys, "executable", "/bin/false")  # workers exit at once
+        patch.setattr(group.sys, "executable", "/bin/false")  # workers exit at once
         with pytest.raises(EngineDeadError, match="did not join"):
-            parallel.TensorParallelGroup(ModelSpec.of(model), config, 2, timeout_s=2)
+            group.TensorParallelGroup(ModelSpec.of(model), config, 2, timeout_s=2)
     assert not torch.distributed.is_initialized()
     want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     with Engine(model, config, tensor_parallel_size=2) as engine:

@@ -21,7 +21,7 @@ from paged_kv.config import KV_CACHE_DTYPES
 from paged_kv.serving import Engine
 from paged_kv.serving import engine as engine_module
 from paged_kv.tiers import TierConfig, codec
-from paged_kv.tiers.manager import TierManager
+from paged_kv.tiers.fetcher import TierFetcher
 
 from ..conftest import prometheus_value
 from .conftest import (
@@ -149,7 +149,7 @@ def test_a_fetch_slower_than_recomputing_is_skipped(request, tmp_path, monkeypat
     serve_prompts(engine, prompts)
     assert engine.tiers.flush(timeout=10)
     engine.cache.reset_prefix_cache()
-    monkeypatch.setattr(TierManager, "recompute_seconds", lambda self, num_tokens: 0.0)
+    monkeypatch.setattr(TierFetcher, "recompute_seconds", lambda self, num_tokens: 0.0)
     outputs = serve_prompts(engine, prompts)
     assert [o.prefix_hit_tokens for o in outputs] == [0] * len(prompts)
     assert tokens_of(outputs) == expected

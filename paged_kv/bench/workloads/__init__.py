@@ -1,1 +1,2 @@
-"""The six workloads of ``paged-kv bench``; each module's ``run`` returns a `WorkloadResult`."""
+"""The workloads of ``paged-kv bench`` (`cli.WORKLOADS` and `cli.OPTIONAL_WORKLOADS`); each
+module's ``run`` returns a `WorkloadResult`."""

@@ -1,4 +1,4 @@
-"""Workload 1: allocator and page tables replaying a serving trace, bookkeeping only.
+"""``--workloads allocator``: allocator and page tables replaying a serving trace, bookkeeping only.
 
 The paged cache (numpy page tables, batch allocator) and `SimpleBlockManager` (a Python
 object per block and per sequence) replay the very same trace; a second measurement times

@@ -1,4 +1,4 @@
-"""Workload 2: the kernels' bandwidth against ``dst.copy_(src)`` of the same bytes, and
+"""``--workloads kernels``: the kernels' bandwidth against ``dst.copy_(src)`` of the same bytes, and
 paged attention against gather + SDPA and SDPA on contiguous K/V.
 
 Pages are handed out in a random order (as after a long run) and sequence lengths are

@@ -1,4 +1,4 @@
-"""Workload 4: how much KV memory holds live tokens, and what sharing saves.
+"""``--workloads memory``: how much KV memory holds live tokens, and what sharing saves.
 
 Replays the trace's schedule through the paged cache (bookkeeping only) and samples
 `CacheStats` after every step; the baselines are computed from the very same sequence

@@ -1,4 +1,4 @@
-"""Workload 6: the engine against what a transformers user would run instead.
+"""``--workloads peers``: the engine against what a transformers user would run instead.
 
 The same greedy requests on one seeded local Llama checkpoint (built here, never
 downloaded) go through `Engine` + `HFCausalLM`, transformers' `generate_batch` (its own

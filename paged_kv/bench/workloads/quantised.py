@@ -1,4 +1,4 @@
-"""Workload 6: 8-bit KV pages (int8, fp8) against float16 pages in the same memory.
+"""``--workloads quantised``: 8-bit KV pages (int8, fp8) against float16 pages in the same memory.
 
 Capacity comes from `CacheConfig.for_memory` (scales included); serving runs the engine with
 as many blocks as each format fits in one byte budget; bandwidth counts the bytes each op

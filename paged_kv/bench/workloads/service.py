@@ -1,4 +1,4 @@
-"""Workload 6 (``--workloads service``): `paged-kv serve` over loopback against the engine
+"""``--workloads service``: `paged-kv serve` over loopback against the engine
 in-process, on the same requests arriving at the same times.
 
 A load generator streams every request (open loop: Poisson arrivals, no waiting on earlier

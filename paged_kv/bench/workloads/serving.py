@@ -1,4 +1,5 @@
-"""Workload 5: the engine on the paged cache against the same engine on a contiguous cache.
+"""``--workloads serving``: the engine on the paged cache against the same engine on a
+contiguous cache.
 
 Contiguous max-length preallocation is emulated by a cache whose block is the longest
 request of the workload (each sequence then reserves one max-length slab) with prefix

@@ -1,4 +1,5 @@
-"""Workload 3: per-step cost against sequence length, the paged cache against the seeds'.
+"""``--workloads step_cost``: per-step cost against sequence length, the paged cache against the
+seeds'.
 
 One decode step appends one token to each of 8 sequences and hands contiguous K/V on:
 

@@ -1,4 +1,5 @@
-"""Workload 8: tensor parallelism — capacity at a fixed per-rank memory budget, N = 1 and 2.
+"""``--workloads tensor_parallel``: tensor parallelism — capacity at a fixed per-rank memory
+budget, N = 1 and 2.
 
 Each rank's pool holds its share of the KV heads for the same block ids, so at one per-rank
 budget N ranks hold N times the blocks: the longest context and the number of sequences

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..cache import PagedKVCache
-from ..page_table import StepBatch
-from ..pool import OP_COPY, OP_SWAP_OUT
+from ...cache import PagedKVCache
+from ...page_table import StepBatch
+from ...pool import OP_COPY, OP_SWAP_OUT
 
 HEADER = 8  # cmd, payload length, tokens, batch size, block-table width, logits rows, ops
 CMD_STEP, CMD_STOP, CMD_INFO, CMD_POOL = 1, 2, 3, 4

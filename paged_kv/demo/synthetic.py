@@ -12,11 +12,11 @@ import dataclasses
 import numpy as np
 import torch
 
-from .accounting import CacheStats
-from .bench.trace import LognormalLengths, PromptSource, PromptSpec, UniformLengths
-from .cache import PagedKVCache
-from .config import CacheConfig
-from .errors import OutOfBlocksError
+from ..accounting import CacheStats
+from ..bench.trace import LognormalLengths, PromptSource, PromptSpec, UniformLengths
+from ..cache import PagedKVCache
+from ..config import CacheConfig
+from ..errors import OutOfBlocksError
 
 # prompts of 1 + lognormal(5, 0.8) tokens (median ~150, at most 2049) after the system
 # prompt, when there is one; 8 to 95 generated tokens

@@ -1,4 +1,4 @@
-"""The API server's per-request and per-token shortcuts (issue 19) against what they replace:
+"""The API server's per-request and per-token shortcuts equal what they replace:
 the routes' own body parsing against FastAPI's body parameter, the SSE chunk template
 against dumping the whole chunk, and the first-token-first order of a step's outputs."""
 

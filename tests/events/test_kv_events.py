@@ -1,5 +1,5 @@
 """KV events: what a replica publishes, read by a decoder written from vLLM's documented
-schema with the ``msgpack`` package (not `paged_kv.events.wire`), and followed in order by
+schema with the ``msgpack`` package (not `paged_kv.events.schema`), and followed in order by
 `EventSubscriber` through gaps, restarts and malformed batches."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Rank 0 is the engine's own process: it owns the `Scheduler`, the `BlockAllocator` and the
 `PageTables` (ints only) and runs its share of the model. Ranks 1..N-1 are worker processes
 the engine spawns (or that ``torchrun`` starts, see `worker_main`). Every step rank 0
-broadcasts the plan (`wire`); every rank replays the step's pool operations on its own
+broadcasts the plan (`plan`); every rank replays the step's pool operations on its own
 `KVPool`, which holds its share of the KV heads for the same block ids, and runs its model
 shard (`sharding`); the shards meet in one all-reduce after each row-parallel projection.
 This module is the process group's lifetime: start, broadcast, stop, watch.
@@ -28,16 +28,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cache import PagedKVCache
-from ..config import CacheConfig
-from ..page_table import StepBatch
-from .errors import EngineDeadError
-from .sharding import Collectives, ModelSpec, check_splittable, kv_heads_of_rank, shard_model
-from .wire import CMD_INFO, CMD_POOL, CMD_STEP, CMD_STOP, HEADER, apply_ops, pack_step, unpack_step
+from ...cache import PagedKVCache
+from ...config import CacheConfig
+from ...page_table import StepBatch
+from ..errors import EngineDeadError
+from .plan import CMD_INFO, CMD_POOL, CMD_STOP, HEADER, apply_ops, pack_step, unpack_step
+from .sharding import Collectives, ModelSpec, shard_model
 
-__all__ = ["CMD_STEP", "Collectives", "ModelSpec", "TensorParallelError",
-           "TensorParallelGroup", "apply_ops", "check_splittable", "kv_heads_of_rank",
-           "local_cache_config", "shard_model", "worker_main"]
+__all__ = ["TensorParallelError", "TensorParallelGroup", "local_cache_config", "torchrun_worker",
+           "worker_main"]
 
 
 class TensorParallelError(EngineDeadError):
@@ -141,8 +140,8 @@ class TensorParallelGroup:
             # module (multiprocessing's spawn would need an ``if __name__`` guard there)
             # a session of their own: the terminal's Ctrl-C reaches rank 0 only
             self.processes = [subprocess.Popen(
-                [sys.executable, "-m", "paged_kv.serving._tp_worker", str(rank), str(world_size),
-                 init_method, str(timeout_s)], start_new_session=True)
+                [sys.executable, "-m", "paged_kv.serving.parallel.worker", str(rank),
+                 str(world_size), init_method, str(timeout_s)], start_new_session=True)
                 for rank in range(1, world_size)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
         self.closed = False

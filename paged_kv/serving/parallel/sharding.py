@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .model import TinyLlama, TinyLlamaConfig
+from ..model import TinyLlama, TinyLlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class ModelSpec:
         """The full model, built afresh from the recipe."""
         if self.kind == "tinyllama":
             return TinyLlama(self.tiny_config, seed=self.seed)
-        from .hf import HFCausalLM
+        from ..hf import HFCausalLM
 
         return HFCausalLM.from_pretrained(self.path, dtype=self.dtype)
 
