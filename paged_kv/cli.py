@@ -164,7 +164,7 @@ def _model_dir(text: str) -> str:
 
 
 def _api_keys(text: str) -> dict[str, str]:
-    from .server.main import read_api_keys
+    from .server.serve import read_api_keys
 
     try:
         return read_api_keys(text)
@@ -303,7 +303,7 @@ def _add_request_limits(serve: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.main import serve
+    from .server.serve import serve
 
     return serve(args)
 

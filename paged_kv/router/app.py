@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from ..server.protocol import error_response
+from ..server.http.protocol import error_response
 from .proxy import Router, RouterError, forward_headers
 
 logger = logging.getLogger("paged_kv.router")

@@ -73,8 +73,8 @@ def route_main(args: argparse.Namespace) -> int:
     (130)."""
     import uvicorn
 
-    from ..server.main import read_api_keys
-    from ..server.tokenizer import ByteTokenizer, HFTokenizer
+    from ..server.http.tokenizer import ByteTokenizer, HFTokenizer
+    from ..server.serve import read_api_keys
     from .app import RouterServer, create_router_app
     from .index import PrefixIndex
     from .proxy import Router

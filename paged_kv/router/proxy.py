@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from ..server.protocol import (
+from ..server.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bearer_tenant,
     error_response,
 )
-from ..server.tokenizer import ChatTemplateRefused
+from ..server.http.tokenizer import ChatTemplateRefused
 from .index import prompt_keys
 from .policy import Choice, choose
 from .replicas import Replica, ReplicaSet

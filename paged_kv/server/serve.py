@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .core import build_engine, model_name
+from .engine.engine_core import build_engine, model_name
 
 logger = logging.getLogger("paged_kv.server")
 __all__ = ["build_engine", "read_api_keys", "serve"]
@@ -43,7 +43,7 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT (running requests get `--drain-timeout` s) or
     until the engine core stops: 0 after a clean drain, 1 when the core died."""
-    from .procs import CoreProcess, bind_socket, start_fronts, stop_fronts
+    from .engine.processes import CoreProcess, bind_socket, start_fronts, stop_fronts
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tokenizer, name = _tokenizer(args)
@@ -73,9 +73,9 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
               peers: list | None = None) -> int:
     """One API server process: the app over a `CoreClient`, under uvicorn on `sock`.
     Returns the exit code (1 when the engine core, or one of `peers`, died)."""
-    from .app import create_app
-    from .client import CoreClient
-    from .protocol import InputLimits
+    from .engine.core_client import CoreClient
+    from .http.app import create_app
+    from .http.protocol import InputLimits
 
     client = CoreClient(core.address, b"api-%d" % index, core.limits, core.sentinel,
                         peers=peers)
@@ -94,7 +94,7 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
 
 
 def _tokenizer(args: argparse.Namespace):
-    from .tokenizer import ByteTokenizer, HFTokenizer
+    from .http.tokenizer import ByteTokenizer, HFTokenizer
 
     return (ByteTokenizer() if args.model is None else HFTokenizer(args.model)), model_name(args)
 

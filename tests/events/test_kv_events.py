@@ -285,7 +285,7 @@ def test_bad_endpoints_are_refused_before_anything_starts():
 def test_serve_flags_default_the_replay_port_and_the_topic():
     import argparse
 
-    from paged_kv.server.core import events_config
+    from paged_kv.server.engine.engine_core import events_config
 
     args = argparse.Namespace(kv_events="tcp://*:5557", kv_events_replay=None,
                               kv_events_topic=None, kv_events_token_ids=False,

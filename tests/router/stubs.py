@@ -20,7 +20,7 @@ from paged_kv.router import PrefixIndex
 from paged_kv.router.app import create_router_app
 from paged_kv.router.proxy import Router
 from paged_kv.router.replicas import ReplicaSet
-from paged_kv.server.tokenizer import ByteTokenizer
+from paged_kv.server.http.tokenizer import ByteTokenizer
 
 BOUND_S = 60.0  # no stub waits longer than this for anything: every test ends by itself
 

@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 from paged_kv.router import PrefixIndex, prompt_keys
 from paged_kv.router.proxy import Router, _Done, _RelayResponse
 from paged_kv.router.replicas import ReplicaSet
-from paged_kv.server.tokenizer import ByteTokenizer
+from paged_kv.server.http.tokenizer import ByteTokenizer
 
 
 def make_router(sizes: dict[str, int]) -> Router:

@@ -32,7 +32,7 @@ class FailOn(torch.nn.Module):
 
 def main() -> int:
     from paged_kv.cli import build_parser
-    from paged_kv.server.main import serve
+    from paged_kv.server.serve import serve
 
     args = build_parser().parse_args(sys.argv[1:])
     # pickled by name, so by the module's importable name: the spawned core imports it

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 from starlette.testclient import TestClient
 
 from paged_kv.server import ByteTokenizer, EngineLoop
-from paged_kv.server.app import create_app
+from paged_kv.server.http.app import create_app
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
 CONFIG = TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64, vocab_size=300,

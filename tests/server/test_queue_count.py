@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from paged_kv.server.client import CoreClient
-from paged_kv.server.core import EngineCore
+from paged_kv.server.engine.core_client import CoreClient
+from paged_kv.server.engine.engine_core import EngineCore
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving.limits import EngineLimits
 

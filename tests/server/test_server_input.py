@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("fastapi")
 
 from paged_kv.server import ByteTokenizer
-from paged_kv.server.generation import Generation
-from paged_kv.server.protocol import InputLimits
+from paged_kv.server.http.generation import Generation
+from paged_kv.server.http.protocol import InputLimits
 from paged_kv.serving import RequestOutput, SamplingParams, StepOutput, TinyLlama
 
 from .test_openai_semantics import CONFIG, PROMPT, make_client, sse
@@ -104,7 +104,7 @@ def test_the_engine_computes_only_the_log_probabilities_asked_for():
         service = client.app.state.service
 
         def engine_params(body: dict, kind: str = "text") -> SamplingParams:
-            from paged_kv.server.protocol import ChatCompletionRequest, CompletionRequest
+            from paged_kv.server.http.protocol import ChatCompletionRequest, CompletionRequest
 
             model = CompletionRequest if kind == "text" else ChatCompletionRequest
             return service.sampling(model.model_validate(body), PROMPT, kind)

@@ -168,7 +168,7 @@ def run(scale: Scale) -> WorkloadResult:
     """Three arrival rates over HTTP against the engine in-process."""
     import torch
 
-    from ...server.main import build_engine
+    from ...server.engine.engine_core import build_engine
     from ...serving import TinyLlama
 
     num_requests = 24 if scale.name == "quick" else 96

@@ -14,10 +14,10 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ..serving import EngineDeadError, SamplingParams, StepOutput
-from ..serving.limits import EngineLimits
-from . import ipc
-from .procs import describe_exit
+from ...serving import EngineDeadError, SamplingParams, StepOutput
+from ...serving.limits import EngineLimits
+from . import messages
+from .processes import describe_exit
 
 # a peer's exit codes when it was asked to stop: drained, Ctrl-C, a signal's default action
 _ASKED = frozenset({0, 130, -signal.SIGTERM, -signal.SIGINT})
@@ -42,7 +42,7 @@ class CoreClient:
         A file descriptor that turns readable when the core process ends.
     on_exit : callable, optional
         Called with the exit code the server should stop with once the core has stopped:
-        0 after a clean drain (`ipc.Bye`), 1 when it died (or a peer did).
+        0 after a clean drain (`messages.Bye`), 1 when it died (or a peer did).
     peers : list of multiprocessing.Process, optional
         The other API server processes (the first one's forks): one that dies unasked
         stops this server with exit code 1, as a dead core does, so a supervisor restarts
@@ -77,7 +77,7 @@ class CoreClient:
         self._socket.setsockopt(zmq.IDENTITY, self._identity)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self._address)
-        self._socket.send(ipc.encode(ipc.Hello()))
+        self._socket.send(messages.encode(messages.Hello()))
         self._reader = loop.create_task(self._read())
         loop.add_reader(self._sentinel, self._core_gone)
         for peer in self._peers:
@@ -119,7 +119,7 @@ class CoreClient:
                                                 "new requests elsewhere" if self.draining
                                                 else "the engine core has stopped"))
         request_id = next(self._ids)
-        frame = ipc.encode(ipc.Add(request_id, prompt_token_ids, params, salt))
+        frame = messages.encode(messages.Add(request_id, prompt_token_ids, params, salt))
         # counted while sent, uncounted if the send fails: a request that never reached
         # the core must leave no entry and no count behind (the count would never heal)
         self._requests[request_id] = (on_output, params.n)
@@ -137,7 +137,7 @@ class CoreClient:
     def abort(self, request_id: int) -> None:
         """Ask the core to stop a request (does not wait)."""
         if request_id in self._requests and self._connected:
-            self._socket.send(ipc.encode(ipc.Abort(request_id)))
+            self._socket.send(messages.encode(messages.Abort(request_id)))
 
     async def metrics_text(self) -> str:
         """The engine's exposition (from the core) followed by this server's counters."""
@@ -145,7 +145,7 @@ class CoreClient:
             raise EngineDeadError(self.dead or "the engine core has stopped")
         token = next(self._ids)
         future = self._metrics[token] = asyncio.get_running_loop().create_future()
-        await self._socket.send(ipc.encode(ipc.MetricsQuery(token)))
+        await self._socket.send(messages.encode(messages.MetricsQuery(token)))
         try:
             text = await asyncio.wait_for(future, timeout=30)
         finally:
@@ -154,11 +154,10 @@ class CoreClient:
 
     async def _read(self) -> None:
         while True:
-            self._dispatch(ipc.decode_from_core(await self._socket.recv()))
+            self._dispatch(messages.decode_from_core(await self._socket.recv()))
 
-    def _dispatch(self, message: ipc.Outputs | ipc.MetricsText | ipc.Bye | ipc.Draining,
-                  ) -> None:
-        if isinstance(message, ipc.Outputs):
+    def _dispatch(self, message: messages.FromCore) -> None:
+        if isinstance(message, messages.Outputs):
             self._waiting, self._received = message.waiting, message.received
             requests = self._requests
             for request_id, out in self._first_tokens_first(message.outputs):
@@ -167,11 +166,11 @@ class CoreClient:
                     entry[0](out)
                     if out.output is not None:
                         del requests[request_id]
-        elif isinstance(message, ipc.MetricsText):
+        elif isinstance(message, messages.MetricsText):
             future = self._metrics.get(message.token)
             if future is not None and not future.done():
                 future.set_result(message.text)
-        elif isinstance(message, ipc.Draining):
+        elif isinstance(message, messages.Draining):
             logger.info("the engine core drains: new requests get 503")
             self.draining = True
         elif self.exit_code is None:  # Bye: the core drained and stops
@@ -219,7 +218,7 @@ class CoreClient:
         requests, self._requests = self._requests, {}
         self._fresh.clear()
         for request_id, (on_output, n) in requests.items():
-            for out in ipc.failed_outputs(request_id, n, self.dead):
+            for out in messages.failed_outputs(request_id, n, self.dead):
                 on_output(out)
         for future in self._metrics.values():
             if not future.done():

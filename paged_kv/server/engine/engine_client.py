@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from ..serving import Engine, SamplingParams, StepOutput
-from ..serving.limits import EngineLimits
+from ...serving import Engine, SamplingParams, StepOutput
+from ...serving.limits import EngineLimits
 
 
 class EngineClient(Protocol):

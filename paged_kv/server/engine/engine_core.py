@@ -1,6 +1,6 @@
 """The engine-core process: owns the `Engine` (model, cache, tiers; tensor-parallel workers
 hang off it) and steps it. API server processes send it requests over ZMQ and get back one
-`Outputs` message per step each (`ipc.py`).
+`Outputs` message per step each (`messages.py`).
 
 Single-threaded on purpose: messages are taken in between steps, as `EngineLoop` does, so the
 engine needs no lock, and the process has the GIL to itself.
@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import zmq
 
-from ..events import KVEventsConfig
-from ..serving import Engine, EngineDeadError, StepOutput
-from ..serving.limits import EngineLimits
-from ..serving.sizing import pool_config
-from ..tiers import TierConfig
-from . import ipc
-from .seam import waiting_count
+from ...events import KVEventsConfig
+from ...serving import Engine, EngineDeadError, StepOutput
+from ...serving.limits import EngineLimits
+from ...serving.sizing import pool_config
+from ...tiers import TierConfig
+from . import messages
+from .engine_client import waiting_count
 
 logger = logging.getLogger("paged_kv.server.core")
 _IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
@@ -56,11 +56,11 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     if factory is not None:
         model = factory()
     elif args.model is None:
-        from ..serving import TinyLlama
+        from ...serving import TinyLlama
 
         model = TinyLlama()
     else:
-        from ..serving.hf import HFCausalLM
+        from ...serving.hf import HFCausalLM
 
         model = HFCausalLM.from_pretrained(args.model)
     return build_engine(model, memory_mib=args.memory_mib, block_size=args.block_size,
@@ -169,11 +169,11 @@ class EngineCore:
                 if self._draining and not self._announced:  # (not from the signal handler)
                     self._announced = True
                     for front in self._fronts:
-                        self._socket.send_multipart([front, ipc.encode(ipc.Draining())])
+                        self._socket.send_multipart([front, messages.encode(messages.Draining())])
                 if self._draining and not self.engine.has_unfinished_requests:
                     self._flush()
                     for front in self._fronts:
-                        self._socket.send_multipart([front, ipc.encode(ipc.Bye())])
+                        self._socket.send_multipart([front, messages.encode(messages.Bye())])
                     return 0
                 if self.engine.has_unfinished_requests and not self._step():
                     return 1
@@ -202,21 +202,21 @@ class EngineCore:
                 front, frame = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = ipc.decode_to_core(frame)
-            if isinstance(message, ipc.Add):
+            message = messages.decode_to_core(frame)
+            if isinstance(message, messages.Add):
                 self._add(front, message)
-            elif isinstance(message, ipc.Abort):
+            elif isinstance(message, messages.Abort):
                 engine_id = self._ids.get((front, message.request_id))
                 if engine_id is not None:
                     self.engine.abort(engine_id)
-            elif isinstance(message, ipc.MetricsQuery):
+            elif isinstance(message, messages.MetricsQuery):
                 text = self.engine.metrics_text()
                 self._socket.send_multipart(
-                    [front, ipc.encode(ipc.MetricsText(message.token, text))])
+                    [front, messages.encode(messages.MetricsText(message.token, text))])
             else:
                 self._fronts.add(front)
 
-    def _add(self, front: bytes, message: ipc.Add) -> None:
+    def _add(self, front: bytes, message: messages.Add) -> None:
         self._fronts.add(front)
         self._received[front] = self._received.get(front, 0) + 1
         try:
@@ -227,7 +227,7 @@ class EngineCore:
                 on_output=partial(self._collect, front, message.request_id))
         except (TypeError, ValueError) as exc:  # the API server checked; this is a race
             self._pending.setdefault(front, []).extend(
-                (message.request_id, out) for out in ipc.failed_outputs(
+                (message.request_id, out) for out in messages.failed_outputs(
                     message.request_id, message.params.n, str(exc)))
             return
         self._ids[front, message.request_id] = engine_id
@@ -251,7 +251,7 @@ class EngineCore:
             if outputs or self._told.get(front) != counts:
                 self._told[front] = counts
                 self._socket.send_multipart(
-                    [front, ipc.encode(ipc.Outputs(outputs or [], *counts))])
+                    [front, messages.encode(messages.Outputs(outputs or [], *counts))])
 
     def _fail_all(self, message: str) -> None:
         for request_id in self.engine.unfinished_request_ids():

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..serving import Engine, EngineDeadError, SamplingParams, StepOutput
-from ..serving.limits import EngineLimits
-from .seam import waiting_count
+from ...serving import Engine, EngineDeadError, SamplingParams, StepOutput
+from ...serving.limits import EngineLimits
+from .engine_client import waiting_count
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..serving import RequestOutput, SamplingParams, StepOutput
+from ...serving import RequestOutput, SamplingParams, StepOutput
 
 
 class Add(msgspec.Struct, array_like=True, tag=0):

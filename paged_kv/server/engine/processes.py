@@ -15,8 +15,8 @@ import socket
 import tempfile
 from collections.abc import Callable
 
-from ..serving.limits import EngineLimits
-from .core import die_with_parent, run_core
+from ...serving.limits import EngineLimits
+from .engine_core import die_with_parent, run_core
 
 logger = logging.getLogger("paged_kv.server")
 

@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.engine_client import EngineClient
 from .protocol import DEFAULT_LIMITS, InputLimits, error_response
 from .routes import chat, completions, router
-from .seam import EngineClient
 from .service import ApiError, OpenAIService
 
 _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from ..serving import RequestOutput, SamplingParams, StepOutput
-from .seam import EngineClient
+from ...serving import RequestOutput, SamplingParams, StepOutput
+from ..engine.engine_client import EngineClient
 
 
 @dataclasses.dataclass

@@ -8,8 +8,9 @@ import uuid
 
 from prometheus_client import Counter, Histogram
 
-from ..keys import HASH_SCHEME
-from ..serving import EngineDeadError, SamplingParams
+from ...keys import HASH_SCHEME
+from ...serving import EngineDeadError, SamplingParams
+from ..engine.engine_client import EngineClient
 from .generation import Generation
 from .protocol import (
     DEFAULT_LIMITS,
@@ -18,7 +19,6 @@ from .protocol import (
     InputLimits,
     bearer_tenant,
 )
-from .seam import EngineClient
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
