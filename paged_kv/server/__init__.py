@@ -1,14 +1,24 @@
 """`paged-kv serve`: an OpenAI-compatible HTTP server over the engine.
 
-Needs the ``serve`` extra (fastapi, uvicorn, pyzmq, msgspec). Three layers, each knowing one
-thing: the server knows requests, tenants and HTTP (`http/`); the engine core owns the
-`Engine`, in a process of its own under ``paged-kv serve`` (`engine/engine_core`, reached
-through `engine/core_client.CoreClient`) or on a thread of this one (`EngineLoop`); the
-engine knows sequences and the cache blocks. Tenancy reaches the cache only as the salt of
-each request.
+Needs the ``serve`` extra (fastapi, uvicorn, pyzmq, msgspec). Two rooms, each knowing one
+thing, and the entry point that wires them:
+
+- `http/`: requests, tenants, tokenizers and HTTP (the FastAPI app, its routes, OpenAI's
+  request and response shapes, one request's generation);
+- `engine/`: hosting the `Engine`, in a process of its own under ``paged-kv serve``
+  (`engine_core.EngineCoreProc`, reached through `core_client.CoreClient`) or on a thread
+  of this one (`inproc_client.InprocClient`); both clients meet the `EngineClient`
+  protocol the HTTP room talks to;
+- `serve.py`: ``paged-kv serve``, the engine-core process and the API server processes.
+
+The engine knows sequences and the cache blocks. Tenancy reaches the cache only as the salt
+of each request.
 """
 
-from .engine.inproc_client import EngineLoop
+from .engine.inproc_client import InprocClient
 from .http.tokenizer import ByteTokenizer, HFTokenizer
 
-__all__ = ["ByteTokenizer", "EngineLoop", "HFTokenizer"]
+# the in-process client's name before the server was split into rooms (README, user code)
+EngineLoop = InprocClient
+
+__all__ = ["ByteTokenizer", "EngineLoop", "HFTokenizer", "InprocClient"]

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient
 
-from paged_kv.server import ByteTokenizer, EngineLoop
+from paged_kv.server import ByteTokenizer, InprocClient
 from paged_kv.server.http.app import create_app
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
@@ -26,7 +26,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 def make_client(model=None, tokenizer=None, *, num_blocks: int = 128, **app_kwargs):
     model = model or TinyLlama(CONFIG, seed=1)
     engine = Engine(model, model.cache_config(num_blocks=num_blocks, block_size=8))
-    app = create_app(EngineLoop(engine), tokenizer or ByteTokenizer(), model_name="tiny",
+    app = create_app(InprocClient(engine), tokenizer or ByteTokenizer(), model_name="tiny",
                      **app_kwargs)
     return TestClient(app)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from paged_kv.server.engine.core_client import CoreClient
-from paged_kv.server.engine.engine_core import EngineCore
+from paged_kv.server.engine.engine_core import EngineCoreProc
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.serving.limits import EngineLimits
 
@@ -173,11 +173,11 @@ CONFIG = TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64, voc
 
 @pytest.fixture
 def core(tmp_path):
-    """An `EngineCore` with one running slot on a thread; yields (address, limits)."""
+    """An `EngineCoreProc` with one running slot on a thread; yields (address, limits)."""
     model = TinyLlama(CONFIG, seed=1)
     engine = Engine(model, model.cache_config(num_blocks=128, block_size=8), max_num_seqs=1)
     address = f"ipc://{tmp_path}/core"
-    engine_core = EngineCore(engine, address, os.getppid())
+    engine_core = EngineCoreProc(engine, address, os.getppid())
     thread = threading.Thread(target=engine_core.run, daemon=True)
     thread.start()
     try:

@@ -1,1 +1,7 @@
-"""The engine's host: the engine core, its clients, and the processes of ``paged-kv serve``."""
+"""The engine's host, in vLLM's words: the `EngineClient` protocol the HTTP room talks to
+(`engine_client`); `EngineCore` (`engine_core`), which steps the `Engine` and fails its
+requests when a step fails, and `EngineCoreProc`, the same core serving API server
+processes over ZMQ; the clients, `CoreClient` (`core_client`, an API server process's
+handle on that process) and `InprocClient` (`inproc_client`, the core on a thread of this
+process); the messages between the processes (`messages`) and starting and stopping them
+(`processes`)."""

@@ -1,5 +1,6 @@
 """`CoreClient`: an API server process's handle on the engine-core process, with the surface
-of `EngineLoop` (`seam.EngineClient`), so the service and generations run unchanged on it."""
+of `InprocClient` (`engine_client.EngineClient`), so the service and generations run
+unchanged on it."""
 
 from __future__ import annotations
 

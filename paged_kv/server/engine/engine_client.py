@@ -1,20 +1,22 @@
-"""`EngineClient`: what the server needs of an engine, met by `EngineLoop` (the engine on a
-thread of this process) and by `CoreClient` (the engine core in a process of its own); and
-the one count of waiting requests both report."""
+"""`EngineClient`: what the HTTP room needs of an engine, met by `InprocClient` (the engine
+core on a thread of this process) and by `CoreClient` (the engine core in a process of its
+own); both report `EngineCore.num_waiting`, the one count of waiting requests."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
 
-from ...serving import Engine, SamplingParams, StepOutput
+from ...serving import SamplingParams, StepOutput
 from ...serving.limits import EngineLimits
 
 
 class EngineClient(Protocol):
     """The engine as `OpenAIService` and `Generation` use it."""
 
-    dead: str | None  # why the engine cannot serve any more (health: 503)
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot serve any more (health: 503); None while it can."""
 
     @property
     def is_alive(self) -> bool:
@@ -49,10 +51,3 @@ class EngineClient(Protocol):
     async def metrics_text(self) -> str:
         """Prometheus exposition: the engine's gauges and the server's counters."""
 
-
-def waiting_count(engine: Engine) -> int:
-    """Requests that would wait for a running slot: those waiting in the engine less the
-    slots free now (an idle engine's count is minus its free slots, so a server with
-    ``--max-waiting 0`` still serves). The scheduler's queue, not ``engine.stats()``: a
-    whole snapshot each step for one int."""
-    return engine.num_waiting_requests - (engine.max_num_seqs - len(engine.scheduler.running))

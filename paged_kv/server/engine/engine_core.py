@@ -1,9 +1,10 @@
-"""The engine-core process: owns the `Engine` (model, cache, tiers; tensor-parallel workers
-hang off it) and steps it. API server processes send it requests over ZMQ and get back one
-`Outputs` message per step each (`messages.py`).
+"""The engine core: `EngineCore` steps the `Engine` (model, cache, tiers; tensor-parallel
+workers hang off it) and keeps its failures inside it; `EngineCoreProc` is that core in a
+process of its own (vLLM's names), serving API server processes over ZMQ: they send it
+requests and get back one `Outputs` message per step each (`messages.py`).
 
-Single-threaded on purpose: messages are taken in between steps, as `EngineLoop` does, so the
-engine needs no lock, and the process has the GIL to itself.
+Single-threaded on purpose: messages are taken in between steps, as `InprocClient` does
+with its calls, so the engine needs no lock, and the process has the GIL to itself.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from ...serving.limits import EngineLimits
 from ...serving.sizing import pool_config
 from ...tiers import TierConfig
 from . import messages
-from .engine_client import waiting_count
 
 logger = logging.getLogger("paged_kv.server.core")
 _IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
@@ -115,7 +115,7 @@ def run_core(args: argparse.Namespace, address: str, ready: Connection, parent_p
         ready.send(("error", exc))
         raise SystemExit(1) from None
     try:
-        core = EngineCore(engine, address, parent_pid)
+        core = EngineCoreProc(engine, address, parent_pid)
         signal.signal(signal.SIGTERM, core.drain)
         if engine.events is not None:
             logger.info("KV events on %s (replay %s)", engine.events.endpoint,
@@ -128,7 +128,60 @@ def run_core(args: argparse.Namespace, address: str, ready: Connection, parent_p
 
 
 class EngineCore:
-    """Steps `engine` while requests from API servers come and go.
+    """The engine as a server hosts it: one step at a time, a step that fails failing the
+    requests it could have touched rather than the host, a dead engine failing every
+    request; and the count of waiting requests a server's 429s use. No I/O of its own:
+    `EngineCoreProc` serves it to API server processes over ZMQ, `InprocClient` on a thread
+    of this process, so failure handling and the waiting count exist once for both.
+
+    Parameters
+    ----------
+    engine : Engine
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dead: str | None = None  # why the engine cannot step any more (health: 503)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """Whether the engine has requests to step."""
+        return self.engine.has_unfinished_requests
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests that would wait for a running slot: those waiting in the engine less the
+        slots free now (an idle engine's count is minus its free slots, so a server with
+        ``--max-waiting 0`` still serves). The scheduler's queue, not ``engine.stats()``: a
+        whole snapshot each step for one int."""
+        engine = self.engine
+        return engine.num_waiting_requests - (engine.max_num_seqs - len(engine.scheduler.running))
+
+    def step(self) -> bool:
+        """One engine step; False once the engine is dead (`dead` says why, and every request
+        in it has failed with that message)."""
+        try:
+            self.engine.step()
+        except EngineDeadError as exc:
+            logger.error("engine dead: %s", exc)
+            self.dead = str(exc)
+            self.fail_all(self.dead)
+            return False
+        except Exception as exc:  # fails the requests it could have touched, not the host
+            logger.exception("engine step failed; failing the requests in the engine")
+            self.fail_all(f"the engine step failed: {exc!r}")
+        return True
+
+    def fail_all(self, message: str) -> None:
+        """Fail every request in the engine with `message` (its clients get an error)."""
+        for request_id in self.engine.unfinished_request_ids():
+            with contextlib.suppress(Exception):  # a dead engine may fail to free too
+                self.engine.abort(request_id, error=message)
+
+
+class EngineCoreProc(EngineCore):
+    """The `EngineCore` of ``paged-kv serve``'s engine-core process: steps it while requests
+    from API servers come and go, over one ZMQ ROUTER socket.
 
     Parameters
     ----------
@@ -140,7 +193,8 @@ class EngineCore:
     """
 
     def __init__(self, engine: Engine, address: str, parent_pid: int) -> None:
-        self.engine, self._parent = engine, parent_pid
+        super().__init__(engine)
+        self._parent = parent_pid
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 5000)  # the last outputs leave before exit
@@ -175,26 +229,13 @@ class EngineCore:
                     for front in self._fronts:
                         self._socket.send_multipart([front, messages.encode(messages.Bye())])
                     return 0
-                if self.engine.has_unfinished_requests and not self._step():
+                if self.engine.has_unfinished_requests and not self.step():
+                    self._flush()  # the failed requests' last outputs
                     return 1
                 self._flush()
         finally:
             self._socket.close()
             self._context.term()
-
-    def _step(self) -> bool:
-        """One engine step; False when the engine is dead (every request failed)."""
-        try:
-            self.engine.step()
-        except EngineDeadError as exc:
-            logger.error("engine dead: %s", exc)
-            self._fail_all(str(exc))
-            self._flush()
-            return False
-        except Exception as exc:  # fails the requests it could have touched, not the core
-            logger.exception("engine step failed; failing the requests in the engine")
-            self._fail_all(f"the engine step failed: {exc!r}")
-        return True
 
     def _receive(self) -> None:
         while True:
@@ -239,12 +280,12 @@ class EngineCore:
 
     def _flush(self) -> None:
         """One `Outputs` message to each API server that has outputs from this step, or
-        whose queue count (`waiting_count`, and the `Add`s taken from it) changed since it
+        whose queue count (`num_waiting`, and the `Add`s taken from it) changed since it
         was last told: a server's 429s count the queue of every server, and a request it
         refuses never reaches the core, so waiting for its own outputs could leave it
         refusing for good on an idle core."""
         pending, self._pending = self._pending, {}
-        waiting = waiting_count(self.engine)
+        waiting = self.num_waiting
         for front in self._fronts | pending.keys():
             outputs = pending.get(front)
             counts = (waiting, self._received.get(front, 0))
@@ -252,8 +293,3 @@ class EngineCore:
                 self._told[front] = counts
                 self._socket.send_multipart(
                     [front, messages.encode(messages.Outputs(outputs or [], *counts))])
-
-    def _fail_all(self, message: str) -> None:
-        for request_id in self.engine.unfinished_request_ids():
-            with contextlib.suppress(Exception):  # a dead engine may fail to free too
-                self.engine.abort(request_id, error=message)

@@ -1,11 +1,11 @@
-"""`EngineLoop`: the engine on a thread of its own, stepping while requests come and go."""
+"""`InprocClient`: the engine core on a thread of this process, stepping while requests come
+and go (vLLM's in-process client; ``paged-kv serve`` uses `CoreClient` instead)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -13,17 +13,17 @@ from typing import Any
 
 from ...serving import Engine, EngineDeadError, SamplingParams, StepOutput
 from ...serving.limits import EngineLimits
-from .engine_client import waiting_count
-
-logger = logging.getLogger(__name__)
+from .engine_core import EngineCore
 
 
-class EngineLoop:
-    """Runs `engine` on one thread; other threads hand it work as callables.
+class InprocClient:
+    """Drives an `EngineCore` over `engine` on one thread; other threads hand it work as
+    callables.
 
     The engine is not thread-safe, so every call into it (add, abort, metrics) travels
-    through one queue and runs on the loop's thread between steps; results come back as
-    futures. The thread blocks on the queue while the engine is idle.
+    through one queue and runs on the core's thread between steps; results come back as
+    futures. The thread blocks on the queue while the engine is idle. Steps, their failures
+    and the waiting count are the core's (`EngineCore`), as in the engine-core process.
 
     Parameters
     ----------
@@ -31,14 +31,14 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self.core = EngineCore(engine)
         self._inbox: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = \
             queue.Queue()
         self._stopping = threading.Event()
         # replies of one step, handed to each event loop in one wake-up rather than one a token
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
         self._thread = threading.Thread(target=self._run, name="paged-kv-engine", daemon=True)
-        self.dead: str | None = None  # why the engine cannot step any more (health: 503)
+        self._broken: str | None = None  # why the thread itself stopped, if it did
 
     def start(self) -> None:
         """Start stepping (once; later calls do nothing)."""
@@ -52,6 +52,16 @@ class EngineLoop:
         self._thread.join(timeout)
 
     @property
+    def engine(self) -> Engine:
+        """The engine the core steps (not thread-safe: call into it through `submit`)."""
+        return self.core.engine
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot serve any more (health: 503): it died, or its thread broke."""
+        return self.core.dead or self._broken
+
+    @property
     def is_alive(self) -> bool:
         """Whether the engine can serve: the stepping thread runs and the engine is not dead."""
         return self._thread.is_alive() and self.dead is None
@@ -60,7 +70,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests that would wait for a running slot: those queued for the engine and
         waiting inside it, less the slots free now (so an idle server has none)."""
-        return self._inbox.qsize() + waiting_count(self.engine)
+        return self._inbox.qsize() + self.core.num_waiting
 
     # -- the surface the server uses (shared with `CoreClient`, the engine-core process's) -----
     @property
@@ -117,34 +127,26 @@ class EngineLoop:
                 event_loop.call_soon_threadsafe(_run_all, calls)
 
     def _run(self) -> None:
+        core = self.core
         try:
             while not self._stopping.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests)
+                self._run_calls(block=not core.has_unfinished_requests)
                 self._flush()
-                if self.engine.has_unfinished_requests and not self._stopping.is_set():
-                    self._step()
+                if core.has_unfinished_requests and not self._stopping.is_set():
+                    if not core.step():  # dead: every request failed, nothing more to step
+                        self._stopping.set()
                     self._flush()
-        except BaseException as exc:  # the loop itself broke: nothing can be served
-            self.dead = self.dead or f"the engine loop stopped: {exc!r}"
+        except BaseException as exc:  # the thread itself broke: nothing can be served
+            self._broken = f"the engine loop stopped: {exc!r}"
             raise
         finally:
             if self.dead is not None:
-                self._fail_all(self.dead)
+                core.fail_all(self.dead)
                 self._flush()
                 self._refuse_queued(self.dead)
 
-    def _step(self) -> None:
-        try:
-            self.engine.step()
-        except EngineDeadError as exc:
-            logger.error("engine dead: %s", exc)
-            self.dead = str(exc)
-            self._stopping.set()
-        except Exception as exc:  # fails the requests it could have touched, not the server
-            logger.exception("engine step failed; failing the requests in the engine")
-            self._fail_all(f"the engine step failed: {exc!r}")
-
-    def _drain(self, block: bool) -> None:
+    def _run_calls(self, block: bool) -> None:
+        """Run the calls queued for the engine (waiting up to 0.5 s for one if `block`)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -170,12 +172,6 @@ class EngineLoop:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError(message))
-
-    def _fail_all(self, message: str) -> None:
-        """Fail every request in the engine with `message` (its clients get an error)."""
-        for request_id in self.engine.unfinished_request_ids():
-            with contextlib.suppress(Exception):  # a dead engine may fail to free too
-                self.engine.abort(request_id, error=message)
 
 
 def _run_all(calls: list[tuple[Callable[[Any], Any], Any]]) -> None:

@@ -23,7 +23,7 @@ _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/h
 def create_app(loop: EngineClient, tokenizer, *, model_name: str,
                api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                input_limits: InputLimits = DEFAULT_LIMITS) -> FastAPI:
-    """The server's app over a started-or-not `EngineLoop` or `CoreClient` (started and
+    """The server's app over a started-or-not `InprocClient` or `CoreClient` (started and
     stopped with the app);
     the arguments are `OpenAIService`'s. With `api_keys`, every /v1 request needs
     ``Authorization: Bearer KEY``, checked before its body is read."""

@@ -43,7 +43,7 @@ class Job:
 
 
 class OpenAIService:
-    """The server's logic over an engine (`EngineLoop` or `CoreClient`) and a tokenizer.
+    """The server's logic over an engine (`InprocClient` or `CoreClient`) and a tokenizer.
 
     Parameters
     ----------
