@@ -107,8 +107,8 @@ def test_a_failing_step_is_a_500_and_other_requests_still_complete():
 
 def test_a_dead_engine_answers_503_on_health_and_requests():
     with make_client() as client:
-        service = client.app.state.service
-        service.loop.submit(service.loop.engine.close).result(timeout=10)
+        engine_client = client.app.state.service.engine  # an InprocClient
+        engine_client.submit(engine_client.engine.close).result(timeout=10)
         r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
         assert r.status_code in (500, 503), r.text
         for _ in range(100):

@@ -20,16 +20,16 @@ _PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/h
                     "/metrics"})
 
 
-def create_app(loop: EngineClient, tokenizer, *, model_name: str,
+def create_app(engine: EngineClient, tokenizer, *, model_name: str,
                api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                input_limits: InputLimits = DEFAULT_LIMITS) -> FastAPI:
     """The server's app over a started-or-not `InprocClient` or `CoreClient` (started and
     stopped with the app);
     the arguments are `OpenAIService`'s. With `api_keys`, every /v1 request needs
     ``Authorization: Bearer KEY``, checked before its body is read."""
-    service = OpenAIService(loop, tokenizer, model_name=model_name, api_keys=api_keys,
+    service = OpenAIService(engine, tokenizer, model_name=model_name, api_keys=api_keys,
                             max_waiting=max_waiting, input_limits=input_limits)
-    app = FastAPI(title="paged_kv", lifespan=_lifespan(loop))
+    app = FastAPI(title="paged_kv", lifespan=_lifespan(engine))
     app.state.service, app.state.created = service, int(time.time())
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -129,11 +129,11 @@ class _CountRequests:
             self.counter.labels(endpoint=path, status=status[0]).inc()
 
 
-def _lifespan(loop: EngineClient):
+def _lifespan(engine: EngineClient):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loop.start()
+        engine.start()
         yield
-        loop.stop()
+        engine.stop()
 
     return lifespan

@@ -38,9 +38,9 @@ class Generation:
     finish ends with "error" and `error` says why.
     """
 
-    def __init__(self, loop: EngineClient, tokenizer, prompt_token_ids: list[int],
+    def __init__(self, engine: EngineClient, tokenizer, prompt_token_ids: list[int],
                  params: SamplingParams, stops: list[str], salt: str | None) -> None:
-        self._loop, self._tokenizer = loop, tokenizer
+        self._engine, self._tokenizer = engine, tokenizer
         self.prompt_token_ids, self.params, self.stops, self.salt = (
             prompt_token_ids, params, stops, salt)
         self.choices = [Choice(i) for i in range(params.n)]
@@ -52,7 +52,7 @@ class Generation:
 
     async def start(self) -> None:
         """Queue the request in the engine (raises what `Engine.add_request` raises)."""
-        self.request_id = await self._loop.add(self.prompt_token_ids, self.params, self.salt,
+        self.request_id = await self._engine.add(self.prompt_token_ids, self.params, self.salt,
                                                self._queue.put_nowait)
 
     @property
@@ -70,7 +70,7 @@ class Generation:
         engine drains (not `is_alive`, yet finishing what it has): the client's `abort`
         itself skips an engine that is gone."""
         if self.request_id is not None and self.output is None:
-            self._loop.abort(self.request_id)
+            self._engine.abort(self.request_id)
 
     async def updates(self):
         """Yield ``(choice, delta_text, new_token_ids)`` as tokens arrive, until done."""

@@ -191,9 +191,9 @@ async def models(request: Request) -> dict:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    loop = service(request).loop
-    if not loop.is_alive:
-        return error_response(503, f"engine cannot serve: {loop.dead or 'draining or stopped'}",
+    engine = service(request).engine
+    if not engine.is_alive:
+        return error_response(503, f"engine cannot serve: {engine.dead or 'draining or stopped'}",
                               type_="server_error")
     return JSONResponse({"status": "ok"})
 

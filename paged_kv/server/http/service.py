@@ -47,7 +47,7 @@ class OpenAIService:
 
     Parameters
     ----------
-    loop : EngineClient
+    engine : EngineClient
     tokenizer : ByteTokenizer or HFTokenizer
     model_name : str
         The id ``/v1/models`` reports.
@@ -59,13 +59,13 @@ class OpenAIService:
         What one request may ask (log-probabilities, body size).
     """
 
-    def __init__(self, loop: EngineClient, tokenizer, *, model_name: str,
+    def __init__(self, engine: EngineClient, tokenizer, *, model_name: str,
                  api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                  input_limits: InputLimits = DEFAULT_LIMITS) -> None:
-        self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_keys, self.max_waiting = api_keys, max_waiting
         self.input_limits = input_limits
-        registry = loop.registry
+        registry = engine.registry
         self.requests = Counter("paged_kv_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=registry)
         self.ttft = Histogram("paged_kv_time_to_first_token_seconds", "Time to first token",
@@ -120,11 +120,11 @@ class OpenAIService:
                 top_p=body.top_p, top_k=max(body.top_k, 0), n=body.n, seed=body.seed,
                 stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
                 logprobs=body.num_logprobs, prompt_logprobs=prompt_logprobs(body, kind))
-            self.loop.limits.check(prompt, params)
+            self.engine.limits.check(prompt, params)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc), body, kind)) from None
-        if self.loop.num_waiting >= self.max_waiting:
-            raise ApiError(429, f"server busy: {self.loop.num_waiting} requests waiting "
+        if self.engine.num_waiting >= self.max_waiting:
+            raise ApiError(429, f"server busy: {self.engine.num_waiting} requests waiting "
                                 f"(--max-waiting {self.max_waiting}); retry later",
                            headers={"Retry-After": "1"})
         return params
@@ -148,14 +148,14 @@ class OpenAIService:
             return asked
         if kind != "chat":
             return 16
-        return self.loop.limits.room(len(prompt))
+        return self.engine.limits.room(len(prompt))
 
     async def start(self, body, prompt: list[int], salt: str | None, kind: str) -> Job:
         """Validate and queue a generation (400 / 429 / 503 before anything runs)."""
-        if self.loop.dead is not None:
-            raise ApiError(503, f"engine dead: {self.loop.dead}")
+        if self.engine.dead is not None:
+            raise ApiError(503, f"engine dead: {self.engine.dead}")
         params = self.sampling(body, prompt, kind)
-        generation = Generation(self.loop, self.tokenizer, prompt, params, body.stop_strings,
+        generation = Generation(self.engine, self.tokenizer, prompt, params, body.stop_strings,
                                 salt)
         try:
             await generation.start()
@@ -182,15 +182,15 @@ class OpenAIService:
     def kv_events_info(self) -> dict | None:
         """``/kv_events``: the publisher's bound endpoints, pool size and how its hashes are
         made (a router computes the same keys from the prompt); None when events are off."""
-        info = self.loop.limits.kv_events
+        info = self.engine.limits.kv_events
         if info is None:
             return None
-        return {**info, "num_blocks": self.loop.limits.cache_config.num_usable_blocks,
+        return {**info, "num_blocks": self.engine.limits.cache_config.num_usable_blocks,
                 "hash": HASH_SCHEME, "model": self.model_name}
 
     async def metrics_text(self) -> str:
         """Prometheus exposition: the engine's gauges as of now, the server's counters."""
-        return await self.loop.metrics_text()
+        return await self.engine.metrics_text()
 
 
 def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, kind: str) -> int | None:
