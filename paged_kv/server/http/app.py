@@ -1,32 +1,35 @@
-"""The FastAPI app: wiring only. The routes are in `routes.py`, the logic in `service.py`."""
+"""The FastAPI app: wiring only. The routes are in `routes.py`, the logic in `service.py`.
+
+The routes that run are the routes `routes.router` declares: the fast path's table and the
+request counter's endpoint labels are both read from it, so there is one list of routes.
+"""
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine_client import EngineClient
 from .protocol import DEFAULT_LIMITS, InputLimits, error_response
-from .routes import chat, completions, router
+from .routes import router
 from .service import ApiError, OpenAIService
-
-_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                    "/metrics"})
 
 
 def create_app(engine: EngineClient, tokenizer, *, model_name: str,
                api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                input_limits: InputLimits = DEFAULT_LIMITS) -> FastAPI:
     """The server's app over a started-or-not `InprocClient` or `CoreClient` (started and
-    stopped with the app);
-    the arguments are `OpenAIService`'s. With `api_keys`, every /v1 request needs
-    ``Authorization: Bearer KEY``, checked before its body is read."""
+    stopped with the app); the arguments are `OpenAIService`'s. With `api_keys`, every /v1
+    request needs ``Authorization: Bearer KEY``, checked before its body is read."""
     service = OpenAIService(engine, tokenizer, model_name=model_name, api_keys=api_keys,
                             max_waiting=max_waiting, input_limits=input_limits)
     app = FastAPI(title="paged_kv", lifespan=_lifespan(engine))
@@ -34,9 +37,11 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(_Generate)  # innermost: after auth, before FastAPI's routing
+    # innermost: after auth, before FastAPI's routing
+    app.add_middleware(_FastPath, routes=fast_routes(router))
     app.add_middleware(_Authenticate, service=service)  # runs after counting
-    app.add_middleware(_CountRequests, counter=service.requests)
+    app.add_middleware(_CountRequests, counter=service.requests,
+                       paths=frozenset(route.path for route in router.routes))
     app.include_router(router)
     return app
 
@@ -61,16 +66,39 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                           if exc.status_code == 404 else "invalid_request_error")
 
 
-class _Generate:
-    """``POST /v1/completions`` and ``/v1/chat/completions`` straight to their route
-    functions, answering their errors with the app's handlers: FastAPI's exception, exit
-    stack, routing and dependency layers, passed on every request and (the exception layer)
-    on every token's send, are most of the API server's time before a request reaches the
-    engine core. Anything else, and these paths with other methods, goes to FastAPI."""
+def fast_routes(router: APIRouter) -> dict[str, Callable]:
+    """``{path: route function}`` of the POST routes `router` declares (the two generation
+    routes), which the fast path (`_FastPath`) calls as FastAPI would.
 
-    def __init__(self, app) -> None:
-        self.app = app
-        self.routes = {"/v1/completions": completions, "/v1/chat/completions": chat}
+    Raises
+    ------
+    TypeError
+        Naming a POST route whose function takes more than the raw request: FastAPI would
+        parse its parameters, the fast path cannot (a route parses its body itself, with
+        `routes.parse_body`).
+    """
+    found = {}
+    for route in router.routes:
+        if isinstance(route, APIRoute) and "POST" in route.methods:
+            parameters = list(inspect.signature(route.endpoint).parameters)
+            if parameters != ["request"]:
+                raise TypeError(f"POST {route.path}: its function {route.endpoint.__name__} "
+                                f"takes {parameters}; the fast path passes only the raw "
+                                "request (parse the body with routes.parse_body)")
+            found[route.path] = route.endpoint
+    return found
+
+
+class _FastPath:
+    """The declared POST routes (``/v1/completions``, ``/v1/chat/completions``) straight to
+    their route functions, answering their errors with the app's handlers: FastAPI's
+    exception, exit stack, routing and dependency layers, passed on every request and (the
+    exception layer) on every token's send, are most of the API server's time before a
+    request reaches the engine core. Anything else, and these paths with other methods, goes
+    to FastAPI."""
+
+    def __init__(self, app, routes: dict[str, Callable]) -> None:
+        self.app, self.routes = app, routes
 
     async def __call__(self, scope, receive, send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -107,10 +135,11 @@ class _Authenticate:
 
 class _CountRequests:
     """Counts responses by endpoint and status: plain ASGI, so streams and client
-    disconnects pass through untouched (Starlette's BaseHTTPMiddleware wraps both)."""
+    disconnects pass through untouched (Starlette's BaseHTTPMiddleware wraps both).
+    `paths` are the declared routes' own labels; any other path is "other"."""
 
-    def __init__(self, app, counter: Counter) -> None:
-        self.app, self.counter = app, counter
+    def __init__(self, app, counter: Counter, paths: frozenset[str]) -> None:
+        self.app, self.counter, self.paths = app, counter, paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -125,7 +154,7 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_status)
         finally:  # unknown paths share one label, so a scanner cannot grow the registry
-            path = scope["path"] if scope["path"] in _PATHS else "other"
+            path = scope["path"] if scope["path"] in self.paths else "other"
             self.counter.labels(endpoint=path, status=status[0]).inc()
 
 

@@ -1,7 +1,10 @@
 """The HTTP routes: parse, hand over to the `OpenAIService` in ``app.state``, answer.
 
 Module level (an `APIRouter`), so the app is wired in one place and the logic lives in the
-service, testable without HTTP.
+service, testable without HTTP. The router is the one list of routes: the app reads its
+fast path and its request counter's labels from it. The POST routes (the two generation
+routes) take the raw `Request` and parse their body themselves (`parse_body`), so the app
+calls them past FastAPI's per-request layers (`app.fast_routes`).
 """
 
 from __future__ import annotations
