@@ -291,8 +291,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
 
 
 def _add_request_limits(serve: argparse.ArgumentParser) -> None:
-    """What one request may ask (the defaults are `server.protocol.InputLimits`'s; that
-    module needs the serve extra, so they are repeated here)."""
+    """What one request may ask (the defaults are `server.http.protocol.InputLimits`'s;
+    that module needs the serve extra, so they are repeated here)."""
     limits = serve.add_argument_group("what one request may ask")
     limits.add_argument("--max-logprobs", type=_at_least(int, 0), default=20,
                         help="the most top log-probabilities per token (logprobs, "
