@@ -1,5 +1,7 @@
-"""``paged-kv serve``: the engine core in a process of its own (`core.py`), and one or more API
-server processes (uvicorn, the app over a `CoreClient`) sharing one listening socket."""
+"""``paged-kv serve``: the engine core in a process of its own (`engine/engine_core.py`'s
+`EngineCoreProc`, started by `engine/processes.py`), and one or more API server processes
+(uvicorn, the `http/` app over a `CoreClient`) sharing one listening socket. The one module
+that knows both rooms."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ from pathlib import Path
 
 import uvicorn
 
-from .engine.engine_core import build_engine, model_name
+from .engine.engine_core import model_name
 
 logger = logging.getLogger("paged_kv.server")
-__all__ = ["build_engine", "read_api_keys", "serve"]
+__all__ = ["read_api_keys", "serve"]
 
 
 def read_api_keys(path: str | Path) -> dict[str, str]:
