@@ -20,9 +20,10 @@ import pytest
 
 from paged_kv.server.engine.core_client import CoreClient
 from paged_kv.server.engine.engine_core import EngineCoreProc
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving import Engine, SamplingParams, TinyLlama
 from paged_kv.serving.limits import EngineLimits
 
+from .test_openai_semantics import CONFIG
 from .test_server import httpx, make_prompt, metric, running_server
 
 LONG = 3000  # tokens: a request that runs for seconds, until aborted
@@ -167,9 +168,6 @@ def test_every_api_server_serves_after_a_burst(tmp_path):
 
 
 # -- the engine core and two API servers' clients, in this process --------------------------
-CONFIG = TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64, vocab_size=300,
-                         num_heads=4, num_kv_heads=2, head_dim=16, max_position=512)
-
 
 @pytest.fixture
 def core(tmp_path):
