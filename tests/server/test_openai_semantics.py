@@ -2,7 +2,7 @@
 is a 500 and a dead engine a 503, the stream is the text, EOS and ``ignore_eos`` act as in
 vLLM, every request field is honoured or refused by name, auth comes before validation,
 and tenants never share a cached prefix. Each runs against the app in-process (Starlette's
-TestClient runs its lifespan, so the engine loop starts and stops with it)."""
+TestClient runs its lifespan, so the in-process engine client starts and stops with it)."""
 
 from __future__ import annotations
 
