@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from ..server.http.graceful import GracefulServer
 from ..server.http.protocol import error_response
 from .proxy import Router, RouterError, forward_headers
 
@@ -68,15 +67,10 @@ def create_router_app(router: Router) -> FastAPI:
     return app
 
 
-class RouterServer(uvicorn.Server):
-    """uvicorn's server, but SIGTERM ends it as any clean shutdown does, exit 0 as
-    ``paged-kv serve`` (uvicorn re-raises the signal once it has shut down: exit 143)."""
+class RouterServer(GracefulServer):
+    """The router's uvicorn server: exit 0 after SIGTERM, as ``paged-kv serve``."""
 
-    def handle_exit(self, sig: int, frame) -> None:
-        super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:
-            logger.info("SIGTERM: shutting down")
-            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+    logger = logger
 
 
 async def _forward(router: Router, request: Request, path: str) -> Response:

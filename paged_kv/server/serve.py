@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from pathlib import Path
 
 import uvicorn
 
 from .engine.engine_core import model_name
+from .http.graceful import GracefulServer
 
 logger = logging.getLogger("paged_kv.server")
 __all__ = ["read_api_keys", "serve"]
@@ -101,11 +101,7 @@ def _tokenizer(args: argparse.Namespace):
     return (ByteTokenizer() if args.model is None else HFTokenizer(args.model)), model_name(args)
 
 
-class _Server(uvicorn.Server):
+class _Server(GracefulServer):
     """uvicorn's server, but SIGTERM after a clean drain exits 0 (uvicorn re-raises it)."""
 
-    def handle_exit(self, sig: int, frame) -> None:
-        super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:
-            logger.info("SIGTERM: no new connections; draining running requests")
-            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+    sigterm_message = "SIGTERM: no new connections; draining running requests"
