@@ -13,11 +13,11 @@ import torch
 
 from . import kernels
 from ._checks import check_tensor, require_resident
-from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .kernels.quant import scale_kwargs
 from .page_table import PageTables
 from .pool import KVPool
+from .step.batch import SeqId, StepBatch
 
 BatchOrSeqIds = StepBatch | Sequence[SeqId]
 

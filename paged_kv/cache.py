@@ -20,17 +20,17 @@ import torch
 
 from ._checks import require_known, require_new, require_resident
 from ._tensor_ops import TensorOps
-from ._tokens import Step, decode_columns, parse_step, tokens_to_array
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
-from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
-from .host import HostTier
 from .kernels.quant import raw
 from .page_table import PageTables
 from .pool import KVPool
-from .step import StepPlan, StepPlanner
+from .step.batch import SeqId, StepBatch
+from .step.parse import Step, decode_columns, parse_step, tokens_to_array
+from .step.plan import StepPlan, StepPlanner
+from .swap import HostTier
 
 
 class PagedKVCache(TensorOps):

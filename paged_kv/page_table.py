@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import read_only
-from ._decode import decode_ops
-from .batch import RowNames, SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
 from .errors import ensure
+from .step.batch import RowNames, SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
+from .step.decode import decode_ops
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
 
@@ -36,7 +36,7 @@ class PageTables:
         Initial rows and columns (both grow by doubling).
     compiled : bool, optional
         Run the decode step's bookkeeping compiled (numba) or in numpy; default
-        ``paged_kv._decode.default_compiled()`` (the ``PAGED_KV_NUMBA`` variable).
+        ``paged_kv.step.decode.default_compiled()`` (the ``PAGED_KV_NUMBA`` variable).
 
     Examples
     --------

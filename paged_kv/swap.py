@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from .allocator import BlockAllocator
-from .batch import SeqId
 from .errors import InvariantError, OutOfBlocksError
 from .keys import encode_tokens
 from .page_table import PageTables
 from .pool import KVPool
+from .step.batch import SeqId
 
 
 class HostTier:

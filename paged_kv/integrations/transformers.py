@@ -32,10 +32,10 @@ except ImportError as exc:  # optional dependency: say which extra brings it
 
 from .._checks import check_tensor
 from ..accounting import CacheStats
-from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import OutOfBlocksError
+from ..step.batch import StepBatch
 from .hf_support import require_supported, window_features
 
 if TYPE_CHECKING:

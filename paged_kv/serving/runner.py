@@ -12,7 +12,7 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import InvariantError
 from ..page_table import StepBatch
-from ..prefix import forget_unwritten
+from ..step.prefix import forget_unwritten
 from .errors import EngineDeadError
 from .parallel import (
     Collectives,

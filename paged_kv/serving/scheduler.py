@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
-from ..prefix import match_prefix, missing_blocks
+from ..step.batch import StepBatch
+from ..step.prefix import match_prefix, missing_blocks
 from .request import Request, Sequence, Status
 
 

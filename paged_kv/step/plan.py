@@ -20,14 +20,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._tokens import Step
-from .allocator import BlockAllocator
+from ..allocator import BlockAllocator
+from ..config import CacheConfig
+from ..errors import OutOfBlocksError
+from ..keys import TOKEN_BYTES, encode_tokens, root_hash
+from ..page_table import PageTables
+from ..pool import KVPool
 from .batch import SeqId, StepBatch
-from .config import CacheConfig
-from .errors import OutOfBlocksError
-from .keys import TOKEN_BYTES, encode_tokens, root_hash
-from .page_table import PageTables
-from .pool import KVPool
+from .parse import Step
 from .prefix import index_filled_blocks, index_full_blocks, index_row_blocks, lookup_prefix
 
 _NONE = np.empty(0, dtype=np.int64)

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._tokens import tokens_to_array
-from .allocator import BlockAllocator
-from .keys import encode_tokens, hash_chain, root_hash
-from .page_table import PageTables
+from ..allocator import BlockAllocator
+from ..keys import encode_tokens, hash_chain, root_hash
+from ..page_table import PageTables
+from .parse import tokens_to_array
 
 
 def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,

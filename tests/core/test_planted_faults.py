@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from paged_kv import PagedKVCache
-from paged_kv.prefix import match_prefix
 from paged_kv.serving import sizing
+from paged_kv.step.prefix import match_prefix
 
 from ..conftest import tiny_config
 from .test_quantised import KV_CACHE_DTYPES, cache_with_sequences

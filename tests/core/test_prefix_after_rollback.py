@@ -16,7 +16,7 @@ except ImportError:  # the compiled page-table path is then not there to test
     numba = None
 
 from paged_kv import PagedKVCache
-from paged_kv.prefix import forget_unwritten, match_prefix
+from paged_kv.step.prefix import forget_unwritten, match_prefix
 
 from ..conftest import tiny_config
 

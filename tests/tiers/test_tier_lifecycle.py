@@ -15,8 +15,8 @@ import torch
 from paged_kv.cache import PagedKVCache
 from paged_kv.keys import encode_tokens, hash_block, root_hash
 from paged_kv.offload import load_blocks
-from paged_kv.prefix import match_prefix
 from paged_kv.serving import SamplingParams
+from paged_kv.step.prefix import match_prefix
 from paged_kv.tiers import TierConfig
 
 from ..conftest import tiny_config
