@@ -3,7 +3,7 @@
     BlockAllocator  block ids, refcounts, prefix index, eviction   (ints, never tensors)
     PageTables      per-sequence rows: block ids, token counts, prefix keys (numpy rows)
     KVPool          the one preallocated K/V tensor (and the host pool's tensor)
-    HostTier        the host pool's block ids and swapped sequences (the first lower tier)
+    SwapSpace       the swap area: host block ids and swapped-out sequences
     StepPlanner     a step's parse -> plan -> check -> commit over the three above
 
 Every public mutator validates everything first and only then changes state, so a rejected
@@ -30,7 +30,7 @@ from .pool import KVPool
 from .step.batch import SeqId, StepBatch
 from .step.parse import Step, decode_columns, parse_step, tokens_to_array
 from .step.plan import StepPlan, StepPlanner
-from .swap import HostTier
+from .swap import SwapSpace
 
 
 class PagedKVCache(TensorOps):
@@ -68,8 +68,8 @@ class PagedKVCache(TensorOps):
                                          enable_prefix_caching=config.enable_prefix_caching)
         self._tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
         self._pool = KVPool(config)
-        self._host = (HostTier(config.num_host_blocks, self._tables, self._allocator,
-                               self._pool) if config.num_host_blocks else None)
+        self._swap = (SwapSpace(config.num_host_blocks, self._tables, self._allocator,
+                                self._pool) if config.num_host_blocks else None)
         self._steps = StepPlanner(self._tables, self._allocator, self._pool, config)
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
@@ -221,8 +221,8 @@ class PagedKVCache(TensorOps):
         """Release `seq_id`: full indexed blocks become cached (evictable), the rest free."""
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
-        if self._host is not None and self._host.is_swapped(seq_id):
-            self._host.drop(seq_id, self._tables.remove(seq_id))
+        if self._swap is not None and self._swap.is_swapped(seq_id):
+            self._swap.drop(seq_id, self._tables.remove(seq_id))
         else:
             self._allocator.free(self._tables.remove(seq_id), unique=True)
         self._after_mutation()
@@ -346,17 +346,17 @@ class PagedKVCache(TensorOps):
     def swap_out(self, seq_id: SeqId) -> None:
         """Move a sequence's blocks to the host pool and release its device blocks."""
         require_resident(self._tables, "swap_out()", seq_id)
-        if self._host is None:
+        if self._swap is None:
             raise PagedKVError("swap_out(): no host pool; set CacheConfig.num_host_blocks > 0")
-        self._host.swap_out(seq_id)
+        self._swap.swap_out(seq_id)
         self._after_mutation()
 
     def swap_in(self, seq_id: SeqId) -> None:
         """Bring a swapped-out sequence back into fresh device blocks."""
         require_known(self._tables, "swap_in()", seq_id)
-        if self._host is None or not self._host.is_swapped(seq_id):
+        if self._swap is None or not self._swap.is_swapped(seq_id):
             raise ValueError(f"swap_in(): sequence {seq_id!r} is not swapped out")
-        self._host.swap_in(seq_id)
+        self._swap.swap_in(seq_id)
         self._after_mutation()
 
     # -- accounting and checking ----------------------------------------------------------
@@ -365,14 +365,14 @@ class PagedKVCache(TensorOps):
         return compute_stats(
             allocator=self._allocator, tables=self._tables, block_size=self.config.block_size,
             bytes_per_block=self.config.bytes_per_block, total_bytes=self._pool.nbytes,
-            num_swap_outs=0 if self._host is None else self._host.num_swap_outs)
+            num_swap_outs=0 if self._swap is None else self._swap.num_swap_outs)
 
     def check(self) -> None:
         """Raise `InvariantError` if any invariant of allocator, tables or pool is broken."""
         self._tables.check()
         self._allocator.check_invariants(self._tables.owners(self.config.num_blocks))
-        if self._host is not None:
-            self._host.check()
+        if self._swap is not None:
+            self._swap.check()
 
     # -- validation helpers ---------------------------------------------------------------
     def _after_mutation(self) -> None:
@@ -389,5 +389,5 @@ def snapshot(cache: PagedKVCache) -> tuple:
     pool = cache.pool
     tensors = tuple(None if t is None else raw(t).clone() for t in (
         pool.kv, pool.host, pool.scales, pool.host_scales))
-    host = None if cache._host is None else cache._host.snapshot()
+    host = None if cache._swap is None else cache._swap.snapshot()
     return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors
