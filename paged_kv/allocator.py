@@ -15,7 +15,6 @@ tail is evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 from collections.abc import Iterable
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import BlockEvent, chain_pieces, split_blocks
+from .keys import BlockEvent, chain_pieces, hash_pieces, split_blocks
 
 NULL_BLOCK = 0
 
@@ -142,34 +141,22 @@ class BlockAllocator:
             return None
         return block_id
 
-    def match(self, parent_key: bytes, token_ids: bytes, num_blocks: int,
-              ) -> tuple[list[int], list[bytes]]:
-        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal
-        slices, the first chained from `parent_key`), in one call.
-
-        Returns
-        -------
-        hits : list of int
-            Their block ids, in order.
-        keys : list of bytes
-            The keys hashed on the way: one per hit, then the first missing block's (absent
-            when every block hit).
-        """
+    def match(self, keys: list[bytes], token_ids: bytes) -> list[int]:
+        """The cached blocks of the longest prefix of a prompt's full blocks, whose keys are
+        `keys` (computed once, on the request) and whose bytes are `token_ids` (as many equal
+        slices as keys): their block ids, in order. Hashes nothing."""
         hits: list[int] = []
-        keys: list[bytes] = []
-        if not num_blocks:
-            return hits, keys
-        get, tokens_of, sha256 = self._index.get, self._tokens_of, hashlib.sha256
-        width = len(token_ids) // num_blocks
-        for start in range(0, num_blocks * width, width):  # lazily: most stop at the first
-            piece = token_ids[start:start + width]
-            parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
-            keys.append(parent_key)
-            block_id = get(parent_key)
-            if block_id is None or tokens_of[block_id] != piece:
+        if not keys:
+            return hits
+        get, tokens_of = self._index.get, self._tokens_of
+        width = len(token_ids) // len(keys)
+        starts = range(0, len(keys) * width, width)
+        for start, key in zip(starts, keys, strict=True):  # most stop at the first miss
+            block_id = get(key)
+            if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
                 break
             hits.append(block_id)
-        return hits, keys
+        return hits
 
     # -- mutators -------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> np.ndarray:
@@ -274,8 +261,7 @@ class BlockAllocator:
         ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
         One call per step: per block a hash and a few C-level dict stores."""
         pieces = split_blocks(token_ids, len(block_ids))
-        sha256 = hashlib.sha256  # hash_block inlined: a call per block costs as much
-        keys = [sha256(p + b).digest() for p, b in zip(parent_keys, pieces, strict=True)]
+        keys = hash_pieces(parent_keys, pieces)
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, parent_keys, token_ids)
         return keys

@@ -25,12 +25,18 @@ from .allocator import BlockAllocator
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
 from .kernels.quant import raw, scale_kwargs
+from .keys import KEY_BYTES, BlockEvent, root_hash
+from .offload import load_blocks
 from .page_table import PageTables
 from .pool import KVPool
 from .step.batch import BatchOrSeqIds, SeqId, StepBatch, sequence_tables
+from .step.commit import StepCommitter
 from .step.parse import Step, decode_columns, parse_step, tokens_to_array
 from .step.plan import StepPlan, StepPlanner
+from .step.prefix import forget_unwritten
 from .swap import SwapSpace
+
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 class PagedKVCache:
@@ -70,7 +76,8 @@ class PagedKVCache:
         self._pool = KVPool(config)
         self._swap = (SwapSpace(config.num_host_blocks, self._tables, self._allocator,
                                 self._pool) if config.num_host_blocks else None)
-        self._steps = StepPlanner(self._tables, self._allocator, self._pool, config)
+        self._planner = StepPlanner(self._tables, self._allocator, config)
+        self._committer = StepCommitter(self._tables, self._allocator, self._pool, config)
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
 
@@ -90,18 +97,8 @@ class PagedKVCache:
         """The K/V tensors."""
         return self._pool
 
-    @property
-    def seq_ids(self) -> tuple[SeqId, ...]:
-        """Sequences in the cache, in insertion order."""
-        return self._tables.seq_ids
-
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
-
-    def seq_len(self, seq_id: SeqId) -> int:
-        """Tokens of `seq_id` written or reserved so far."""
-        require_known(self._tables, "seq_len()", seq_id)
-        return self._tables.num_tokens_of(seq_id)
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `num_blocks` blocks are obtainable now (free plus evictable cached)."""
@@ -109,7 +106,7 @@ class PagedKVCache:
 
     # -- sequence lifecycle ---------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Sequence[int] | None = None, *,
-                     salt: str | None = None) -> int:
+                     salt: str | None = None, keys: Sequence[bytes] = ()) -> int:
         """Register a sequence and map its longest cached prefix of full blocks.
 
         Parameters
@@ -120,24 +117,30 @@ class PagedKVCache:
             The prompt, only looked up here; its tokens arrive through `prepare`.
         salt : str, optional
             Isolates prefix reuse between tenants.
+        keys : sequence of bytes, optional
+            The prompt's block keys as the request carries them (`paged_kv.keys.block_keys`
+            of the prompt under the salt's root), so they are not hashed again: the lookup
+            and the indexing of the prompt's blocks as `prepare` fills them use them (a key
+            is used only for the tokens it was hashed from). Missing ones are hashed here.
 
         Returns
         -------
         int
             Tokens already cached (a multiple of ``block_size``, always below the prompt's
-            length so the last prompt token is computed); `seq_len` is now that number.
+            length so the last prompt token is computed); the sequence holds that many now.
         """
         require_new(self._tables, "add_sequence()", seq_id)
         tokens = (None if prompt_token_ids is None
                   else tokens_to_array("prompt_token_ids", prompt_token_ids))
-        chain, hits = self._steps.lookup(tokens, salt)
-        self._steps.add_row(seq_id, tokens, salt, chain, hits)
+        plan = self._plan_admission("add_sequence()", seq_id, tokens, salt, keys, 0)
+        self._planner.check(plan, "add_sequence()")  # takes no block: its hits only
+        self._committer.add_row(plan)
         self._after_mutation()
-        return len(hits) * self.config.block_size
+        return plan.num_hit
 
     def admit(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
               max_tokens: int | None = None, salt: str | None = None,
-              ) -> tuple[int, StepBatch]:
+              keys: Sequence[bytes] = ()) -> tuple[int, StepBatch]:
         """`add_sequence` and the `prepare` of the prompt's next tokens, as one call: the
         prompt is converted and hashed once, and the admission is all or nothing.
 
@@ -152,6 +155,8 @@ class PagedKVCache:
             default: the rest of the prompt.
         salt : str, optional
             Isolates prefix reuse between tenants.
+        keys : sequence of bytes, optional
+            As for `add_sequence`.
 
         Returns
         -------
@@ -179,9 +184,21 @@ class PagedKVCache:
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
                 max_tokens, int) or max_tokens < 1):
             raise ValueError(f"admit(): max_tokens must be an int >= 1, got {max_tokens!r}")
-        admitted = self._steps.admit(seq_id, tokens, salt, max_tokens)
+        plan = self._plan_admission("admit()", seq_id, tokens, salt, keys, max_tokens)
+        self._planner.check(plan, "admit()")
+        batch = self._committer.admit(plan)
         self._after_mutation()
-        return admitted
+        return plan.num_hit, batch
+
+    def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
+                        salt: str | None, keys: Sequence[bytes], max_tokens: int | None):
+        """Validate the rest of an admission's arguments, then plan it (changes nothing)."""
+        root = root_hash(salt)  # also the salt's check, with prefix caching off too
+        if keys and not (isinstance(keys, list | tuple) and all(
+                type(key) is bytes and len(key) == KEY_BYTES for key in keys)):
+            raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
+        return self._planner.plan_admission(seq_id, tokens, root, keys=keys,
+                                            max_tokens=max_tokens)
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share all of `parent`'s blocks; the first write into a shared,
@@ -192,13 +209,17 @@ class PagedKVCache:
         self._allocator.share(self._tables.blocks(child))
         self._after_mutation()
 
-    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+    def truncate(self, seq_id: SeqId, num_tokens: int, *, unwritten: bool = False) -> None:
         """Keep only the first `num_tokens` tokens of a resident sequence (speculative
         decoding rollback, ``crop``); blocks past them are released, tail first.
 
         The sequence keeps extending its prefix-index chain only while its last kept full
         block is still indexed. A kept block that becomes partial but stays indexed is
         copied before it is written again (see `prepare`), so its cached prefix survives.
+
+        With ``unwritten=True`` the K/V past `num_tokens` was never written (a failed step
+        planned it): those blocks first leave the prefix index, so neither a later prompt
+        nor a lower tier ever finds them.
         """
         require_resident(self._tables, "truncate()", seq_id)
         current = self._tables.num_tokens_of(seq_id)
@@ -207,6 +228,9 @@ class PagedKVCache:
         if not 0 <= num_tokens <= current:
             raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
                              f"{seq_id!r}, got {num_tokens}")
+        if unwritten:
+            forget_unwritten(self._allocator, self._tables, seq_id, int(num_tokens),
+                             self.config.block_size)
         num_full = num_tokens // self.config.block_size
         if self._tables.chain(self._tables.row_of[seq_id]) is None:
             chain = None  # ids unknown somewhere (or no prefix caching): never index again
@@ -233,6 +257,38 @@ class PagedKVCache:
         self._after_mutation()
         return dropped
 
+    def take_events(self) -> list[BlockEvent]:
+        """Return and clear the block events logged since the last call (see
+        `BlockAllocator.take_events`): what the tiers copy out and KV events publish."""
+        return self._allocator.take_events()
+
+    def load_cached(self, keys: list[bytes], token_ids: np.ndarray, payload: torch.Tensor,
+                    parent_key: bytes) -> int:
+        """Put blocks fetched from a lower tier into the pool as cached blocks under their
+        keys, where the next admission finds them as any prefix hit.
+
+        Parameters
+        ----------
+        keys : list of bytes
+            The blocks' chained keys, a prompt's consecutive full blocks in order.
+        token_ids : np.ndarray
+            ``[len(keys) * block_size]`` the blocks' token ids.
+        payload : torch.Tensor
+            ``[len(keys), pool.block_nbytes]`` uint8, the blocks as `KVPool.read_blocks`
+            gave them.
+        parent_key : bytes
+            The key the first block chains from (its `stored` event names it as parent).
+
+        Returns
+        -------
+        int
+            Blocks loaded (0 when the pool cannot spare them; nothing changed then). A key
+            indexed meanwhile keeps its block; the copy is freed.
+        """
+        loaded = load_blocks(self._allocator, self._pool, keys, token_ids, payload, parent_key)
+        self._after_mutation()
+        return loaded
+
     # -- a step ---------------------------------------------------------------------------
     def prepare(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> StepBatch:
         """Reserve slots for each sequence's new tokens and build the step's `StepBatch`.
@@ -257,12 +313,12 @@ class PagedKVCache:
         return self._commit(self._plan(parse_step(new_tokens, self._tables), "prepare()"))
 
     def _plan(self, step: Step, what: str) -> StepPlan:
-        plan = self._steps.plan(step)
-        self._steps.check(plan, what)
+        plan = self._planner.plan(step)
+        self._planner.check(plan, what)
         return plan
 
     def _commit(self, plan: StepPlan) -> StepBatch:
-        batch = self._steps.commit(plan)
+        batch = self._committer.commit(plan)
         self._after_mutation()
         return batch
 
@@ -311,21 +367,25 @@ class PagedKVCache:
         """
         rows, seq_ids = self._tables.resolve_rows("prepare_decode()", rows)
         known = token_ids is not None
-        tokens = np.empty(0, dtype=np.int32)  # ids unknown
+        tokens = _NO_TOKENS  # ids unknown
         if known:
             tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
             if tokens.shape != rows.shape:
                 raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
                                  f"(one per row), got {tokens.shape}")
         step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
-        plan = self._steps.plan(step, decode=True)
-        self._steps.check(plan, "prepare_decode()")
+        plan = self._planner.plan(step, decode=True)
+        self._planner.check(plan, "prepare_decode()")
         return self._commit(plan)
 
-    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int], *,
-                          per_sequence: bool = False) -> int | np.ndarray:
+    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
+                          *, per_sequence: bool = False) -> int | np.ndarray:
         """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),
         without changing anything: a scheduler's admission check.
+
+        `new_tokens` may also be row handles from `rows_of` (an ``np.ndarray``): the blocks
+        `prepare_decode` of those rows would take, one new token each (the steady decode
+        state, counted without a mapping to parse).
 
         With ``per_sequence=True`` returns ``[B]`` int64, each sequence's share in the
         mapping's order (copies counted for the sequence that makes them).
@@ -339,7 +399,12 @@ class PagedKVCache:
         >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
         3
         """
-        plan = self._steps.plan(parse_step(new_tokens, self._tables), fast=False)
+        if isinstance(new_tokens, np.ndarray):
+            rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
+            step = Step(seq_ids, rows, *decode_columns(rows.size, False), _NO_TOKENS)
+            plan = self._planner.plan(step, fast=not per_sequence, decode=True)
+        else:
+            plan = self._planner.plan(parse_step(new_tokens, self._tables), fast=False)
         return plan.per_sequence() if per_sequence else plan.requested
 
     # -- swapping -------------------------------------------------------------------------
@@ -387,9 +452,10 @@ class PagedKVCache:
                          *self._pool.layer_scales(layer))
 
     def gather(self, layer: int, batch_or_seq_ids: BatchOrSeqIds, pad_to: int | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K/V of some sequences as they are now, zero-padded.
+               out: tuple[torch.Tensor, torch.Tensor] | None = None, *, packed: bool = False,
+               ) -> tuple[torch.Tensor, ...]:
+        """Contiguous K/V of some sequences as they are now: zero-padded, or packed end to
+        end (the varlen form an attention kernel of one's own reads).
 
         Returns
         -------
@@ -397,10 +463,18 @@ class PagedKVCache:
             K and V ``[B, T, num_kv_heads, head_dim]``, ``T = pad_to or`` the longest length,
             zeros past each sequence's length; the cache's `dtype` (dequantized from 8-bit
             pages).
+        (torch.Tensor, torch.Tensor, torch.Tensor)
+            With ``packed=True``: K and V ``[total_tokens, num_kv_heads, head_dim]`` and
+            ``cu_seqlens [B + 1]`` int32 (`pad_to` must be None: nothing is padded).
         """
-        require_layer(self.config, "gather()", layer)
+        what = "gather(packed=True)" if packed else "gather()"
+        require_layer(self.config, what, layer)
         block_tables, seq_lens, longest = sequence_tables(
-            self._tables, "gather()", batch_or_seq_ids, self.config.device)
+            self._tables, what, batch_or_seq_ids, self.config.device)
+        if packed:
+            if pad_to is not None:
+                raise ValueError(f"{what}: pad_to pads each sequence; packed K/V have none")
+            return self._gather_packed(layer, block_tables, seq_lens, out)
         if pad_to is not None and (not isinstance(pad_to, int) or pad_to < longest):
             raise ValueError(f"gather(): pad_to must be an int >= the longest sequence "
                              f"({longest}), got {pad_to!r}")
@@ -413,26 +487,15 @@ class PagedKVCache:
         return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out,
                                  **self._scales_of(layer, out_dtype=self.config.dtype))
 
-    def gather_packed(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K/V of some sequences packed end to end (varlen form).
-
-        Returns
-        -------
-        (torch.Tensor, torch.Tensor, torch.Tensor)
-            K and V ``[total_tokens, num_kv_heads, head_dim]`` and ``cu_seqlens [B + 1]``
-            int32.
-        """
-        require_layer(self.config, "gather_packed()", layer)
-        block_tables, seq_lens, _ = sequence_tables(
-            self._tables, "gather_packed()", batch_or_seq_ids, self.config.device)
+    def _gather_packed(self, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor] | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
         torch.cumsum(seq_lens, 0, out=cu_seqlens[1:])
         if out is not None:
             shape = (int(cu_seqlens[-1]), self.config.num_kv_heads, self.config.head_dim)
             for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
-                check_tensor(f"gather_packed(): {name}", tensor, shape,
+                check_tensor(f"gather(packed=True): {name}", tensor, shape,
                              dtype=self.config.dtype, device=self.config.device)
         k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
                                         cu_seqlens, out,

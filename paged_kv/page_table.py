@@ -59,6 +59,9 @@ class PageTables:
         self._token_ids = np.zeros((max_num_seqs, max_blocks * block_size), dtype=np.int32)
         self._chain: list[bytes | None] = [None] * max_num_seqs
         self._root: list[bytes | None] = [None] * max_num_seqs  # salted root key per row
+        # per row, the keys it was admitted with and their blocks' token bytes (or None):
+        # its blocks are indexed under them as they fill, not hashed again
+        self._ahead: list[tuple[list[bytes], bytes] | None] = [None] * max_num_seqs
         self._swapped = np.zeros(max_num_seqs, dtype=bool)
         self._resident = np.zeros(max_num_seqs, dtype=bool)  # has a row, blocks on the device
         self._seq_of_row: list[SeqId | None] = [None] * max_num_seqs
@@ -170,6 +173,11 @@ class PageTables:
         """The salted key the row's first block chains from (None: no prefix caching)."""
         return self._root[row]
 
+    def ahead(self, row: int) -> tuple[list[bytes], bytes] | None:
+        """The keys of the row's full blocks, from its first, that it was admitted with, and
+        the token bytes they were hashed from (None: none given)."""
+        return self._ahead[row]
+
     def rows(self) -> np.ndarray:
         """``[num_seqs]`` int64 rows in use, in insertion order."""
         return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
@@ -204,9 +212,11 @@ class PageTables:
         return np.bincount(self._block_ids[rows][in_use], minlength=num_pool_blocks)
 
     # -- mutators -------------------------------------------------------------------------
-    def add(self, seq_id: SeqId, chain: bytes | None = None, root: bytes | None = None) -> int:
+    def add(self, seq_id: SeqId, chain: bytes | None = None, root: bytes | None = None,
+            ahead: tuple[list[bytes], bytes] | None = None) -> int:
         """Give `seq_id` an empty row and return it; `chain` is the key its next full
-        block chains from, `root` its salted root key."""
+        block chains from, `root` its salted root key, `ahead` the keys it was admitted
+        with (see `ahead`)."""
         if not self._free_rows:
             self._grow_rows()
         row = self._free_rows.pop()
@@ -214,7 +224,7 @@ class PageTables:
         self._seq_of_row[row] = seq_id
         self._resident[row] = True
         self._version += 1
-        self._chain[row], self._root[row] = chain, root
+        self._chain[row], self._root[row], self._ahead[row] = chain, root, ahead
         return row
 
     def remove(self, seq_id: SeqId) -> np.ndarray:
@@ -227,7 +237,7 @@ class PageTables:
         self._swapped[row] = False
         self._resident[row] = False
         self._seq_of_row[row] = None
-        self._chain[row] = self._root[row] = None
+        self._chain[row] = self._root[row] = self._ahead[row] = None
         self._free_rows.append(row)
         return blocks
 
@@ -352,7 +362,7 @@ class PageTables:
         return (tuple(self._row_of.items()), tuple(self._free_rows), self._block_ids.tobytes(),
                 self._num_blocks.tobytes(), self._num_tokens.tobytes(),
                 self._token_ids.tobytes(), tuple(self._chain), tuple(self._root),
-                self._swapped.tobytes())
+                tuple(self._ahead), self._swapped.tobytes())
 
     # -- growth ---------------------------------------------------------------------------
     def _grow_rows(self) -> None:
@@ -368,6 +378,7 @@ class PageTables:
         self._version += 1
         self._chain += [None] * old
         self._root += [None] * old
+        self._ahead += [None] * old
         self._free_rows = list(range(2 * old - 1, old - 1, -1)) + self._free_rows
         self._refresh_views()
 

@@ -98,6 +98,15 @@ class KVPool:
         ops, self._ops = self._ops, ([] if self._ops is not None else None)
         return ops or []
 
+    def replay_ops(self, ops: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Apply another pool's `take_ops` log, in order, to this pool (the same block ids:
+        a tensor-parallel rank replaying rank 0's step)."""
+        for kind, src, dst in ops:
+            if kind == OP_COPY:
+                self.copy(src, dst)
+            else:
+                self._transfer(src, dst, to_host=kind == OP_SWAP_OUT)
+
     def _log(self, kind: int, src: np.ndarray, dst: np.ndarray) -> None:
         if self._ops is not None:
             self._ops.append((kind, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)))

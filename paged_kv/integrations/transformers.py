@@ -305,7 +305,7 @@ class PagedCache(Cache):
         """Tokens layer ``layer`` holds (rows are always the same length)."""
         if not self._seq_ids:
             return 0
-        length = self._kv.seq_len(self._seq_ids[0])
+        length = self._kv.tables.num_tokens_of(self._seq_ids[0])
         if self._batch is not None and layer not in self._written:
             # the step reserved its slots on the first layer; this layer has not written yet
             length -= self._batch.num_tokens // len(self._seq_ids)

@@ -249,7 +249,7 @@ class Engine:
             finished += self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
         if self.tiers is not None or self.events is not None:
-            events = self.cache.allocator.take_events()
+            events = self.cache.take_events()
             if self.tiers is not None:  # the blocks this step wrote, copied out
                 self.tiers.after_step(events)
             if self.events is not None:  # the index's changes, for routers

@@ -1,8 +1,11 @@
 """Prefix-cache keys: finding a prompt's cached blocks, and indexing blocks as they fill.
 
-Functions over the two owners involved (the allocator's index, the page tables' rows); the
-cache calls them at admission, the step commit as blocks fill, and a scheduler
-(`match_prefix`) to size a request before admitting it.
+Functions over the two owners involved (the allocator's index, the page tables' rows). A
+prompt's keys are computed once, on the request (`keys.block_keys`) or at its admission,
+and carried from there: the admission looks its prefix up with them (`find_prefix`), a
+lower tier is asked for the blocks after the hits under them, and the commit indexes the
+blocks that fill under them (`index_row_blocks`, through the row's ``ahead`` keys), so no
+block of a prompt is hashed twice.
 """
 
 from __future__ import annotations
@@ -12,40 +15,53 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..allocator import BlockAllocator
-from ..keys import encode_tokens, hash_chain, root_hash
+from ..keys import TOKEN_BYTES, chain_pieces, encode_tokens, root_hash, split_blocks
 from ..page_table import PageTables
 from .parse import tokens_to_array
 
 
-def lookup_prefix(allocator: BlockAllocator, chain: bytes, tokens: np.ndarray,
-                  block_size: int) -> tuple[bytes, list[int]]:
-    """Cached blocks of the longest prefix of `tokens` (full blocks, never the last token).
+def find_prefix(allocator: BlockAllocator, tokens: np.ndarray, block_size: int, root: bytes,
+                keys: Sequence[bytes] = ()) -> tuple[list[bytes], bytes, list[int]]:
+    """The keys of a prompt's full blocks and their token bytes, and the cached blocks of
+    its longest prefix (full blocks, never the block of the last token, which is always
+    computed). Only the keys `keys` lacks are hashed (`keys`: the first blocks' keys, as
+    the request carries them; the rest chain from the last of them, or from `root`).
 
-    Returns the key of the last block found (or `chain`) and the blocks' ids.
+    Returns
+    -------
+    keys : list of bytes
+        One per full block of `tokens`.
+    data : bytes
+        Those blocks' tokens (`encode_tokens`).
+    hits : list of int
+        The block ids of the cached prefix, in order.
     """
-    num_full = (len(tokens) - 1) // block_size
-    if num_full <= 0:
-        return chain, []
-    hits, keys = allocator.match(chain, encode_tokens(tokens[: num_full * block_size]),
-                                 num_full)
-    return (keys[len(hits) - 1] if hits else chain), hits
+    num_full = len(tokens) // block_size
+    data = encode_tokens(tokens[: num_full * block_size])
+    known = list(keys[:num_full])
+    if len(known) < num_full:
+        pieces = split_blocks(data[len(known) * block_size * TOKEN_BYTES:], num_full - len(known))
+        known += chain_pieces(known[-1] if known else root, pieces)
+    lookable = (len(tokens) - 1) // block_size
+    hits = allocator.match(known[:lookable], data[: lookable * block_size * TOKEN_BYTES])
+    return known, data, hits
 
 
 def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarray,
                  block_size: int, *, salt: str | None = None) -> int:
     """Tokens of a prompt that adding it now would find cached; changes nothing (no
-    counters either), so a scheduler can size a request before admitting it.
+    counters either).
 
     Examples
     --------
     >>> match_prefix(BlockAllocator(8), [1, 2, 3, 4, 5], block_size=4)
     0
     """
-    chain = root_hash(salt)  # also the salt's check
+    root = root_hash(salt)  # also the salt's check
     tokens = tokens_to_array("match_prefix(): token_ids", token_ids)
     if not allocator.enable_prefix_caching or not len(tokens):
         return 0
-    return len(lookup_prefix(allocator, chain, tokens, block_size)[1]) * block_size
+    return len(find_prefix(allocator, tokens, block_size, root)[2]) * block_size
 
 
 def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: np.ndarray,
@@ -77,13 +93,35 @@ def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.nd
 
 def index_row_blocks(allocator: BlockAllocator, tables: PageTables, row: int, first: int,
                      end: int, block_size: int) -> None:
-    """Enter the full blocks ``first .. end - 1`` of one row, chained from its last key."""
+    """Enter the full blocks ``first .. end - 1`` of one row, chained from its last key;
+    under the keys the row was admitted with where they are these blocks' (see
+    `PageTables.ahead`), hashing only the others."""
     chain = tables.chain(row)
     if chain is None or end <= first:  # ids unknown somewhere: never indexed
         return
     data = encode_tokens(tables.token_ids[row, first * block_size: end * block_size])
-    keys = allocator.register_chain(tables.block_ids[row, first:end].tolist(), chain, data)
+    known = _admitted_keys(tables, row, chain, first, end, data)
+    keys = allocator.register_chain(tables.block_ids[row, first:end].tolist(), chain, data,
+                                    known)
     tables.set_chain(row, keys[-1])
+
+
+def _admitted_keys(tables: PageTables, row: int, chain: bytes, first: int, end: int,
+                   data: bytes) -> list[bytes]:
+    """The keys `row` was admitted with for its blocks ``first ..`` (at most to `end`),
+    when they hold for these tokens: the chain they continue is the row's, and the bytes
+    they were hashed from are `data`'s; else none."""
+    ahead = tables.ahead(row)
+    if ahead is None:
+        return []
+    keys, ahead_data = ahead
+    stop = min(end, len(keys))
+    if stop <= first or chain != (keys[first - 1] if first else tables.root(row)):
+        return []
+    width = len(data) // (end - first)
+    if memoryview(ahead_data)[first * width: stop * width] != data[: (stop - first) * width]:
+        return []
+    return keys[first:stop]
 
 
 def forget_unwritten(allocator: BlockAllocator, tables: PageTables, seq_id: object,
@@ -92,28 +130,3 @@ def forget_unwritten(allocator: BlockAllocator, tables: PageTables, seq_id: obje
     (a failed step indexed them when it planned them, but their K/V was never written).
     Call before truncating the sequence back to `num_written`; returns how many left."""
     return allocator.unregister(tables.blocks(seq_id)[num_written // block_size:])
-
-
-def missing_blocks(allocator: BlockAllocator, token_ids: np.ndarray, block_size: int,
-                   salt: str | None = None) -> tuple[int, bytes, list[bytes], np.ndarray]:
-    """The full blocks of a prompt the device index lacks, as a lower tier would know them.
-
-    Returns
-    -------
-    num_hit : int
-        Blocks found on the device (the prefix `match_prefix` counts).
-    parent_key : bytes
-        The key the first missing block chains from: the last hit's, or the root's.
-    keys : list of bytes
-        The chained keys of the prompt's remaining full blocks, in order (never the block
-        holding the last token, which is always computed).
-    token_ids : np.ndarray
-        ``[len(keys) * block_size]`` those blocks' token ids.
-    """
-    chain = root_hash(salt)
-    tokens = tokens_to_array("missing_blocks(): token_ids", token_ids)
-    chain, hits = lookup_prefix(allocator, chain, tokens, block_size)
-    start, end = len(hits) * block_size, (len(tokens) - 1) // block_size * block_size
-    rest = tokens[start:end] if end > start else tokens[:0]
-    keys, _ = hash_chain(chain, encode_tokens(rest), len(rest) // block_size)
-    return len(hits), chain, keys, rest

@@ -9,7 +9,7 @@ one lookup per tier for the whole run of keys (one round trip on Redis), the lon
 contiguous run any tier holds, whether fetching it beats recomputing (the engine's
 measured prefill rate against the tier's measured fetch rate), then the values in
 batches, each verified; it gives up at the fetch's deadline. The engine's thread polls a
-fetch and loads what arrived (`paged_kv.offload.load_blocks`).
+fetch and loads what arrived (`PagedKVCache.load_cached`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..cache import PagedKVCache
-from ..offload import load_blocks, stored_blocks
+from ..offload import stored_blocks
 from . import codec
 from .base import Store, TierConfig
 from .identity import model_fingerprint
@@ -174,8 +174,8 @@ class TierManager:
         if fetch.payload is not None and len(fetch.sources):
             n = min(len(fetch.sources), max(0, spare_blocks))
             size = self.cache.config.block_size
-            loaded = load_blocks(self.cache, fetch.keys[:n], fetch.token_ids[:n * size],
-                                 fetch.payload[:n], fetch.parent)
+            loaded = self.cache.load_cached(fetch.keys[:n], fetch.token_ids[:n * size],
+                                            fetch.payload[:n], fetch.parent)
             for source in fetch.sources[:loaded]:
                 self._counts[source]["hit_tokens"] += size
             self._totals["loaded_blocks"] += loaded

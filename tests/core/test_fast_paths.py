@@ -114,7 +114,7 @@ def test_rows_of_handle_is_reused_until_the_set_changes():
     cache.free("a")
     with pytest.raises(ValueError, match="not resident"):
         cache.prepare_decode(rows, np.array([6, 7]))  # a stale handle is caught
-    assert cache.seq_len("b") == 4
+    assert cache.tables.num_tokens_of("b") == 4
 
 
 def test_decode_accepts_a_token_tensor_and_plain_lists():
@@ -146,7 +146,7 @@ def test_single_sequence_step_copies_a_shared_last_block(new_tokens):
         cache.write(layer, torch.ones(1, 2, 4), -torch.ones(1, 2, 4), batch)
     keys, _ = cache.gather(0, ["p", "c"])
     assert torch.equal(keys[1, :6], k) and torch.equal(keys[1, 6], torch.ones(2, 4))
-    assert torch.equal(keys[0, :6], k) and (keys[0, 6:cache.seq_len("p")] == 9).all()
+    assert torch.equal(keys[0, :6], k) and (keys[0, 6:cache.tables.num_tokens_of("p")] == 9).all()
     cache.check()
 
 
@@ -272,19 +272,20 @@ def test_hash_chain_equals_hash_block_one_by_one(token_ids, salt):
         keys, [token_ids[8 * i: 8 * i + 8] for i in range(num_blocks)])
 
 
-def test_match_stops_at_the_first_miss_and_returns_its_key():
+def test_match_stops_at_the_first_miss_and_compares_the_tokens():
     allocator = BlockAllocator(8)
     data = np.arange(12, dtype="<i4").tobytes()  # 3 blocks of 4 tokens
     keys, pieces = hash_chain(root_hash(), data, 3)
     ids = allocator.allocate(2).tolist()
     allocator.register_chain(ids, root_hash(), data[:32])
-    assert allocator.match(root_hash(), data, 3) == (ids, keys)
-    assert allocator.match(root_hash(), data[:32], 2) == (ids, keys[:2])
+    assert allocator.match(keys, data) == ids
+    assert allocator.match(keys[:2], data[:32]) == ids
+    assert allocator.match(keys[1:], data[16:]) == [ids[1]], "a key alone finds its block"
     other = data[:16] + bytes(16)
-    assert allocator.match(root_hash(), other, 2) == (ids[:1], [keys[0],
-                                                               hash_block(keys[0], bytes(16))])
+    assert allocator.match(keys[:2], other) == ids[:1], "equal key, other tokens: a miss"
+    assert allocator.match([keys[0], hash_block(keys[0], bytes(16))], other) == ids[:1]
     assert pieces[0] == data[:16]
-    assert allocator.match(root_hash(), b"", 0) == ([], [])
+    assert allocator.match([], b"") == []
 
 
 def test_decode_batch_seq_ids_survive_the_callers_array_and_later_frees():
