@@ -55,8 +55,9 @@ class BlockAllocator:
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # per block, its key and token bytes (valid where indexed): a step stores its blocks
-        # with one C-level dict update each, never a numpy call
+        # per block, its key and its token bytes (valid where indexed; stale entries stay):
+        # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
+        # C-level update and evicting or comparing one a dict access, never a numpy call
         self._key_of: dict[int, bytes] = {}
         self._tokens_of: dict[int, bytes] = {}
         self._indexed = np.zeros(num_blocks, dtype=bool)
@@ -66,8 +67,9 @@ class BlockAllocator:
         self._views = tuple(map(read_only, (self._refcount, self._indexed, self._protected)))
         self._index: dict[bytes, int] = {}
         self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
-        # bounded (a user who never drains them leaks nothing); kept as BlockEvent arguments
-        # (lists never changed again), made when taken: a step logs ~3, each ~1 us to make
+        # bounded, so a user who never drains events does not leak memory; each is kept as
+        # the arguments of its BlockEvent (lists this class made and never changes again),
+        # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
         self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
 
     # -- queries --------------------------------------------------------------------------
@@ -176,7 +178,8 @@ class BlockAllocator:
             raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
         free = self._free
         start = max(len(free) - num_blocks, 0)
-        taken = free[start:][::-1]
+        taken = free[start:]
+        taken.reverse()
         del free[start:]
         if len(taken) < num_blocks:
             taken += self._evict(num_blocks - len(taken))
@@ -190,9 +193,12 @@ class BlockAllocator:
         popitem = self._cached.popitem
         evicted = [popitem(False)[0] for _ in range(count)]
         gone = list(map(self._key_of.__getitem__, evicted))
+        index = self._index
         for key in gone:
-            del self._index[key]
-        self._indexed[evicted] = self._protected[evicted] = False
+            del index[key]
+        ids = np.array(evicted, dtype=np.int64)
+        self._indexed[ids] = False
+        self._protected[ids] = False
         self._events.append(("evicted", evicted, gone))
         return evicted
 
@@ -259,7 +265,11 @@ class BlockAllocator:
         """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32) and chains from
         ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
-        One call per step: per block a hash and a few C-level dict stores."""
+
+        One call per step: the hashes in one comprehension (`keys.hash_pieces`) and the
+        index updated in bulk, so the per-block work is a hash and a few C-level dict
+        stores.
+        """
         pieces = split_blocks(token_ids, len(block_ids))
         keys = hash_pieces(parent_keys, pieces)
         if self.enable_prefix_caching and keys:
@@ -290,8 +300,11 @@ class BlockAllocator:
             for i, key in enumerate(keys):
                 if key not in index:
                     first.setdefault(key, i)
-            keys, block_ids, parents, pieces = ([column[i] for i in first.values()]
-                                                for column in (keys, block_ids, parents, pieces))
+            chosen = list(first.values())
+            keys = [keys[i] for i in chosen]
+            block_ids = [block_ids[i] for i in chosen]
+            parents = [parents[i] for i in chosen]
+            pieces = [pieces[i] for i in chosen]
             token_ids = b"".join(pieces)
             if not keys:
                 return

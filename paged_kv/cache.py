@@ -4,10 +4,13 @@
     PageTables      per-sequence rows: block ids, token counts, prefix keys (numpy rows)
     KVPool          the one preallocated K/V tensor (and the host pool's tensor)
     SwapSpace       the swap area: host block ids and swapped-out sequences
-    StepPlanner     a step's parse -> plan -> check -> commit over the three above
+    paged_kv.step   a step's (or an admission's) parse -> plan -> check -> commit over
+                    the owners: StepPlanner reads them, StepCommitter changes them
 
 Every public mutator validates everything first and only then changes state, so a rejected
-call leaves every owner exactly as it was.
+call leaves every owner exactly as it was. The owners are exposed read-only in spirit
+(`allocator`, `tables`): outside the core they are read, and changed only through the
+operations here (`tests/test_architecture.py` fails on a mutator called through them).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ _NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
 
 class PageTables:
     """Owns each sequence's row: block ids, token count, known token ids, prefix keys (the
-    salted root it chains from, and the key of its last indexed block).
+    salted root it chains from, the key of its last indexed block, and the keys it was
+    admitted with, under which its blocks are indexed as they fill).
 
     The only writer of those rows; it never frees a block (the allocator does) and never
     touches a tensor.

@@ -329,6 +329,7 @@ class Engine:
         request = seq.request
         if request.on_output is None:
             return
+        # only a finished sample can finish its request: most steps skip the scan
         finished = seq.finish_reason is not None and all(s.finish_reason for s in request.samples)
         done = finished and (len(request.samples) == request.params.n
                              or seq.finish_reason in ("abort", "error"))
@@ -392,7 +393,8 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
     if not targets:
         return []
     rows = [row for row, _ in targets]
-    drawn = (logits if rows == list(range(len(logits)))  # every row once: no copy
+    # every row once, in order: the common case needs no copy
+    drawn = (logits if rows == list(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
     picked = sample_rows(drawn, [t.request.params for _, t in targets],
                          [t.generator for _, t in targets])
@@ -402,7 +404,8 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
 
 
 def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
-    """`plan` (samples to token counts or logits rows) cut into one part per request."""
+    """`plan` (samples to token counts or logits rows) cut into one part per request (a
+    request's samples stay together), in order."""
     parts: dict[int, dict[Sequence, int]] = {}
     for seq, n in plan.items():
         parts.setdefault(seq.request.request_id, {})[seq] = n
