@@ -15,6 +15,7 @@ tail is evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 from collections.abc import Iterable
 
@@ -143,22 +144,44 @@ class BlockAllocator:
             return None
         return block_id
 
-    def match(self, keys: list[bytes], token_ids: bytes) -> list[int]:
-        """The cached blocks of the longest prefix of a prompt's full blocks, whose keys are
-        `keys` (computed once, on the request) and whose bytes are `token_ids` (as many equal
-        slices as keys): their block ids, in order. Hashes nothing."""
+    def match(self, token_ids: bytes, num_blocks: int, keys: list[bytes], parent_key: bytes,
+              ) -> tuple[list[int], list[bytes]]:
+        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal slices,
+        consecutive full blocks), in one pass.
+
+        `keys` are the keys of the first blocks when known (the request carries them); the
+        others are hashed as the lookup reaches them (the first chained from `parent_key`),
+        and only those: it stops at the first miss.
+
+        Returns
+        -------
+        hits : list of int
+            Their block ids, in order.
+        keys : list of bytes
+            The keys known now: those given, then those hashed on the way.
+        """
         hits: list[int] = []
-        if not keys:
-            return hits
+        keys = list(keys)
+        if not num_blocks:
+            return hits, keys
         get, tokens_of = self._index.get, self._tokens_of
-        width = len(token_ids) // len(keys)
-        starts = range(0, len(keys) * width, width)
-        for start, key in zip(starts, keys, strict=True):  # most stop at the first miss
+        width = len(token_ids) // num_blocks
+        known = range(0, min(len(keys), num_blocks) * width, width)
+        for start, key in zip(known, keys, strict=False):  # given keys: nothing to hash
             block_id = get(key)
             if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
+                return hits, keys
+            hits.append(block_id)
+        parent_key, sha256 = keys[-1] if keys else parent_key, hashlib.sha256
+        for start in range(len(keys) * width, num_blocks * width, width):  # lazily
+            piece = token_ids[start:start + width]
+            parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
+            keys.append(parent_key)
+            block_id = get(parent_key)
+            if block_id is None or tokens_of[block_id] != piece:
                 break
             hits.append(block_id)
-        return hits
+        return hits, keys
 
     # -- mutators -------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> np.ndarray:
@@ -277,14 +300,21 @@ class BlockAllocator:
         return keys
 
     def register_chain(self, block_ids: list[int], parent_key: bytes, token_ids: bytes,
-                       known: list[bytes] = ()) -> list[bytes]:
+                       known: list[bytes] = (), pieces: list[bytes] | None = None,
+                       ) -> list[bytes]:
         """Key and index consecutive full blocks of one sequence: ``block_ids[0]`` chains
         from `parent_key`, each next one from the key before it; ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32). `known` are the keys of
-        the first blocks when already hashed (`match`). Returns the keys."""
+        the first blocks when already hashed (the request's keys), `pieces` the slices when
+        already cut (they are the blocks' bytes the index keeps). Returns the keys."""
         known = list(known[: len(block_ids)])
-        pieces = split_blocks(token_ids, len(block_ids))
-        keys = known + chain_pieces(known[-1] if known else parent_key, pieces[len(known):])
+        if pieces is None:
+            pieces = split_blocks(token_ids, len(block_ids))
+        if len(known) == len(block_ids):  # every key known: nothing to hash
+            keys = known
+        else:
+            keys = known + chain_pieces(known[-1] if known else parent_key,
+                                        pieces[len(known):])
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
         return keys

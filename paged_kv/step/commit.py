@@ -46,39 +46,47 @@ class StepCommitter:
     def add_row(self, plan: Admission) -> int:
         """Commit a new sequence's row with its prefix hits; returns the row. The row keeps
         the prompt's keys, so its blocks are indexed under them as they fill."""
-        tables, allocator = self._tables, self._allocator
-        ahead = (plan.keys, plan.data) if plan.keys else None
-        row = tables.add(plan.seq_id, plan.chain, plan.root if self._indexing else None, ahead)
-        if plan.hits:
-            allocator.share(plan.hits)
-            tables.extend_row(row, 0, plan.num_hit, np.array(plan.hits),
-                              plan.tokens[:plan.num_hit])
-        if plan.tokens is not None and plan.root is not None:
-            allocator.count_prefix_lookup(len(plan.tokens), plan.num_hit)
-        return row
+        return self._add_row(plan, 0, plan.num_hit)[0]
 
     def admit(self, plan: Admission) -> StepBatch:
         """`add_row`, then the commit of the prompt's next `plan.count` tokens: the same
         state changes as `add_row` then `commit` of their step, in scalar arithmetic on the
         plan and with no step objects (for short prompts an admission's fixed cost is most
         of its cost); the blocks that fill are indexed under the keys the plan carries."""
-        block_size, allocator, tables = self._block_size, self._allocator, self._tables
-        row = self.add_row(plan)
+        block_size, allocator = self._block_size, self._allocator
         num_hit, num_hits = plan.num_hit, len(plan.hits)
         end = num_hit + plan.count
-        new_ids = allocator.allocate(plan.requested) if plan.requested else _NONE
-        tables.extend_row(row, num_hit, end, new_ids, plan.tokens[num_hit:end])
-        ids = (np.concatenate((np.array(plan.hits, dtype=np.int64), new_ids)) if plan.hits
-               else new_ids)
+        row, ids, new_ids = self._add_row(plan, plan.requested, end)
         # the hits are whole blocks: the prompt's next full blocks are the first new ones
         num_full = end // block_size - num_hits
         if self._indexing and num_full > 0:
             data = plan.data[num_hit * TOKEN_BYTES:
                              (num_hit + num_full * block_size) * TOKEN_BYTES]
             keys = allocator.register_chain(new_ids[:num_full].tolist(), plan.chain, data,
-                                            plan.keys[num_hits:])
-            tables.set_chain(row, keys[-1])
+                                            plan.keys[num_hits:],
+                                            plan.pieces[:num_full] or None)
+            self._tables.set_chain(row, keys[-1])
         return self._admission_batch(plan.seq_id, ids, end, plan.count, new_ids)
+
+    def _add_row(self, plan: Admission, num_new: int, end: int,
+                 ) -> tuple[int, np.ndarray, np.ndarray]:
+        """The row of `plan` holding its hits, then `num_new` new blocks, up to `end`
+        tokens; returns the row, its block ids and the new ones. The hits are shared first:
+        no allocation may evict a cached block the row is about to take."""
+        tables, allocator = self._tables, self._allocator
+        # the keys of blocks the row will fill later (none when this commit fills them all)
+        ahead = (plan.keys, plan.data) if len(plan.keys) > end // self._block_size else None
+        row = tables.add(plan.seq_id, plan.chain, plan.root if self._indexing else None, ahead)
+        if plan.hits:
+            allocator.share(plan.hits)
+        if plan.tokens is not None and plan.root is not None:
+            allocator.count_prefix_lookup(len(plan.tokens), plan.num_hit)
+        ids = new_ids = allocator.allocate(num_new) if num_new else _NONE
+        if plan.hits:
+            ids = np.concatenate((np.array(plan.hits, dtype=np.int64), new_ids))
+        if ids.size:
+            tables.extend_row(row, 0, end, ids, plan.tokens[:end])
+        return row, ids, new_ids
 
     def _admission_batch(self, seq_id: SeqId, ids: np.ndarray, end: int, count: int,
                          new_ids: np.ndarray) -> StepBatch:

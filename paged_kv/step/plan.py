@@ -83,6 +83,8 @@ class Admission(NamedTuple):
         its row keeps them, so its blocks are indexed under them as they fill.
     data : bytes
         Those blocks' token bytes.
+    pieces : list of bytes
+        The blocks after the hits, one slice of `data` each.
     hits : list of int
         The cached blocks of its longest prefix; ``num_hit`` tokens.
     count : int
@@ -98,6 +100,7 @@ class Admission(NamedTuple):
     root: bytes | None
     keys: list[bytes]
     data: bytes
+    pieces: list[bytes]
     hits: list[int]
     num_hit: int
     count: int
@@ -130,15 +133,16 @@ def plan_admission(allocator: BlockAllocator, block_size: int, seq_id: SeqId,
     asks for every position's log-probabilities): then nothing is hashed or found.
     """
     if tokens is None or root is None or not len(tokens):
-        keys, data, hits = [], b"", []
+        keys, data, pieces, hits = [], b"", [], []
     else:
-        keys, data, hits = find_prefix(allocator, tokens, block_size, root, keys)
+        keys, data, pieces, hits = find_prefix(allocator, tokens, block_size, root, keys)
     num_hit = len(hits) * block_size
     count = 0 if tokens is None else len(tokens) - num_hit
     count = count if max_tokens is None else min(count, max_tokens)
     requested = -(-(num_hit + count) // block_size) - len(hits)
     revived = allocator.count_cached(hits) if hits else 0
-    return Admission(seq_id, tokens, root, keys, data, hits, num_hit, count, requested, revived)
+    return Admission(seq_id, tokens, root, keys, data, pieces, hits, num_hit, count,
+                     requested, revived)
 
 
 def fits(plan: StepPlan | Admission, obtainable: int) -> bool:

@@ -21,7 +21,7 @@ from .parse import tokens_to_array
 
 
 def find_prefix(allocator: BlockAllocator, tokens: np.ndarray, block_size: int, root: bytes,
-                keys: Sequence[bytes] = ()) -> tuple[list[bytes], bytes, list[int]]:
+                keys: Sequence[bytes] = ()) -> tuple[list[bytes], bytes, list[bytes], list[int]]:
     """The keys of a prompt's full blocks and their token bytes, and the cached blocks of
     its longest prefix (full blocks, never the block of the last token, which is always
     computed). Only the keys `keys` lacks are hashed (`keys`: the first blocks' keys, as
@@ -33,18 +33,19 @@ def find_prefix(allocator: BlockAllocator, tokens: np.ndarray, block_size: int, 
         One per full block of `tokens`.
     data : bytes
         Those blocks' tokens (`encode_tokens`).
+    pieces : list of bytes
+        The blocks after the hits, one slice of `data` each.
     hits : list of int
         The block ids of the cached prefix, in order.
     """
-    num_full = len(tokens) // block_size
+    num_full, width = len(tokens) // block_size, block_size * TOKEN_BYTES
     data = encode_tokens(tokens[: num_full * block_size])
-    known = list(keys[:num_full])
-    if len(known) < num_full:
-        pieces = split_blocks(data[len(known) * block_size * TOKEN_BYTES:], num_full - len(known))
-        known += chain_pieces(known[-1] if known else root, pieces)
     lookable = (len(tokens) - 1) // block_size
-    hits = allocator.match(known[:lookable], data[: lookable * block_size * TOKEN_BYTES])
-    return known, data, hits
+    hits, known = allocator.match(data[: lookable * width], lookable, keys[:num_full], root)
+    pieces = split_blocks(data[len(hits) * width:], num_full - len(hits))
+    if len(known) < num_full:  # the blocks after the first miss (and the last token's)
+        known += chain_pieces(known[-1] if known else root, pieces[len(known) - len(hits):])
+    return known, data, pieces, hits
 
 
 def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarray,
@@ -61,7 +62,7 @@ def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarra
     tokens = tokens_to_array("match_prefix(): token_ids", token_ids)
     if not allocator.enable_prefix_caching or not len(tokens):
         return 0
-    return len(find_prefix(allocator, tokens, block_size, root)[2]) * block_size
+    return len(find_prefix(allocator, tokens, block_size, root)[3]) * block_size
 
 
 def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: np.ndarray,

@@ -272,20 +272,23 @@ def test_hash_chain_equals_hash_block_one_by_one(token_ids, salt):
         keys, [token_ids[8 * i: 8 * i + 8] for i in range(num_blocks)])
 
 
-def test_match_stops_at_the_first_miss_and_compares_the_tokens():
+def test_match_hashes_only_to_the_first_miss_and_uses_the_keys_given():
     allocator = BlockAllocator(8)
     data = np.arange(12, dtype="<i4").tobytes()  # 3 blocks of 4 tokens
     keys, pieces = hash_chain(root_hash(), data, 3)
     ids = allocator.allocate(2).tolist()
     allocator.register_chain(ids, root_hash(), data[:32])
-    assert allocator.match(keys, data) == ids
-    assert allocator.match(keys[:2], data[:32]) == ids
-    assert allocator.match(keys[1:], data[16:]) == [ids[1]], "a key alone finds its block"
+    assert allocator.match(data, 3, [], root_hash()) == (ids, keys)
+    assert allocator.match(data[:32], 2, [], root_hash()) == (ids, keys[:2])
+    assert allocator.match(data, 3, keys[:1], b"unused") == (ids, keys), "hashed from keys[0]"
+    assert allocator.match(data[:16], 1, keys, b"unused") == (ids[:1], keys), "keys kept"
     other = data[:16] + bytes(16)
-    assert allocator.match(keys[:2], other) == ids[:1], "equal key, other tokens: a miss"
-    assert allocator.match([keys[0], hash_block(keys[0], bytes(16))], other) == ids[:1]
+    assert allocator.match(other, 2, [], root_hash()) == (
+        ids[:1], [keys[0], hash_block(keys[0], bytes(16))]), "stops at the first miss"
+    assert allocator.match(other, 2, keys[:2], root_hash()) == (ids[:1], keys[:2]), \
+        "a key found with other tokens is a miss"
     assert pieces[0] == data[:16]
-    assert allocator.match([], b"") == []
+    assert allocator.match(b"", 0, [], root_hash()) == ([], [])
 
 
 def test_decode_batch_seq_ids_survive_the_callers_array_and_later_frees():
