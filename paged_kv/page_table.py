@@ -359,11 +359,14 @@ class PageTables:
         return row
 
     def snapshot(self) -> tuple:
-        """Comparable copy of the whole state (for tests of rejected calls)."""
+        """Comparable copy of the whole state (for tests of rejected calls). The keys rows
+        were admitted with are left out: they only spare hashing (a block is indexed under
+        the same key either way), and a row that fills its blocks in its admission keeps
+        none."""
         return (tuple(self._row_of.items()), tuple(self._free_rows), self._block_ids.tobytes(),
                 self._num_blocks.tobytes(), self._num_tokens.tobytes(),
                 self._token_ids.tobytes(), tuple(self._chain), tuple(self._root),
-                tuple(self._ahead), self._swapped.tobytes())
+                self._swapped.tobytes())
 
     # -- growth ---------------------------------------------------------------------------
     def _grow_rows(self) -> None:
