@@ -192,6 +192,31 @@ def test_admit_equals_add_sequence_then_prepare(caching, max_tokens):
         assert_same_snapshot(snapshot(caches[0]), snapshot(caches[1]), f"request {i}")
 
 
+@pytest.mark.parametrize("admit", [True, False])
+def test_an_admission_takes_its_cached_hits_before_it_allocates(admit):
+    """With no free block left, the blocks an admission allocates come from evicting cached
+    ones: its own prefix hits must be taken first, or the least recently freed (here a
+    hit) is evicted and handed out twice."""
+    cache = PagedKVCache(tiny_config(num_blocks=9, block_size=4))  # 8 usable blocks
+    a, c = list(range(8)), list(range(50, 58))
+    for seq_id, prompt in (("a", a), ("c", c)):
+        cache.admit(seq_id, prompt)  # 2 full blocks, indexed
+    a_blocks = cache.tables.blocks("a").tolist()
+    cache.free("a")  # cached first: evicted first
+    cache.free("c")
+    cache.add_sequence("x")
+    cache.prepare({"x": 16})  # the 4 free blocks: only cached ones are left
+    if admit:
+        hit, _ = cache.admit("b", [*a, 9])
+    else:
+        hit = cache.add_sequence("b", [*a, 9])
+        cache.prepare({"b": [9]})
+    cache.check()
+    blocks = cache.tables.blocks("b").tolist()
+    assert hit == 8 and blocks[:2] == a_blocks and blocks[2] not in a_blocks
+    assert cache.stats().num_cached_blocks == 1, "one of c's blocks was evicted"
+
+
 def test_admit_out_of_blocks_adds_nothing():
     cache = PagedKVCache(tiny_config(num_blocks=6, block_size=4))
     cache.admit("a", list(range(12)))  # 3 blocks, indexed
