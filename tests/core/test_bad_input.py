@@ -91,6 +91,13 @@ BAD_CALLS = [
     ("gather packed layer", lambda c: c.gather(-1, ["a"], packed=True), ValueError, "layer -1"),
     ("gather packed pad_to", lambda c: c.gather(0, ["a"], pad_to=10, packed=True), ValueError,
      "pad_to"),
+    ("load_cached bad payload", lambda c: c.load_cached(
+        [bytes(32)], np.arange(4), torch.zeros(1, 3, dtype=torch.uint8), bytes(32)),
+     ValueError, "load_cached(): expected 1 keys, uint8 payload [1, "),
+    ("add_sequence bad keys", lambda c: c.add_sequence("n", [1, 2, 3, 4, 5], keys=["k"]),
+     TypeError, "keys must be a list of 32-byte block keys"),
+    ("admit short key", lambda c: c.admit("n", [1, 2, 3, 4, 5], keys=[bytes(8)]),
+     TypeError, "keys must be a list of 32-byte block keys"),
 ]
 
 
