@@ -123,8 +123,10 @@ class PagedKVCache:
         keys : sequence of bytes, optional
             The prompt's block keys as the request carries them (`paged_kv.keys.block_keys`
             of the prompt under the salt's root), so they are not hashed again: the lookup
-            and the indexing of the prompt's blocks as `prepare` fills them use them (a key
-            is used only for the tokens it was hashed from). Missing ones are hashed here.
+            and the indexing of the prompt's blocks as `prepare` fills them use them (the
+            indexing checks a key against the tokens it was hashed from; the lookup trusts
+            them, as it trusts the prompt: keys of other tokens or of another salt would
+            find other prompts' blocks). Missing ones are hashed here.
 
         Returns
         -------

@@ -320,6 +320,8 @@ class Engine:
         children = [Sequence(request, i, list(seq.token_ids), sample_generator(request.params,
                                                                          seed, i))
                     for i in range(1, request.params.n)]
+        for child in children:  # the same prompt: its keys, should a child be admitted again
+            child.block_keys = seq.block_keys
         self.scheduler.add_children(seq, children)
         return [seq, *children]
 
