@@ -406,8 +406,12 @@ class PagedKVCache:
         """
         if isinstance(new_tokens, np.ndarray):
             rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
+            if not per_sequence:  # the steady state: no copy, no step object
+                needed = self._tables.plan_decode(rows, self._allocator.protected)
+                if needed >= 0:
+                    return needed
             step = Step(seq_ids, rows, *decode_columns(rows.size, False), _NO_TOKENS)
-            plan = self._planner.plan(step, fast=not per_sequence, decode=True)
+            plan = self._planner.plan(step, fast=False)  # a copy, or per sequence
         else:
             plan = self._planner.plan(parse_step(new_tokens, self._tables), fast=False)
         return plan.per_sequence() if per_sequence else plan.requested

@@ -83,7 +83,9 @@ class StepCommitter:
             allocator.count_prefix_lookup(len(plan.tokens), plan.num_hit)
         ids = new_ids = allocator.allocate(num_new) if num_new else _NONE
         if plan.hits:
-            ids = np.concatenate((np.array(plan.hits, dtype=np.int64), new_ids))
+            ids = np.array(plan.hits, dtype=np.int64)
+            if num_new:
+                ids = np.concatenate((ids, new_ids))
         if ids.size:
             tables.extend_row(row, 0, end, ids, plan.tokens[:end])
         return row, ids, new_ids

@@ -84,7 +84,8 @@ class Admission(NamedTuple):
     data : bytes
         Those blocks' token bytes.
     pieces : list of bytes
-        The blocks after the hits, one slice of `data` each.
+        The blocks after the hits, one slice of `data` each (empty when the plan left the
+        keys after the first miss to the commit).
     hits : list of int
         The cached blocks of its longest prefix; ``num_hit`` tokens.
     count : int
@@ -92,7 +93,8 @@ class Admission(NamedTuple):
     requested : int
         New blocks those tokens take.
     revived : int
-        Hits that are cached now: sharing them takes them out of the obtainable blocks.
+        Hits that are cached now: sharing them takes them out of the obtainable blocks (0
+        when it prepares no tokens: then it takes no block and always fits).
     """
 
     seq_id: SeqId
@@ -124,10 +126,12 @@ class Admission(NamedTuple):
 
 def plan_admission(allocator: BlockAllocator, block_size: int, seq_id: SeqId,
                    tokens: np.ndarray | None, root: bytes | None, *,
-                   keys: Sequence[bytes] = (), max_tokens: int | None = 0) -> Admission:
+                   keys: Sequence[bytes] = (), max_tokens: int | None = 0,
+                   complete: bool = True) -> Admission:
     """The plan of adding `seq_id` (arguments validated): its prompt's keys (only those
-    `keys` lacks are hashed) and cached prefix, and the blocks of its next `max_tokens`
-    tokens after that prefix (None: the rest of the prompt). Changes nothing.
+    `keys` lacks are hashed; with ``complete=False`` only to the first miss, see
+    `find_prefix`) and cached prefix, and the blocks of its next `max_tokens` tokens after
+    that prefix (None: the rest of the prompt). Changes nothing.
 
     `root` is None when prefix caching is off or the prompt is not to be looked up (it
     asks for every position's log-probabilities): then nothing is hashed or found.
@@ -135,12 +139,15 @@ def plan_admission(allocator: BlockAllocator, block_size: int, seq_id: SeqId,
     if tokens is None or root is None or not len(tokens):
         keys, data, pieces, hits = [], b"", [], []
     else:
-        keys, data, pieces, hits = find_prefix(allocator, tokens, block_size, root, keys)
+        keys, data, pieces, hits = find_prefix(allocator, tokens, block_size, root, keys,
+                                               complete=complete)
     num_hit = len(hits) * block_size
     count = 0 if tokens is None else len(tokens) - num_hit
     count = count if max_tokens is None else min(count, max_tokens)
     requested = -(-(num_hit + count) // block_size) - len(hits)
-    revived = allocator.count_cached(hits) if hits else 0
+    # an admission that prepares no token takes no block: its hits only move from cached
+    # to live, and it always fits, so they are not counted for it
+    revived = allocator.count_cached(hits) if hits and count else 0
     return Admission(seq_id, tokens, root, keys, data, pieces, hits, num_hit, count,
                      requested, revived)
 
@@ -172,10 +179,11 @@ class StepPlanner:
     def plan_admission(self, seq_id: SeqId, tokens: np.ndarray | None, root: bytes, *,
                        keys: Sequence[bytes] = (), max_tokens: int | None = 0) -> Admission:
         """`plan_admission` over this cache's owners (`root` the salt's; None when prefix
-        caching is off)."""
+        caching is off). Keys past the first miss are hashed by the commit, as it indexes
+        those blocks."""
         return plan_admission(self._allocator, self._block_size, seq_id, tokens,
                               root if self._indexing else None, keys=keys,
-                              max_tokens=max_tokens)
+                              max_tokens=max_tokens, complete=False)
 
     def check(self, plan: StepPlan | Admission, what: str = "prepare()") -> None:
         """Raise `OutOfBlocksError` unless `plan` `fits` in the blocks obtainable now."""

@@ -21,20 +21,26 @@ from .parse import tokens_to_array
 
 
 def find_prefix(allocator: BlockAllocator, tokens: np.ndarray, block_size: int, root: bytes,
-                keys: Sequence[bytes] = ()) -> tuple[list[bytes], bytes, list[bytes], list[int]]:
+                keys: Sequence[bytes] = (), *, complete: bool = True,
+                ) -> tuple[list[bytes], bytes, list[bytes], list[int]]:
     """The keys of a prompt's full blocks and their token bytes, and the cached blocks of
     its longest prefix (full blocks, never the block of the last token, which is always
     computed). Only the keys `keys` lacks are hashed (`keys`: the first blocks' keys, as
     the request carries them; the rest chain from the last of them, or from `root`).
 
+    With ``complete=False`` the keys after the first miss are left for the commit to hash
+    as it indexes those blocks (a caller that carries no keys on to a tier needs none of
+    them first), so a block is still hashed once.
+
     Returns
     -------
     keys : list of bytes
-        One per full block of `tokens`.
+        One per full block of `tokens` (with ``complete=False``: to the first miss).
     data : bytes
         Those blocks' tokens (`encode_tokens`).
     pieces : list of bytes
-        The blocks after the hits, one slice of `data` each.
+        The blocks after the hits, one slice of `data` each (with ``complete=False``: none,
+        the commit cuts what it indexes).
     hits : list of int
         The block ids of the cached prefix, in order.
     """
@@ -42,6 +48,8 @@ def find_prefix(allocator: BlockAllocator, tokens: np.ndarray, block_size: int, 
     data = encode_tokens(tokens[: num_full * block_size])
     lookable = (len(tokens) - 1) // block_size
     hits, known = allocator.match(data[: lookable * width], lookable, keys[:num_full], root)
+    if not complete:
+        return known, data, [], hits
     pieces = split_blocks(data[len(hits) * width:], num_full - len(hits))
     if len(known) < num_full:  # the blocks after the first miss (and the last token's)
         known += chain_pieces(known[-1] if known else root, pieces[len(known) - len(hits):])
