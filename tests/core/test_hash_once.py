@@ -117,13 +117,14 @@ def test_registered_keys_are_the_requests_chain():
 
 def test_add_sequence_keys_index_the_blocks_prepare_fills(block_hashes):
     """The facade's own path: `add_sequence` with the request's keys, then `prepare`,
-    hashes nothing; without keys each full block is hashed once."""
+    hashes nothing; without keys the lookup hashes to the first miss and the commit the
+    blocks it fills (the first miss's again: keeping its key costs more than its hash)."""
     config = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK,
                          num_blocks=32)
     prompt = prompt_of(5, 3 * BLOCK + 2)
     keys = block_keys(np.array(prompt), BLOCK, root_hash(None))
     blocks = prompt_blocks(prompt)
-    for given, expected in ((keys, [0, 0, 0]), ((), [1, 1, 1])):
+    for given, expected in ((keys, [0, 0, 0]), ((), [2, 1, 1])):
         cache = PagedKVCache(config)
         block_hashes.clear()
         cache.add_sequence("a", prompt, keys=given)
