@@ -199,8 +199,9 @@ class PagedKVCache:
                         salt: str | None, keys: Sequence[bytes], max_tokens: int | None):
         """Validate the rest of an admission's arguments, then plan it (changes nothing)."""
         root = root_hash(salt)  # also the salt's check, with prefix caching off too
-        if keys and not (isinstance(keys, list | tuple) and all(
-                type(key) is bytes and len(key) == KEY_BYTES for key in keys)):
+        # counted in C: a request's keys come with every admission
+        if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
+                         == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
             raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
         return self._planner.plan_admission(seq_id, tokens, root, keys=keys,
                                             max_tokens=max_tokens)
