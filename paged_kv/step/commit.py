@@ -74,9 +74,11 @@ class StepCommitter:
         tokens; returns the row, its block ids and the new ones. The hits are shared first:
         no allocation may evict a cached block the row is about to take."""
         tables, allocator = self._tables, self._allocator
-        # the keys of blocks the row fills later, when there are such keys past the first
-        # miss (the request's own): keeping the first miss's alone costs more than its hash
-        keep = len(plan.keys) > max(end // self._block_size, len(plan.hits) + 1)
+        # the keys of blocks the row fills later, when the plan has them all (the request's
+        # own): keeping a lazy plan's first miss alone costs more than hashing it again
+        num_keys = len(plan.keys)
+        keep = num_keys * self._block_size > end and plan.tokens is not None \
+            and num_keys == len(plan.tokens) // self._block_size
         ahead = (plan.keys, plan.data) if keep else None
         row = tables.add(plan.seq_id, plan.chain, plan.root if self._indexing else None, ahead)
         if plan.hits:

@@ -70,12 +70,13 @@ def test_each_prompt_block_is_hashed_once_per_admission(block_hashes):
                     max_num_batched_tokens=40)
     first = prompt_of(1, 5 * BLOCK + 3)
     second = first[:3 * BLOCK] + prompt_of(2, 2 * BLOCK + 7)  # shares 3 blocks
-    for prompt, salt in ((first, "t"), (second, "t"), (second, None)):
+    short = prompt_of(6, BLOCK + 5)  # one block: the miss is the last key
+    for prompt, salt in ((first, "t"), (second, "t"), (second, None), (short, None)):
         blocks = prompt_blocks(prompt, salt)
         block_hashes.clear()
         serve(engine, prompt, salt)
         counts = [block_hashes[block] for block in blocks]
-        assert counts == [1] * 5, f"hashes per full prompt block: {counts}"
+        assert counts == [1] * len(blocks), f"hashes per full prompt block: {counts}"
     engine.close()
 
 
