@@ -423,7 +423,7 @@ class PagedKvAdapter:
         st[1] = tok
 
     def free(self, st):
-        n = -(-self.cache.seq_len(st[0]) // self.bs)
+        n = -(-self.cache.tables.num_tokens_of(st[0]) // self.bs)
         self.cache.free(st[0])
         return n, st[2]
 

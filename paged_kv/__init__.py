@@ -9,13 +9,13 @@ Three owners, composed by `PagedKVCache`:
 
 from .accounting import CacheStats, SequenceStats
 from .allocator import BlockAllocator
-from .batch import StepBatch
 from .cache import PagedKVCache
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
 from .keys import BlockEvent
 from .page_table import PageTables
 from .pool import KVPool
+from .step.batch import StepBatch
 
 __all__ = [
     "BlockAllocator",

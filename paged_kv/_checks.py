@@ -61,3 +61,11 @@ def require_new(tables, what: str, seq_id: object) -> None:
         raise TypeError(f"{what}: seq_id must be hashable, got {type(seq_id).__name__}")
     if seq_id in tables:
         raise ValueError(f"{what}: sequence {seq_id!r} already exists")
+
+
+def require_layer(config, what: str, layer: object) -> None:
+    """TypeError / ValueError naming `what` unless `layer` is an int layer of `config`."""
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        raise TypeError(f"{what}: layer must be an int, got {type(layer).__name__}")
+    if not 0 <= layer < config.num_layers:
+        raise ValueError(f"{what}: layer {layer} out of range [0, {config.num_layers})")

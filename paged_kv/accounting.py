@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 
 from .allocator import BlockAllocator
-from .batch import SeqId
 from .page_table import PageTables
+from .step.batch import SeqId
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

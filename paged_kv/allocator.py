@@ -23,7 +23,7 @@ import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import BlockEvent, chain_pieces, split_blocks
+from .keys import BlockEvent, chain_pieces, hash_pieces, split_blocks
 
 NULL_BLOCK = 0
 
@@ -56,8 +56,9 @@ class BlockAllocator:
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # per block, its key and token bytes (valid where indexed): a step stores its blocks
-        # with one C-level dict update each, never a numpy call
+        # per block, its key and its token bytes (valid where indexed; stale entries stay):
+        # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
+        # C-level update and evicting or comparing one a dict access, never a numpy call
         self._key_of: dict[int, bytes] = {}
         self._tokens_of: dict[int, bytes] = {}
         self._indexed = np.zeros(num_blocks, dtype=bool)
@@ -67,8 +68,9 @@ class BlockAllocator:
         self._views = tuple(map(read_only, (self._refcount, self._indexed, self._protected)))
         self._index: dict[bytes, int] = {}
         self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
-        # bounded (a user who never drains them leaks nothing); kept as BlockEvent arguments
-        # (lists never changed again), made when taken: a step logs ~3, each ~1 us to make
+        # bounded, so a user who never drains events does not leak memory; each is kept as
+        # the arguments of its BlockEvent (lists this class made and never changes again),
+        # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
         self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
 
     # -- queries --------------------------------------------------------------------------
@@ -142,26 +144,36 @@ class BlockAllocator:
             return None
         return block_id
 
-    def match(self, parent_key: bytes, token_ids: bytes, num_blocks: int,
+    def match(self, token_ids: bytes, num_blocks: int, keys: list[bytes], parent_key: bytes,
               ) -> tuple[list[int], list[bytes]]:
-        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal
-        slices, the first chained from `parent_key`), in one call.
+        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal slices,
+        consecutive full blocks), in one pass.
+
+        `keys` are the keys of the first blocks when known (the request carries them); the
+        others are hashed as the lookup reaches them (the first chained from `parent_key`),
+        and only those: it stops at the first miss.
 
         Returns
         -------
         hits : list of int
             Their block ids, in order.
         keys : list of bytes
-            The keys hashed on the way: one per hit, then the first missing block's (absent
-            when every block hit).
+            The keys known now: those given, then those hashed on the way.
         """
         hits: list[int] = []
-        keys: list[bytes] = []
+        keys = list(keys)
         if not num_blocks:
             return hits, keys
-        get, tokens_of, sha256 = self._index.get, self._tokens_of, hashlib.sha256
+        get, tokens_of = self._index.get, self._tokens_of
         width = len(token_ids) // num_blocks
-        for start in range(0, num_blocks * width, width):  # lazily: most stop at the first
+        known = range(0, min(len(keys), num_blocks) * width, width)
+        for start, key in zip(known, keys, strict=False):  # given keys: nothing to hash
+            block_id = get(key)
+            if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
+                return hits, keys
+            hits.append(block_id)
+        parent_key, sha256 = keys[-1] if keys else parent_key, hashlib.sha256
+        for start in range(len(keys) * width, num_blocks * width, width):  # lazily
             piece = token_ids[start:start + width]
             parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
             keys.append(parent_key)
@@ -189,7 +201,8 @@ class BlockAllocator:
             raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
         free = self._free
         start = max(len(free) - num_blocks, 0)
-        taken = free[start:][::-1]
+        taken = free[start:]
+        taken.reverse()
         del free[start:]
         if len(taken) < num_blocks:
             taken += self._evict(num_blocks - len(taken))
@@ -203,9 +216,12 @@ class BlockAllocator:
         popitem = self._cached.popitem
         evicted = [popitem(False)[0] for _ in range(count)]
         gone = list(map(self._key_of.__getitem__, evicted))
+        index = self._index
         for key in gone:
-            del self._index[key]
-        self._indexed[evicted] = self._protected[evicted] = False
+            del index[key]
+        ids = np.array(evicted, dtype=np.int64)
+        self._indexed[ids] = False
+        self._protected[ids] = False
         self._events.append(("evicted", evicted, gone))
         return evicted
 
@@ -272,23 +288,33 @@ class BlockAllocator:
         """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32) and chains from
         ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
-        One call per step: per block a hash and a few C-level dict stores."""
+
+        One call per step: the hashes in one comprehension (`keys.hash_pieces`) and the
+        index updated in bulk, so the per-block work is a hash and a few C-level dict
+        stores.
+        """
         pieces = split_blocks(token_ids, len(block_ids))
-        sha256 = hashlib.sha256  # hash_block inlined: a call per block costs as much
-        keys = [sha256(p + b).digest() for p, b in zip(parent_keys, pieces, strict=True)]
+        keys = hash_pieces(parent_keys, pieces)
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, parent_keys, token_ids)
         return keys
 
     def register_chain(self, block_ids: list[int], parent_key: bytes, token_ids: bytes,
-                       known: list[bytes] = ()) -> list[bytes]:
+                       known: list[bytes] = (), pieces: list[bytes] | None = None,
+                       ) -> list[bytes]:
         """Key and index consecutive full blocks of one sequence: ``block_ids[0]`` chains
         from `parent_key`, each next one from the key before it; ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32). `known` are the keys of
-        the first blocks when already hashed (`match`). Returns the keys."""
+        the first blocks when already hashed (the request's keys), `pieces` the slices when
+        already cut (they are the blocks' bytes the index keeps). Returns the keys."""
         known = list(known[: len(block_ids)])
-        pieces = split_blocks(token_ids, len(block_ids))
-        keys = known + chain_pieces(known[-1] if known else parent_key, pieces[len(known):])
+        if pieces is None:
+            pieces = split_blocks(token_ids, len(block_ids))
+        if len(known) == len(block_ids):  # every key known: nothing to hash
+            keys = known
+        else:
+            keys = known + chain_pieces(known[-1] if known else parent_key,
+                                        pieces[len(known):])
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
         return keys
@@ -304,8 +330,11 @@ class BlockAllocator:
             for i, key in enumerate(keys):
                 if key not in index:
                     first.setdefault(key, i)
-            keys, block_ids, parents, pieces = ([column[i] for i in first.values()]
-                                                for column in (keys, block_ids, parents, pieces))
+            chosen = list(first.values())
+            keys = [keys[i] for i in chosen]
+            block_ids = [block_ids[i] for i in chosen]
+            parents = [parents[i] for i in chosen]
+            pieces = [pieces[i] for i in chosen]
             token_ids = b"".join(pieces)
             if not keys:
                 return

@@ -3,11 +3,14 @@
     BlockAllocator  block ids, refcounts, prefix index, eviction   (ints, never tensors)
     PageTables      per-sequence rows: block ids, token counts, prefix keys (numpy rows)
     KVPool          the one preallocated K/V tensor (and the host pool's tensor)
-    HostTier        the host pool's block ids and swapped sequences (the first lower tier)
-    StepPlanner     a step's parse -> plan -> check -> commit over the three above
+    SwapSpace       the swap area: host block ids and swapped-out sequences
+    paged_kv.step   a step's (or an admission's) parse -> plan -> check -> commit over
+                    the owners: StepPlanner reads them, StepCommitter changes them
 
 Every public mutator validates everything first and only then changes state, so a rejected
-call leaves every owner exactly as it was.
+call leaves every owner exactly as it was. The owners are exposed read-only in spirit
+(`allocator`, `tables`): outside the core they are read, and changed only through the
+operations here (`tests/test_architecture.py` fails on a mutator called through them).
 """
 
 from __future__ import annotations
@@ -18,22 +21,28 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from ._checks import require_known, require_new, require_resident
-from ._tensor_ops import TensorOps
-from ._tokens import Step, decode_columns, parse_step, tokens_to_array
+from . import kernels
+from ._checks import check_tensor, require_known, require_layer, require_new, require_resident
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
-from .batch import SeqId, StepBatch
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
-from .host import HostTier
-from .kernels.quant import raw
+from .kernels.quant import raw, scale_kwargs
+from .keys import KEY_BYTES, BlockEvent, root_hash
+from .offload import load_blocks
 from .page_table import PageTables
 from .pool import KVPool
-from .step import StepPlan, StepPlanner
+from .step.batch import BatchOrSeqIds, SeqId, StepBatch, sequence_tables
+from .step.commit import StepCommitter
+from .step.parse import Step, decode_columns, parse_step, tokens_to_array
+from .step.plan import StepPlan, StepPlanner
+from .step.prefix import forget_unwritten
+from .swap import SwapSpace
+
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
-class PagedKVCache(TensorOps):
+class PagedKVCache:
     """A paged KV cache for many sequences at once.
 
     Parameters
@@ -68,9 +77,10 @@ class PagedKVCache(TensorOps):
                                          enable_prefix_caching=config.enable_prefix_caching)
         self._tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
         self._pool = KVPool(config)
-        self._host = (HostTier(config.num_host_blocks, self._tables, self._allocator,
-                               self._pool) if config.num_host_blocks else None)
-        self._steps = StepPlanner(self._tables, self._allocator, self._pool, config)
+        self._swap = (SwapSpace(config.num_host_blocks, self._tables, self._allocator,
+                                self._pool) if config.num_host_blocks else None)
+        self._planner = StepPlanner(self._tables, self._allocator, config)
+        self._committer = StepCommitter(self._tables, self._allocator, self._pool, config)
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
 
@@ -90,18 +100,8 @@ class PagedKVCache(TensorOps):
         """The K/V tensors."""
         return self._pool
 
-    @property
-    def seq_ids(self) -> tuple[SeqId, ...]:
-        """Sequences in the cache, in insertion order."""
-        return self._tables.seq_ids
-
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
-
-    def seq_len(self, seq_id: SeqId) -> int:
-        """Tokens of `seq_id` written or reserved so far."""
-        require_known(self._tables, "seq_len()", seq_id)
-        return self._tables.num_tokens_of(seq_id)
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `num_blocks` blocks are obtainable now (free plus evictable cached)."""
@@ -109,7 +109,7 @@ class PagedKVCache(TensorOps):
 
     # -- sequence lifecycle ---------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Sequence[int] | None = None, *,
-                     salt: str | None = None) -> int:
+                     salt: str | None = None, keys: Sequence[bytes] = ()) -> int:
         """Register a sequence and map its longest cached prefix of full blocks.
 
         Parameters
@@ -120,24 +120,32 @@ class PagedKVCache(TensorOps):
             The prompt, only looked up here; its tokens arrive through `prepare`.
         salt : str, optional
             Isolates prefix reuse between tenants.
+        keys : sequence of bytes, optional
+            The prompt's block keys as the request carries them (`paged_kv.keys.block_keys`
+            of the prompt under the salt's root), so they are not hashed again: the lookup
+            and the indexing of the prompt's blocks as `prepare` fills them use them (the
+            indexing checks a key against the tokens it was hashed from; the lookup trusts
+            them, as it trusts the prompt: keys of other tokens or of another salt would
+            find other prompts' blocks). Missing ones are hashed here.
 
         Returns
         -------
         int
             Tokens already cached (a multiple of ``block_size``, always below the prompt's
-            length so the last prompt token is computed); `seq_len` is now that number.
+            length so the last prompt token is computed); the sequence holds that many now.
         """
         require_new(self._tables, "add_sequence()", seq_id)
         tokens = (None if prompt_token_ids is None
                   else tokens_to_array("prompt_token_ids", prompt_token_ids))
-        chain, hits = self._steps.lookup(tokens, salt)
-        self._steps.add_row(seq_id, tokens, salt, chain, hits)
+        plan = self._plan_admission("add_sequence()", seq_id, tokens, salt, keys, 0)
+        self._planner.check(plan, "add_sequence()")  # takes no block: its hits only
+        self._committer.add_row(plan)
         self._after_mutation()
-        return len(hits) * self.config.block_size
+        return plan.num_hit
 
     def admit(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
               max_tokens: int | None = None, salt: str | None = None,
-              ) -> tuple[int, StepBatch]:
+              keys: Sequence[bytes] = ()) -> tuple[int, StepBatch]:
         """`add_sequence` and the `prepare` of the prompt's next tokens, as one call: the
         prompt is converted and hashed once, and the admission is all or nothing.
 
@@ -152,6 +160,8 @@ class PagedKVCache(TensorOps):
             default: the rest of the prompt.
         salt : str, optional
             Isolates prefix reuse between tenants.
+        keys : sequence of bytes, optional
+            As for `add_sequence`.
 
         Returns
         -------
@@ -179,9 +189,22 @@ class PagedKVCache(TensorOps):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
                 max_tokens, int) or max_tokens < 1):
             raise ValueError(f"admit(): max_tokens must be an int >= 1, got {max_tokens!r}")
-        admitted = self._steps.admit(seq_id, tokens, salt, max_tokens)
+        plan = self._plan_admission("admit()", seq_id, tokens, salt, keys, max_tokens)
+        self._planner.check(plan, "admit()")
+        batch = self._committer.admit(plan)
         self._after_mutation()
-        return admitted
+        return plan.num_hit, batch
+
+    def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
+                        salt: str | None, keys: Sequence[bytes], max_tokens: int | None):
+        """Validate the rest of an admission's arguments, then plan it (changes nothing)."""
+        root = root_hash(salt)  # also the salt's check, with prefix caching off too
+        # counted in C: a request's keys come with every admission
+        if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
+                         == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
+            raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
+        return self._planner.plan_admission(seq_id, tokens, root, keys=keys,
+                                            max_tokens=max_tokens)
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share all of `parent`'s blocks; the first write into a shared,
@@ -192,13 +215,17 @@ class PagedKVCache(TensorOps):
         self._allocator.share(self._tables.blocks(child))
         self._after_mutation()
 
-    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+    def truncate(self, seq_id: SeqId, num_tokens: int, *, unwritten: bool = False) -> None:
         """Keep only the first `num_tokens` tokens of a resident sequence (speculative
         decoding rollback, ``crop``); blocks past them are released, tail first.
 
         The sequence keeps extending its prefix-index chain only while its last kept full
         block is still indexed. A kept block that becomes partial but stays indexed is
         copied before it is written again (see `prepare`), so its cached prefix survives.
+
+        With ``unwritten=True`` the K/V past `num_tokens` was never written (a failed step
+        planned it): those blocks first leave the prefix index, so neither a later prompt
+        nor a lower tier ever finds them.
         """
         require_resident(self._tables, "truncate()", seq_id)
         current = self._tables.num_tokens_of(seq_id)
@@ -207,6 +234,9 @@ class PagedKVCache(TensorOps):
         if not 0 <= num_tokens <= current:
             raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
                              f"{seq_id!r}, got {num_tokens}")
+        if unwritten:
+            forget_unwritten(self._allocator, self._tables, seq_id, int(num_tokens),
+                             self.config.block_size)
         num_full = num_tokens // self.config.block_size
         if self._tables.chain(self._tables.row_of[seq_id]) is None:
             chain = None  # ids unknown somewhere (or no prefix caching): never index again
@@ -221,8 +251,8 @@ class PagedKVCache(TensorOps):
         """Release `seq_id`: full indexed blocks become cached (evictable), the rest free."""
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
-        if self._host is not None and self._host.is_swapped(seq_id):
-            self._host.drop(seq_id, self._tables.remove(seq_id))
+        if self._swap is not None and self._swap.is_swapped(seq_id):
+            self._swap.drop(seq_id, self._tables.remove(seq_id))
         else:
             self._allocator.free(self._tables.remove(seq_id), unique=True)
         self._after_mutation()
@@ -232,6 +262,38 @@ class PagedKVCache(TensorOps):
         dropped = self._allocator.reset_prefix_cache()
         self._after_mutation()
         return dropped
+
+    def take_events(self) -> list[BlockEvent]:
+        """Return and clear the block events logged since the last call (see
+        `BlockAllocator.take_events`): what the tiers copy out and KV events publish."""
+        return self._allocator.take_events()
+
+    def load_cached(self, keys: list[bytes], token_ids: np.ndarray, payload: torch.Tensor,
+                    parent_key: bytes) -> int:
+        """Put blocks fetched from a lower tier into the pool as cached blocks under their
+        keys, where the next admission finds them as any prefix hit.
+
+        Parameters
+        ----------
+        keys : list of bytes
+            The blocks' chained keys, a prompt's consecutive full blocks in order.
+        token_ids : np.ndarray
+            ``[len(keys) * block_size]`` the blocks' token ids.
+        payload : torch.Tensor
+            ``[len(keys), pool.block_nbytes]`` uint8, the blocks as `KVPool.read_blocks`
+            gave them.
+        parent_key : bytes
+            The key the first block chains from (its `stored` event names it as parent).
+
+        Returns
+        -------
+        int
+            Blocks loaded (0 when the pool cannot spare them; nothing changed then). A key
+            indexed meanwhile keeps its block; the copy is freed.
+        """
+        loaded = load_blocks(self._allocator, self._pool, keys, token_ids, payload, parent_key)
+        self._after_mutation()
+        return loaded
 
     # -- a step ---------------------------------------------------------------------------
     def prepare(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> StepBatch:
@@ -257,12 +319,12 @@ class PagedKVCache(TensorOps):
         return self._commit(self._plan(parse_step(new_tokens, self._tables), "prepare()"))
 
     def _plan(self, step: Step, what: str) -> StepPlan:
-        plan = self._steps.plan(step)
-        self._steps.check(plan, what)
+        plan = self._planner.plan(step)
+        self._planner.check(plan, what)
         return plan
 
     def _commit(self, plan: StepPlan) -> StepBatch:
-        batch = self._steps.commit(plan)
+        batch = self._committer.commit(plan)
         self._after_mutation()
         return batch
 
@@ -311,21 +373,25 @@ class PagedKVCache(TensorOps):
         """
         rows, seq_ids = self._tables.resolve_rows("prepare_decode()", rows)
         known = token_ids is not None
-        tokens = np.empty(0, dtype=np.int32)  # ids unknown
+        tokens = _NO_TOKENS  # ids unknown
         if known:
             tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
             if tokens.shape != rows.shape:
                 raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
                                  f"(one per row), got {tokens.shape}")
         step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
-        plan = self._steps.plan(step, decode=True)
-        self._steps.check(plan, "prepare_decode()")
+        plan = self._planner.plan(step, decode=True)
+        self._planner.check(plan, "prepare_decode()")
         return self._commit(plan)
 
-    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int], *,
-                          per_sequence: bool = False) -> int | np.ndarray:
+    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
+                          *, per_sequence: bool = False) -> int | np.ndarray:
         """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),
         without changing anything: a scheduler's admission check.
+
+        `new_tokens` may also be row handles from `rows_of` (an ``np.ndarray``): the blocks
+        `prepare_decode` of those rows would take, one new token each (the steady decode
+        state, counted without a mapping to parse).
 
         With ``per_sequence=True`` returns ``[B]`` int64, each sequence's share in the
         mapping's order (copies counted for the sequence that makes them).
@@ -339,25 +405,163 @@ class PagedKVCache(TensorOps):
         >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
         3
         """
-        plan = self._steps.plan(parse_step(new_tokens, self._tables), fast=False)
+        if isinstance(new_tokens, np.ndarray):
+            rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
+            if not per_sequence:  # the steady state: no copy, no step object
+                needed = self._tables.plan_decode(rows, self._allocator.protected)
+                if needed >= 0:
+                    return needed
+            step = Step(seq_ids, rows, *decode_columns(rows.size, False), _NO_TOKENS)
+            plan = self._planner.plan(step, fast=False)  # a copy, or per sequence
+        else:
+            plan = self._planner.plan(parse_step(new_tokens, self._tables), fast=False)
         return plan.per_sequence() if per_sequence else plan.requested
 
     # -- swapping -------------------------------------------------------------------------
     def swap_out(self, seq_id: SeqId) -> None:
         """Move a sequence's blocks to the host pool and release its device blocks."""
         require_resident(self._tables, "swap_out()", seq_id)
-        if self._host is None:
+        if self._swap is None:
             raise PagedKVError("swap_out(): no host pool; set CacheConfig.num_host_blocks > 0")
-        self._host.swap_out(seq_id)
+        self._swap.swap_out(seq_id)
         self._after_mutation()
 
     def swap_in(self, seq_id: SeqId) -> None:
         """Bring a swapped-out sequence back into fresh device blocks."""
         require_known(self._tables, "swap_in()", seq_id)
-        if self._host is None or not self._host.is_swapped(seq_id):
+        if self._swap is None or not self._swap.is_swapped(seq_id):
             raise ValueError(f"swap_in(): sequence {seq_id!r} is not swapped out")
-        self._host.swap_in(seq_id)
+        self._swap.swap_in(seq_id)
         self._after_mutation()
+
+    # -- the worker side: K/V of a layer ------------------------------------------------
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              batch: StepBatch) -> None:
+        """Scatter the step's new K/V of one layer into their slots.
+
+        Parameters
+        ----------
+        layer : int
+        key, value : torch.Tensor
+            ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device
+            (quantized on the way in when ``kv_cache_dtype`` is 8-bit).
+        batch : StepBatch
+            From this step's `prepare`.
+
+        Mutates
+        -------
+        The pool's slots named by ``batch.slot_mapping``.
+        """
+        require_layer(self.config, "write()", layer)
+        self._require_batch("write()", batch)
+        shape = (batch.num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        for name, tensor in (("key", key), ("value", value)):
+            check_tensor(f"write(): {name}", tensor, shape, dtype=self.config.dtype,
+                         device=self.config.device)
+        kernels.write_kv(key, value, *self._pool.layer(layer), batch.slot_mapping,
+                         *self._pool.layer_scales(layer))
+
+    def gather(self, layer: int, batch_or_seq_ids: BatchOrSeqIds, pad_to: int | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None, *, packed: bool = False,
+               ) -> tuple[torch.Tensor, ...]:
+        """Contiguous K/V of some sequences as they are now: zero-padded, or packed end to
+        end (the varlen form an attention kernel of one's own reads).
+
+        Returns
+        -------
+        (torch.Tensor, torch.Tensor)
+            K and V ``[B, T, num_kv_heads, head_dim]``, ``T = pad_to or`` the longest length,
+            zeros past each sequence's length; the cache's `dtype` (dequantized from 8-bit
+            pages).
+        (torch.Tensor, torch.Tensor, torch.Tensor)
+            With ``packed=True``: K and V ``[total_tokens, num_kv_heads, head_dim]`` and
+            ``cu_seqlens [B + 1]`` int32 (`pad_to` must be None: nothing is padded).
+        """
+        what = "gather(packed=True)" if packed else "gather()"
+        require_layer(self.config, what, layer)
+        block_tables, seq_lens, longest = sequence_tables(
+            self._tables, what, batch_or_seq_ids, self.config.device)
+        if packed:
+            if pad_to is not None:
+                raise ValueError(f"{what}: pad_to pads each sequence; packed K/V have none")
+            return self._gather_packed(layer, block_tables, seq_lens, out)
+        if pad_to is not None and (not isinstance(pad_to, int) or pad_to < longest):
+            raise ValueError(f"gather(): pad_to must be an int >= the longest sequence "
+                             f"({longest}), got {pad_to!r}")
+        length = longest if pad_to is None else pad_to
+        if out is not None:
+            shape = (seq_lens.shape[0], length, self.config.num_kv_heads, self.config.head_dim)
+            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
+                check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
+                             device=self.config.device)
+        return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out,
+                                 **self._scales_of(layer, out_dtype=self.config.dtype))
+
+    def _gather_packed(self, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor] | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=cu_seqlens[1:])
+        if out is not None:
+            shape = (int(cu_seqlens[-1]), self.config.num_kv_heads, self.config.head_dim)
+            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
+                check_tensor(f"gather(packed=True): {name}", tensor, shape,
+                             dtype=self.config.dtype, device=self.config.device)
+        k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
+                                        cu_seqlens, out,
+                                        **self._scales_of(layer, out_dtype=self.config.dtype))
+        return k, v, cu_seqlens
+
+    def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
+                  scale: float | None = None) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's cached K/V.
+
+        Parameters
+        ----------
+        query : torch.Tensor
+            ``[batch.num_tokens, num_q_heads, head_dim]``; ``num_q_heads`` a multiple of
+            ``num_kv_heads``.
+        scale : float, optional
+            Default ``head_dim ** -0.5``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[batch.num_tokens, num_q_heads, head_dim]``.
+        """
+        require_layer(self.config, "attention()", layer)
+        self._require_batch("attention()", batch)
+        check_tensor("attention(): query", query, (batch.num_tokens, None, self.config.head_dim),
+                     dtype=self.config.dtype, device=self.config.device)
+        if query.shape[1] % self.config.num_kv_heads:
+            raise ValueError(f"attention(): query heads ({query.shape[1]}) must be a multiple "
+                             f"of num_kv_heads ({self.config.num_kv_heads})")
+        return kernels.paged_attention(query, *self._pool.layer(layer), batch.block_tables,
+                                       batch.seq_lens, batch.query_start_loc, scale,
+                                       workspace=None if kernels.use_triton(query)
+                                       else self._workspace_for(batch),
+                                       **self._scales_of(layer))
+
+    def _scales_of(self, layer: int, **extra: object) -> dict:
+        """Keyword arguments that make a kernel read this layer's 8-bit pages (none for float
+        pages, so their calls stay as they were)."""
+        return scale_kwargs(*self._pool.layer_scales(layer), **extra)
+
+    def _workspace_for(self, batch: StepBatch) -> torch.Tensor:
+        """Scratch for the torch attention path's gathers, grown on demand, reused by every
+        layer and step."""
+        block_size, config = self.config.block_size, self.config
+        length = -(-batch.max_seq_len // block_size) * block_size
+        need = 2 * batch.batch_size * length * config.num_kv_heads * config.head_dim
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need + need // 2, dtype=config.dtype,
+                                          device=config.device)
+        return self._workspace
+
+    def _require_batch(self, what: str, batch: object) -> None:
+        if not isinstance(batch, StepBatch):
+            raise TypeError(f"{what}: batch must be the StepBatch prepare() returned, "
+                            f"got {type(batch).__name__}")
 
     # -- accounting and checking ----------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -365,14 +569,14 @@ class PagedKVCache(TensorOps):
         return compute_stats(
             allocator=self._allocator, tables=self._tables, block_size=self.config.block_size,
             bytes_per_block=self.config.bytes_per_block, total_bytes=self._pool.nbytes,
-            num_swap_outs=0 if self._host is None else self._host.num_swap_outs)
+            num_swap_outs=0 if self._swap is None else self._swap.num_swap_outs)
 
     def check(self) -> None:
         """Raise `InvariantError` if any invariant of allocator, tables or pool is broken."""
         self._tables.check()
         self._allocator.check_invariants(self._tables.owners(self.config.num_blocks))
-        if self._host is not None:
-            self._host.check()
+        if self._swap is not None:
+            self._swap.check()
 
     # -- validation helpers ---------------------------------------------------------------
     def _after_mutation(self) -> None:
@@ -389,5 +593,5 @@ def snapshot(cache: PagedKVCache) -> tuple:
     pool = cache.pool
     tensors = tuple(None if t is None else raw(t).clone() for t in (
         pool.kv, pool.host, pool.scales, pool.host_scales))
-    host = None if cache._host is None else cache._host.snapshot()
+    host = None if cache._swap is None else cache._swap.snapshot()
     return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors

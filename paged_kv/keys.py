@@ -95,3 +95,33 @@ def chain_pieces(parent_hash: bytes, pieces: list[bytes]) -> list[bytes]:
         parent_hash = sha256(parent_hash + piece).digest()  # = hash_block, inlined
         append(parent_hash)
     return keys
+
+
+def hash_pieces(parent_hashes: list[bytes], pieces: list[bytes]) -> list[bytes]:
+    """Keys of blocks whose bytes are `pieces`, each chained from its own parent in
+    `parent_hashes` (blocks of different sequences, as one decode step fills them)."""
+    sha256 = hashlib.sha256  # hash_block inlined: a call per block costs as much
+    return [sha256(parent + piece).digest()
+            for parent, piece in zip(parent_hashes, pieces, strict=True)]
+
+
+def block_keys(token_ids: np.ndarray, block_size: int, root: bytes,
+               known: list[bytes] = ()) -> list[bytes]:
+    """The chained keys of every full block of `token_ids`, the first chained from `root`
+    (`root_hash` of the tenant's salt): a request's keys, computed once and carried with
+    it. `known` are the keys of its first blocks, computed before (the request has grown
+    since): only the blocks after them are hashed.
+
+    Examples
+    --------
+    >>> keys = block_keys(np.arange(9), block_size=4, root=root_hash())
+    >>> len(keys), block_keys(np.arange(9), 4, root_hash(), keys[:1]) == keys
+    (2, True)
+    """
+    num_full = len(token_ids) // block_size
+    if len(known) >= num_full:
+        return list(known[:num_full])
+    start = len(known) * block_size
+    data = encode_tokens(np.asarray(token_ids[start: num_full * block_size], dtype=np.int64))
+    return [*known, *chain_pieces(known[-1] if known else root,
+                                  split_blocks(data, num_full - len(known)))]

@@ -1,7 +1,8 @@
 """The cache's side of the tiers: which blocks a step stored, and blocks loaded back.
 
-Functions over the cache's public owners (allocator, pool): the tiers' manager copies the
-bytes of newly indexed blocks out after the step that wrote them, and loads fetched blocks
+Functions over the cache's owners (allocator, pool): the tiers' manager reads which blocks
+a step stored (`stored_blocks`, read only) and copies their bytes out after the step that
+wrote them; fetched blocks come back through `PagedKVCache.load_cached` (`load_blocks`),
 into fresh device blocks, indexed and cached, where the next admission finds them as any
 prefix hit. Nothing here knows a store, a file or a socket.
 """
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 
 from .allocator import BlockAllocator
-from .cache import PagedKVCache
 from .keys import BlockEvent, encode_tokens, split_blocks
+from .pool import KVPool
 
 
 def stored_blocks(allocator: BlockAllocator, events: Iterable[BlockEvent],
@@ -37,13 +38,15 @@ def stored_blocks(allocator: BlockAllocator, events: Iterable[BlockEvent],
     return (np.array([b for b, _ in indexed], dtype=np.int64), [key for _, key in indexed])
 
 
-def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
-                payload: torch.Tensor, parent_key: bytes) -> int:
-    """Put fetched blocks into the device pool as cached blocks under their keys.
+def load_blocks(allocator: BlockAllocator, pool: KVPool, keys: list[bytes],
+                token_ids: np.ndarray, payload: torch.Tensor, parent_key: bytes) -> int:
+    """Put fetched blocks into the device pool as cached blocks under their keys
+    (`PagedKVCache.load_cached`).
 
     Parameters
     ----------
-    cache : PagedKVCache
+    allocator, pool : BlockAllocator, KVPool
+        The cache's owners.
     keys : list of bytes
         The blocks' chained keys, a prompt's consecutive full blocks in order.
     token_ids : np.ndarray
@@ -61,11 +64,16 @@ def load_blocks(cache: PagedKVCache, keys: list[bytes], token_ids: np.ndarray,
         device has indexed meanwhile keeps its block; the copy is freed.
     """
     n = len(keys)
-    allocator = cache.allocator
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
+            or tuple(payload.shape) != (n, pool.block_nbytes) or len(token_ids) % max(n, 1):
+        raise ValueError(f"load_cached(): expected {n} keys, uint8 payload [{n}, "
+                         f"{pool.block_nbytes}] and their blocks' token ids, got payload "
+                         f"{getattr(payload, 'dtype', type(payload).__name__)} "
+                         f"{tuple(getattr(payload, 'shape', ()))}, {len(token_ids)} tokens")
     if n == 0 or not allocator.enable_prefix_caching or not allocator.can_allocate(n):
         return 0
     block_ids = allocator.allocate(n)
-    cache.pool.write_blocks(block_ids, payload)
+    pool.write_blocks(block_ids, payload)
     pieces = split_blocks(encode_tokens(token_ids), n)
     parents = [parent_key, *keys[:-1]]
     for block_id, key, piece, parent in zip(block_ids.tolist(), keys, pieces, parents,

@@ -15,16 +15,17 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import read_only
-from ._decode import decode_ops
-from .batch import RowNames, SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
 from .errors import ensure
+from .step.batch import RowNames, SeqId, StepBatch  # noqa: F401  (StepBatch: its old import path)
+from .step.decode import decode_ops
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
 
 
 class PageTables:
     """Owns each sequence's row: block ids, token count, known token ids, prefix keys (the
-    salted root it chains from, and the key of its last indexed block).
+    salted root it chains from, the key of its last indexed block, and the keys it was
+    admitted with, under which its blocks are indexed as they fill).
 
     The only writer of those rows; it never frees a block (the allocator does) and never
     touches a tensor.
@@ -36,7 +37,7 @@ class PageTables:
         Initial rows and columns (both grow by doubling).
     compiled : bool, optional
         Run the decode step's bookkeeping compiled (numba) or in numpy; default
-        ``paged_kv._decode.default_compiled()`` (the ``PAGED_KV_NUMBA`` variable).
+        ``paged_kv.step.decode.default_compiled()`` (the ``PAGED_KV_NUMBA`` variable).
 
     Examples
     --------
@@ -59,6 +60,9 @@ class PageTables:
         self._token_ids = np.zeros((max_num_seqs, max_blocks * block_size), dtype=np.int32)
         self._chain: list[bytes | None] = [None] * max_num_seqs
         self._root: list[bytes | None] = [None] * max_num_seqs  # salted root key per row
+        # per row, the keys it was admitted with and their blocks' token bytes (or None):
+        # its blocks are indexed under them as they fill, not hashed again
+        self._ahead: list[tuple[list[bytes], bytes] | None] = [None] * max_num_seqs
         self._swapped = np.zeros(max_num_seqs, dtype=bool)
         self._resident = np.zeros(max_num_seqs, dtype=bool)  # has a row, blocks on the device
         self._seq_of_row: list[SeqId | None] = [None] * max_num_seqs
@@ -170,6 +174,11 @@ class PageTables:
         """The salted key the row's first block chains from (None: no prefix caching)."""
         return self._root[row]
 
+    def ahead(self, row: int) -> tuple[list[bytes], bytes] | None:
+        """The keys of the row's full blocks, from its first, that it was admitted with, and
+        the token bytes they were hashed from (None: none given)."""
+        return self._ahead[row]
+
     def rows(self) -> np.ndarray:
         """``[num_seqs]`` int64 rows in use, in insertion order."""
         return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
@@ -204,9 +213,11 @@ class PageTables:
         return np.bincount(self._block_ids[rows][in_use], minlength=num_pool_blocks)
 
     # -- mutators -------------------------------------------------------------------------
-    def add(self, seq_id: SeqId, chain: bytes | None = None, root: bytes | None = None) -> int:
+    def add(self, seq_id: SeqId, chain: bytes | None = None, root: bytes | None = None,
+            ahead: tuple[list[bytes], bytes] | None = None) -> int:
         """Give `seq_id` an empty row and return it; `chain` is the key its next full
-        block chains from, `root` its salted root key."""
+        block chains from, `root` its salted root key, `ahead` the keys it was admitted
+        with (see `ahead`)."""
         if not self._free_rows:
             self._grow_rows()
         row = self._free_rows.pop()
@@ -214,7 +225,7 @@ class PageTables:
         self._seq_of_row[row] = seq_id
         self._resident[row] = True
         self._version += 1
-        self._chain[row], self._root[row] = chain, root
+        self._chain[row], self._root[row], self._ahead[row] = chain, root, ahead
         return row
 
     def remove(self, seq_id: SeqId) -> np.ndarray:
@@ -227,7 +238,7 @@ class PageTables:
         self._swapped[row] = False
         self._resident[row] = False
         self._seq_of_row[row] = None
-        self._chain[row] = self._root[row] = None
+        self._chain[row] = self._root[row] = self._ahead[row] = None
         self._free_rows.append(row)
         return blocks
 
@@ -348,7 +359,10 @@ class PageTables:
         return row
 
     def snapshot(self) -> tuple:
-        """Comparable copy of the whole state (for tests of rejected calls)."""
+        """Comparable copy of the whole state (for tests of rejected calls). The keys rows
+        were admitted with are left out: they only spare hashing (a block is indexed under
+        the same key either way), and a row that fills its blocks in its admission keeps
+        none."""
         return (tuple(self._row_of.items()), tuple(self._free_rows), self._block_ids.tobytes(),
                 self._num_blocks.tobytes(), self._num_tokens.tobytes(),
                 self._token_ids.tobytes(), tuple(self._chain), tuple(self._root),
@@ -368,6 +382,7 @@ class PageTables:
         self._version += 1
         self._chain += [None] * old
         self._root += [None] * old
+        self._ahead += [None] * old
         self._free_rows = list(range(2 * old - 1, old - 1, -1)) + self._free_rows
         self._refresh_views()
 

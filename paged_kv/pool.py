@@ -98,6 +98,15 @@ class KVPool:
         ops, self._ops = self._ops, ([] if self._ops is not None else None)
         return ops or []
 
+    def replay_ops(self, ops: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Apply another pool's `take_ops` log, in order, to this pool (the same block ids:
+        a tensor-parallel rank replaying rank 0's step)."""
+        for kind, src, dst in ops:
+            if kind == OP_COPY:
+                self.copy(src, dst)
+            else:
+                self._transfer(src, dst, to_host=kind == OP_SWAP_OUT)
+
     def _log(self, kind: int, src: np.ndarray, dst: np.ndarray) -> None:
         if self._ops is not None:
             self._ops.append((kind, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)))
@@ -112,23 +121,23 @@ class KVPool:
 
     def swap_out(self, block_ids: np.ndarray, host_block_ids: np.ndarray) -> None:
         """Copy device blocks to host blocks."""
-        assert self.host is not None, "swap_out without a host pool"
-        self._log(OP_SWAP_OUT, block_ids, host_block_ids)
-        src, dst = self._ids(block_ids, self.kv.device), self._ids(host_block_ids,
-                                                                   self.host.device)
-        for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
-                                            strict=True):
-            swap_blocks(device_plane, host_plane, src, dst)
+        self._transfer(block_ids, host_block_ids, to_host=True)
 
     def swap_in(self, host_block_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """Copy host blocks back into device blocks."""
-        assert self.host is not None, "swap_in without a host pool"
-        self._log(OP_SWAP_IN, host_block_ids, block_ids)
-        src, dst = self._ids(host_block_ids, self.host.device), self._ids(block_ids,
-                                                                          self.kv.device)
-        for device_plane, host_plane in zip(self._planes(), self._planes(host=True),
-                                            strict=True):
-            swap_blocks(host_plane, device_plane, src, dst)
+        self._transfer(host_block_ids, block_ids, to_host=False)
+
+    def _transfer(self, src_block_ids: np.ndarray, dst_block_ids: np.ndarray,
+                  to_host: bool) -> None:
+        """The one copy between the two pools, either way, logged for tensor-parallel ranks."""
+        assert self.host is not None, "a swap without a host pool"
+        self._log(OP_SWAP_OUT if to_host else OP_SWAP_IN, src_block_ids, dst_block_ids)
+        planes = (self._planes(), self._planes(host=True))
+        src_planes, dst_planes = planes if to_host else planes[::-1]
+        src = self._ids(src_block_ids, src_planes[0].device)
+        dst = self._ids(dst_block_ids, dst_planes[0].device)
+        for src_plane, dst_plane in zip(src_planes, dst_planes, strict=True):
+            swap_blocks(src_plane, dst_plane, src, dst)
 
     # -- whole blocks as bytes (the tiers' unit) ----------------------------------------
     @property

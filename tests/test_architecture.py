@@ -168,3 +168,85 @@ def _private_names(tree: ast.Module) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(t.id for t in targets if isinstance(t, ast.Name))
     return {n for n in names if n.startswith("_")}
+
+
+# -- the facade's rule: the owners it exposes are read outside the core, never mutated --------
+# The core: the facade, the owners and the step, which change the owners by design.
+CORE = {"paged_kv.cache", "paged_kv.allocator", "paged_kv.page_table", "paged_kv.pool",
+        "paged_kv.swap", "paged_kv.offload", "paged_kv.accounting"}
+# the owners' public methods that only read; every other public method is a mutator, so a
+# new one is caught without this list changing
+OWNER_QUERIES = {
+    "allocator": {"count_cached", "can_allocate", "block_hash", "lookup", "match", "snapshot",
+                  "check_invariants"},
+    "tables": {"rows_of", "resolve_rows", "chains", "chain", "root", "ahead", "rows", "check",
+               "blocks", "num_tokens_of", "owners", "snapshot"},
+}
+
+
+def _owner_mutators() -> dict[str, set[str]]:
+    """``{"allocator": ..., "tables": ...}``: the public methods of `BlockAllocator` and
+    `PageTables` that are not queries (properties are reads: they cannot be called)."""
+    from paged_kv import BlockAllocator, PageTables
+
+    mutators = {}
+    for owner, cls in (("allocator", BlockAllocator), ("tables", PageTables)):
+        methods = {name for name, member in vars(cls).items()
+                   if inspect.isfunction(member) and not name.startswith("_")}
+        mutators[owner] = methods - OWNER_QUERIES[owner]
+    return mutators
+
+
+def _is_core(module: str) -> bool:
+    return module in CORE or module == "paged_kv.step" or module.startswith("paged_kv.step.")
+
+
+def owner_mutations(tree: ast.Module, mutators: dict[str, set[str]]) -> list[str]:
+    """Calls of an owner's mutator on ``<expr>.allocator`` / ``<expr>.tables``, or on a
+    name bound to one (``allocator = cache.allocator``), in `tree`."""
+    aliases: dict[str, str] = {}  # local name -> owner
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            pairs = [(t, node.value) for t in node.targets]
+            if len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple) \
+                    and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(node.targets[0].elts, node.value.elts, strict=False))
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and isinstance(value, ast.Attribute) \
+                        and value.attr in mutators:
+                    aliases[target.id] = value.attr
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        target = node.func.value
+        owner = (target.attr if isinstance(target, ast.Attribute)
+                 else aliases.get(target.id) if isinstance(target, ast.Name) else None)
+        if owner in mutators and node.func.attr in mutators[owner]:
+            found.append(f"{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_owners_are_mutated_only_through_the_facade():
+    """`cache.allocator` and `cache.tables` say "read it; mutate only through the cache":
+    outside the core, no module calls a mutator of either."""
+    mutators = _owner_mutators()
+    assert {"free", "allocate", "take_events", "register"} <= mutators["allocator"]
+    assert {"plan_decode", "extend_row", "add"} <= mutators["tables"]
+    bad = [f"{_name(path)}:{where}" for path in MODULES if not _is_core(_name(path))
+           for where in owner_mutations(_tree(path), mutators)]
+    assert not bad, f"owner mutations outside the core (add a facade operation): {bad}"
+
+
+def test_owner_mutation_check_finds_direct_and_aliased_calls():
+    source = ("def f(cache, x):\n"
+              "    cache.allocator.num_free_blocks, cache.tables.blocks(x)\n"
+              "    self.cache.allocator.take_events()\n"
+              "    allocator, n = cache.allocator, 1\n"
+              "    allocator.free(x)\n"
+              "    tables = self.cache.tables\n"
+              "    tables.plan_decode(x, None)\n"
+              "    return cache.allocator.can_allocate(n)\n")
+    found = owner_mutations(ast.parse(source), _owner_mutators())
+    assert found == ["3: self.cache.allocator.take_events", "5: allocator.free",
+                     "7: tables.plan_decode"]

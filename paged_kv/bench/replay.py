@@ -141,7 +141,7 @@ def paged_block_ops(cache) -> Callable[[], int]:
     kinds = {"allocated", "hit", "cached", "freed"}
 
     def count() -> int:
-        return sum(len(e.block_ids) for e in cache.allocator.take_events() if e.kind in kinds)
+        return sum(len(e.block_ids) for e in cache.take_events() if e.kind in kinds)
 
     return count
 

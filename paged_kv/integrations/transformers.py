@@ -32,10 +32,10 @@ except ImportError as exc:  # optional dependency: say which extra brings it
 
 from .._checks import check_tensor
 from ..accounting import CacheStats
-from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import OutOfBlocksError
+from ..step.batch import StepBatch
 from .hf_support import require_supported, window_features
 
 if TYPE_CHECKING:
@@ -305,7 +305,7 @@ class PagedCache(Cache):
         """Tokens layer ``layer`` holds (rows are always the same length)."""
         if not self._seq_ids:
             return 0
-        length = self._kv.seq_len(self._seq_ids[0])
+        length = self._kv.tables.num_tokens_of(self._seq_ids[0])
         if self._batch is not None and layer not in self._written:
             # the step reserved its slots on the first layer; this layer has not written yet
             length -= self._batch.num_tokens // len(self._seq_ids)

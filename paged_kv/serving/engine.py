@@ -249,7 +249,7 @@ class Engine:
             finished += self.scheduler.update_from_output([sample], self.eos_token_ids)
             self._emit(sample[0], [sample[1]])
         if self.tiers is not None or self.events is not None:
-            events = self.cache.allocator.take_events()
+            events = self.cache.take_events()
             if self.tiers is not None:  # the blocks this step wrote, copied out
                 self.tiers.after_step(events)
             if self.events is not None:  # the index's changes, for routers
@@ -320,6 +320,8 @@ class Engine:
         children = [Sequence(request, i, list(seq.token_ids), sample_generator(request.params,
                                                                          seed, i))
                     for i in range(1, request.params.n)]
+        for child in children:  # the same prompt: its keys, should a child be admitted again
+            child.block_keys = seq.block_keys
         self.scheduler.add_children(seq, children)
         return [seq, *children]
 
@@ -329,6 +331,7 @@ class Engine:
         request = seq.request
         if request.on_output is None:
             return
+        # only a finished sample can finish its request: most steps skip the scan
         finished = seq.finish_reason is not None and all(s.finish_reason for s in request.samples)
         done = finished and (len(request.samples) == request.params.n
                              or seq.finish_reason in ("abort", "error"))
@@ -392,7 +395,8 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
     if not targets:
         return []
     rows = [row for row, _ in targets]
-    drawn = (logits if rows == list(range(len(logits)))  # every row once: no copy
+    # every row once, in order: the common case needs no copy
+    drawn = (logits if rows == list(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
     picked = sample_rows(drawn, [t.request.params for _, t in targets],
                          [t.generator for _, t in targets])
@@ -402,7 +406,8 @@ def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> lis
 
 
 def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
-    """`plan` (samples to token counts or logits rows) cut into one part per request."""
+    """`plan` (samples to token counts or logits rows) cut into one part per request (a
+    request's samples stay together), in order."""
     parts: dict[int, dict[Sequence, int]] = {}
     for seq, n in plan.items():
         parts.setdefault(seq.request.request_id, {})[seq] = n

@@ -84,6 +84,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     fetch: Any = None  # its prompt's blocks being fetched from the tiers (a tiers.Fetch)
     tiered: bool = False  # the tiers were asked for its prompt since it last waited
+    # the chained keys of its tokens' full blocks (under its request's salt), computed once
+    # at its first admission and extended by the blocks it gained when admitted again
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)
 
     seq_id: tuple[int, int] = dataclasses.field(init=False)  # the cache's name for it
 

@@ -12,7 +12,6 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import InvariantError
 from ..page_table import StepBatch
-from ..prefix import forget_unwritten
 from .errors import EngineDeadError
 from .parallel import (
     Collectives,
@@ -81,9 +80,7 @@ class ModelRunner:
             logits = self._call(_long_tensor(tokens), _long_tensor(positions), batch, rows)
         except Exception:
             for seq in plan:  # give back the slots of K/V that was never written
-                forget_unwritten(self.cache.allocator, self.cache.tables, seq.seq_id,
-                                 seq.num_computed, self.cache.config.block_size)
-                self.cache.truncate(seq.seq_id, seq.num_computed)
+                self.cache.truncate(seq.seq_id, seq.num_computed, unwritten=True)
             raise
         prompt_logprobs = [(request, token_logprobs(row, target, request.params.prompt_logprobs))
                            for (request, _, target), row

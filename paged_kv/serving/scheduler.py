@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ..batch import StepBatch
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
-from ..prefix import match_prefix, missing_blocks
+from ..keys import root_hash
+from ..step.batch import StepBatch
+from ..step.parse import tokens_to_array
+from ..step.plan import Admission, fits, plan_admission
 from .request import Request, Sequence, Status
 
 
@@ -86,10 +88,7 @@ class Scheduler:
         if not plan:
             return 0
         if all(n == 1 for _, n in plan):
-            rows = self.cache.rows_of([seq.seq_id for seq, _ in plan])
-            needs = self.cache.tables.plan_decode(rows, self.cache.allocator.protected)
-            if needs >= 0:
-                return needs
+            return self.cache.num_blocks_needed(self.cache.rows_of([seq.seq_id for seq, _ in plan]))
         return self.cache.num_blocks_needed({seq.seq_id: n for seq, n in plan})
 
     def _schedule_swapped(self, step: dict[Sequence, int], budget: int) -> int:
@@ -118,6 +117,9 @@ class Scheduler:
             if seq.index == 0 and seq.request.params.n > len(seq.request.samples))
 
     def _schedule_waiting(self, step: dict[Sequence, int], budget: int) -> None:
+        """Admit waiting sequences, oldest first, while slots, blocks and `budget` last: each
+        planned once (its prompt's keys come with it, hashed at most once), tested with the
+        cache's one capacity rule against what this step has reserved, then added."""
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             # a request's samples are forked together once its prompt is computed
@@ -125,33 +127,43 @@ class Scheduler:
             if self._num_slots() + slots > self.max_num_seqs:
                 return
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
-            if reuse and self.tiers is not None and not seq.tiered and self._start_fetch(seq):
+            admission = self._plan_admission(seq, budget, reuse)
+            if reuse and self.tiers is not None and not seq.tiered \
+                    and self._start_fetch(seq, admission):
                 self.waiting.popleft()  # loading while the others step
                 continue
-            hit = match_prefix(self.cache.allocator, seq.token_ids, self.cache.config.block_size,
-                               salt=seq.request.salt) if reuse else 0
-            num_new = min(len(seq.token_ids) - hit, budget)
-            # counts the hit blocks as new: exact when they are cached, safe when live
-            need = self.cache.config.blocks_for(hit + num_new)
-            if need > self._available(self._reserved):
+            if not fits(admission, self._available(self._reserved)):
                 return
-            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids if reuse else None,
-                                          salt=seq.request.salt)
+            hit = self.cache.add_sequence(seq.seq_id, admission.tokens if reuse else None,
+                                          salt=seq.request.salt, keys=admission.keys)
             self.waiting.popleft()
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = hit
             seq.num_computed, seq.status = hit, Status.RUNNING
             self.running.append(seq)
-            step[seq] = num_new
-            self._reserved += need
-            budget -= num_new
+            step[seq] = admission.count
+            self._reserved += admission.requested
+            budget -= admission.count
 
-    def _start_fetch(self, seq: Sequence) -> bool:
-        """Ask the tiers for the prompt's full blocks the device lacks; True when a fetch
-        started (`seq` is loading)."""
+    def _plan_admission(self, seq: Sequence, budget: int, reuse: bool) -> Admission:
+        """What admitting `seq` with at most `budget` tokens would take now. Its block keys
+        are computed once and kept on it (only blocks it gained since, by decoding before a
+        preemption, are hashed): the device lookup, the tiers and the commit all use them."""
+        tokens = tokens_to_array("prompt", seq.token_ids)
+        caching = reuse and self.cache.allocator.enable_prefix_caching
+        root = root_hash(seq.request.salt) if caching else None
+        admission = plan_admission(self.cache.allocator, self.cache.config.block_size,
+                                   seq.seq_id, tokens, root, keys=seq.block_keys,
+                                   max_tokens=budget)
+        if len(admission.keys) > len(seq.block_keys):
+            seq.block_keys = admission.keys
+        return admission
+
+    def _start_fetch(self, seq: Sequence, admission: Admission) -> bool:
+        """Ask the tiers for the prompt's full blocks the device lacks (under the keys the
+        admission carries); True when a fetch started (`seq` is loading)."""
         seq.tiered = True
-        _, parent, keys, tokens = missing_blocks(self.cache.allocator, seq.token_ids,
-                                                 self.cache.config.block_size, seq.request.salt)
+        parent, keys, tokens = admission.missing(self.cache.config.block_size)
         seq.fetch = self.tiers.start_fetch(keys, tokens, parent)
         if seq.fetch is None:
             return False

@@ -9,7 +9,7 @@ tier for the whole run of keys (one round trip on Redis), the longest contiguous
 tier holds, whether fetching it beats recomputing (the engine's measured prefill rate
 against the tier's measured fetch rate), then the values in batches, each verified; it
 gives up at the fetch's deadline. The engine's thread polls a fetch and loads what arrived
-(`paged_kv.offload.load_blocks`).
+(`PagedKVCache.load_cached`).
 
 The manager is their coordinator, on the engine's thread: it opens the stores, copies
 stored blocks out for the writer, starts fetches and lands them, keeps which tier holds
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..cache import PagedKVCache
-from ..offload import load_blocks, stored_blocks
+from ..offload import stored_blocks
 from . import codec
 from .base import Store, TierConfig
 from .fetcher import Fetch, TierFetcher
@@ -144,8 +144,8 @@ class TierManager:
         if fetch.payload is not None and len(fetch.sources):
             n = min(len(fetch.sources), max(0, spare_blocks))
             size = self.cache.config.block_size
-            loaded = load_blocks(self.cache, fetch.keys[:n], fetch.token_ids[:n * size],
-                                 fetch.payload[:n], fetch.parent)
+            loaded = self.cache.load_cached(fetch.keys[:n], fetch.token_ids[:n * size],
+                                            fetch.payload[:n], fetch.parent)
             for source in fetch.sources[:loaded]:
                 self._hit_tokens[source] += size
             self._loaded_blocks += loaded

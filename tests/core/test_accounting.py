@@ -144,7 +144,7 @@ def test_truncate_into_an_indexed_block_copies_it_before_writing():
     keys, _ = cache.gather(0, ["a", "b"])
     assert keys[1, :8, 0, 0].tolist() == [float(i) for i in range(8)], "cached K/V intact"
     assert keys[0, :8, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 100, 101], "a sees its rewrite"
-    assert cache.seq_len("a") == 8 and cache.stats().num_live_blocks == 3
+    assert cache.tables.num_tokens_of("a") == 8 and cache.stats().num_live_blocks == 3
     cache.check()
 
 

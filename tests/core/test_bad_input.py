@@ -80,7 +80,7 @@ BAD_CALLS = [
     ("truncate negative", lambda c: c.truncate("a", -1), ValueError, "got -1"),
     ("truncate float", lambda c: c.truncate("a", 2.0), TypeError, "num_tokens must be an int"),
     ("truncate swapped", lambda c: c.truncate("z", 1), ValueError, "swapped out"),
-    ("seq_len unknown", lambda c: c.seq_len("nope"), KeyError, "'nope'"),
+    ("tokens of unknown", lambda c: c.tables.num_tokens_of("nope"), KeyError, "'nope'"),
     ("gather pad_to short", lambda c: c.gather(0, ["a"], pad_to=3), ValueError, "pad_to"),
     ("gather layer range", lambda c: c.gather(5, ["a"]), ValueError, "layer 5 out of range"),
     ("gather unknown", lambda c: c.gather(0, ["a", "nope"]), KeyError, "'nope'"),
@@ -88,7 +88,16 @@ BAD_CALLS = [
     ("gather swapped", lambda c: c.gather(0, ["z"]), ValueError, "swapped out"),
     ("gather bad out", lambda c: c.gather(0, ["a"], out=(torch.empty(1, 9, 2, 4),) * 2),
      ValueError, "out[0]: expected shape (1, 10, 2, 4)"),
-    ("gather_packed layer", lambda c: c.gather_packed(-1, ["a"]), ValueError, "layer -1"),
+    ("gather packed layer", lambda c: c.gather(-1, ["a"], packed=True), ValueError, "layer -1"),
+    ("gather packed pad_to", lambda c: c.gather(0, ["a"], pad_to=10, packed=True), ValueError,
+     "pad_to"),
+    ("load_cached bad payload", lambda c: c.load_cached(
+        [bytes(32)], np.arange(4), torch.zeros(1, 3, dtype=torch.uint8), bytes(32)),
+     ValueError, "load_cached(): expected 1 keys, uint8 payload [1, "),
+    ("add_sequence bad keys", lambda c: c.add_sequence("n", [1, 2, 3, 4, 5], keys=["k"]),
+     TypeError, "keys must be a list of 32-byte block keys"),
+    ("admit short key", lambda c: c.admit("n", [1, 2, 3, 4, 5], keys=[bytes(8)]),
+     TypeError, "keys must be a list of 32-byte block keys"),
 ]
 
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from paged_kv import OutOfBlocksError, PagedKVCache
-from paged_kv._decode import numba
 from paged_kv.cache import snapshot
 from paged_kv.kernels.quant import dequantize_reference, quantize_reference
+from paged_kv.step.decode import numba
 
 from ..conftest import assert_same_snapshot, tiny_config
 
@@ -65,7 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
         seq_id = self._new_id()
         hit = self.cache.add_sequence(seq_id, prompt or None)
         assert hit % self.cache.config.block_size == 0 and (hit < len(prompt) or hit == 0)
-        assert self.cache.seq_len(seq_id) == hit
+        assert self.cache.tables.num_tokens_of(seq_id) == hit
         self.tokens[seq_id] = prompt[:hit]
         self.kv[seq_id] = [kv_for(tuple(prompt[: i + 1])) for i in range(hit)]
         self.pending[seq_id] = prompt[hit:]
@@ -193,10 +193,10 @@ class CacheMachine(RuleBasedStateMachine):
         stats = self.cache.stats()
         assert (stats.num_live_blocks + stats.num_cached_blocks + stats.num_free_blocks
                 == stats.num_blocks - 1)
-        assert set(self.cache.seq_ids) == set(self.tokens)
+        assert set(self.cache.tables.seq_ids) == set(self.tokens)
         resident = [s for s in self.tokens if not self._is_swapped(s)]
         for seq_id in resident:
-            assert self.cache.seq_len(seq_id) == len(self.tokens[seq_id])
+            assert self.cache.tables.num_tokens_of(seq_id) == len(self.tokens[seq_id])
         if not resident:
             return
         for layer in range(2):

@@ -16,11 +16,11 @@ import torch
 from hypothesis import given, settings
 
 from paged_kv import OutOfBlocksError, PagedKVCache
-from paged_kv._decode import numba
-from paged_kv._tokens import parse_step, tokens_to_array
 from paged_kv.allocator import BlockAllocator
 from paged_kv.cache import snapshot
 from paged_kv.keys import hash_block, hash_chain, root_hash
+from paged_kv.step.decode import numba
+from paged_kv.step.parse import parse_step, tokens_to_array
 
 from ..conftest import assert_same_snapshot, tiny_config
 
@@ -114,7 +114,7 @@ def test_rows_of_handle_is_reused_until_the_set_changes():
     cache.free("a")
     with pytest.raises(ValueError, match="not resident"):
         cache.prepare_decode(rows, np.array([6, 7]))  # a stale handle is caught
-    assert cache.seq_len("b") == 4
+    assert cache.tables.num_tokens_of("b") == 4
 
 
 def test_decode_accepts_a_token_tensor_and_plain_lists():
@@ -146,7 +146,7 @@ def test_single_sequence_step_copies_a_shared_last_block(new_tokens):
         cache.write(layer, torch.ones(1, 2, 4), -torch.ones(1, 2, 4), batch)
     keys, _ = cache.gather(0, ["p", "c"])
     assert torch.equal(keys[1, :6], k) and torch.equal(keys[1, 6], torch.ones(2, 4))
-    assert torch.equal(keys[0, :6], k) and (keys[0, 6:cache.seq_len("p")] == 9).all()
+    assert torch.equal(keys[0, :6], k) and (keys[0, 6:cache.tables.num_tokens_of("p")] == 9).all()
     cache.check()
 
 
@@ -190,6 +190,31 @@ def test_admit_equals_add_sequence_then_prepare(caching, max_tokens):
                 cache.free(i - 1)
         caches[1].check()
         assert_same_snapshot(snapshot(caches[0]), snapshot(caches[1]), f"request {i}")
+
+
+@pytest.mark.parametrize("admit", [True, False])
+def test_an_admission_takes_its_cached_hits_before_it_allocates(admit):
+    """With no free block left, the blocks an admission allocates come from evicting cached
+    ones: its own prefix hits must be taken first, or the least recently freed (here a
+    hit) is evicted and handed out twice."""
+    cache = PagedKVCache(tiny_config(num_blocks=9, block_size=4))  # 8 usable blocks
+    a, c = list(range(8)), list(range(50, 58))
+    for seq_id, prompt in (("a", a), ("c", c)):
+        cache.admit(seq_id, prompt)  # 2 full blocks, indexed
+    a_blocks = cache.tables.blocks("a").tolist()
+    cache.free("a")  # cached first: evicted first
+    cache.free("c")
+    cache.add_sequence("x")
+    cache.prepare({"x": 16})  # the 4 free blocks: only cached ones are left
+    if admit:
+        hit, _ = cache.admit("b", [*a, 9])
+    else:
+        hit = cache.add_sequence("b", [*a, 9])
+        cache.prepare({"b": [9]})
+    cache.check()
+    blocks = cache.tables.blocks("b").tolist()
+    assert hit == 8 and blocks[:2] == a_blocks and blocks[2] not in a_blocks
+    assert cache.stats().num_cached_blocks == 1, "one of c's blocks was evicted"
 
 
 def test_admit_out_of_blocks_adds_nothing():
@@ -272,19 +297,23 @@ def test_hash_chain_equals_hash_block_one_by_one(token_ids, salt):
         keys, [token_ids[8 * i: 8 * i + 8] for i in range(num_blocks)])
 
 
-def test_match_stops_at_the_first_miss_and_returns_its_key():
+def test_match_hashes_only_to_the_first_miss_and_uses_the_keys_given():
     allocator = BlockAllocator(8)
     data = np.arange(12, dtype="<i4").tobytes()  # 3 blocks of 4 tokens
     keys, pieces = hash_chain(root_hash(), data, 3)
     ids = allocator.allocate(2).tolist()
     allocator.register_chain(ids, root_hash(), data[:32])
-    assert allocator.match(root_hash(), data, 3) == (ids, keys)
-    assert allocator.match(root_hash(), data[:32], 2) == (ids, keys[:2])
+    assert allocator.match(data, 3, [], root_hash()) == (ids, keys)
+    assert allocator.match(data[:32], 2, [], root_hash()) == (ids, keys[:2])
+    assert allocator.match(data, 3, keys[:1], b"unused") == (ids, keys), "hashed from keys[0]"
+    assert allocator.match(data[:16], 1, keys, b"unused") == (ids[:1], keys), "keys kept"
     other = data[:16] + bytes(16)
-    assert allocator.match(root_hash(), other, 2) == (ids[:1], [keys[0],
-                                                               hash_block(keys[0], bytes(16))])
+    assert allocator.match(other, 2, [], root_hash()) == (
+        ids[:1], [keys[0], hash_block(keys[0], bytes(16))]), "stops at the first miss"
+    assert allocator.match(other, 2, keys[:2], root_hash()) == (ids[:1], keys[:2]), \
+        "a key found with other tokens is a miss"
     assert pieces[0] == data[:16]
-    assert allocator.match(root_hash(), b"", 0) == ([], [])
+    assert allocator.match(b"", 0, [], root_hash()) == ([], [])
 
 
 def test_decode_batch_seq_ids_survive_the_callers_array_and_later_frees():

@@ -16,7 +16,7 @@ except ImportError:  # the compiled page-table path is then not there to test
     numba = None
 
 from paged_kv import PagedKVCache
-from paged_kv.prefix import forget_unwritten, match_prefix
+from paged_kv.step.prefix import match_prefix
 
 from ..conftest import tiny_config
 
@@ -118,8 +118,7 @@ def test_a_rolled_back_step_unindexes_the_partly_written_block_it_completed(writ
     _step(cache, {"a": tokens[:written]})
     cache.prepare({"a": tokens[written:]})  # planned and indexed, then the model fails
     assert match_prefix(cache.allocator, [*tokens, 0], BLOCK) == 12
-    forget_unwritten(cache.allocator, cache.tables, "a", written, BLOCK)
-    cache.truncate("a", written)
+    cache.truncate("a", written, unwritten=True)
     assert match_prefix(cache.allocator, [*tokens, 0], BLOCK) == written // BLOCK * BLOCK
     cache.free("a")
     assert cache.stats().num_cached_blocks == written // BLOCK

@@ -14,9 +14,8 @@ import torch
 
 from paged_kv.cache import PagedKVCache
 from paged_kv.keys import encode_tokens, hash_block, root_hash
-from paged_kv.offload import load_blocks
-from paged_kv.prefix import match_prefix
 from paged_kv.serving import SamplingParams
+from paged_kv.step.prefix import match_prefix
 from paged_kv.tiers import TierConfig
 
 from ..conftest import tiny_config
@@ -124,7 +123,7 @@ def test_a_loaded_run_is_evicted_tail_first():
         chain = hash_block(chain, encode_tokens(tokens[start:start + size]))
         keys.append(chain)
     payload = torch.zeros(4, cache.pool.block_nbytes, dtype=torch.uint8)
-    assert load_blocks(cache, keys, tokens[:4 * size], payload, root_hash(None)) == 4
+    assert cache.load_cached(keys, tokens[:4 * size], payload, root_hash(None)) == 4
     assert match_prefix(cache.allocator, tokens, size) == 4 * size
     allocator = cache.allocator
     allocator.allocate(allocator.num_free_blocks + 1)  # one cached block must go

@@ -13,7 +13,6 @@ import torch
 
 from ...cache import PagedKVCache
 from ...page_table import StepBatch
-from ...pool import OP_COPY, OP_SWAP_OUT
 
 HEADER = 8  # cmd, payload length, tokens, batch size, block-table width, logits rows, ops
 CMD_STEP, CMD_STOP, CMD_INFO, CMD_POOL = 1, 2, 3, 4
@@ -61,11 +60,4 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int,
 
 def apply_ops(cache: PagedKVCache, ops: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> None:
     """Replay rank 0's pool operations on this rank's pool (same block ids)."""
-    pool = cache.pool
-    for kind, src, dst in ops:
-        if kind == OP_COPY:
-            pool.copy(src, dst)
-        elif kind == OP_SWAP_OUT:
-            pool.swap_out(src, dst)
-        else:
-            pool.swap_in(src, dst)
+    cache.pool.replay_ops(list(ops))

@@ -11,9 +11,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._checks import read_only
+from .._checks import read_only
+from ..page_table import PageTables
 from .batch import SeqId
-from .page_table import PageTables
 
 MAX_TOKEN_ID = 2**31 - 1
 _pack = struct.pack

@@ -1,11 +1,14 @@
-"""`HostTier`: the host pool's block ids, the sequences swapped into it, and the swaps.
+"""`SwapSpace`: the swap area: the host pool's block ids, the sequences swapped into it,
+and the swaps.
 
-The first tier behind the device pool. It owns its own `BlockAllocator` (no prefix index:
-a swapped sequence's blocks belong to it alone), the prefix keys its swapped blocks had on
-the device (so they are indexed again when they come back), and how many swap-outs it took.
-The tensors stay in `KVPool` (``pool.host``), which moves the bytes and logs each move for
-tensor-parallel ranks. Further tiers (disk, a shared store) stand behind this one and speak
-the same language: block ids in, keys kept, `check` and counters of their own.
+Preempted sequences that are still live wait here, whole, never evicted. It owns its own
+`BlockAllocator` (no prefix index: a swapped sequence's blocks belong to it alone), the
+prefix keys its swapped blocks had on the device (so they are indexed again when they come
+back), and how many swap-outs it took. The tensors stay in `KVPool` (``pool.host``), which
+moves the bytes and logs each move for tensor-parallel ranks.
+
+Not to be confused with the host-RAM *cache tier* (`paged_kv.tiers.memory.HostStore`),
+which keeps copies of indexed prefix blocks for later prompts and may drop them at will.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ from __future__ import annotations
 import numpy as np
 
 from .allocator import BlockAllocator
-from .batch import SeqId
 from .errors import InvariantError, OutOfBlocksError
 from .keys import encode_tokens
 from .page_table import PageTables
 from .pool import KVPool
+from .step.batch import SeqId
 
 
-class HostTier:
+class SwapSpace:
     """Swaps whole sequences between the device pool and `num_blocks` host blocks.
 
     Parameters
@@ -35,7 +38,7 @@ class HostTier:
     def __init__(self, num_blocks: int, tables: PageTables, allocator: BlockAllocator,
                  pool: KVPool) -> None:
         self.allocator = BlockAllocator(num_blocks + 1, enable_prefix_caching=False)
-        self._tables, self._device, self._pool = tables, allocator, pool
+        self._tables, self._device_allocator, self._pool = tables, allocator, pool
         self._keys: dict[SeqId, list[bytes | None]] = {}  # device prefix keys of swapped blocks
         self.num_swap_outs = 0
 
@@ -46,35 +49,39 @@ class HostTier:
     def swap_out(self, seq_id: SeqId) -> None:
         """Move a resident sequence's blocks here and release its device blocks."""
         block_ids = self._tables.blocks(seq_id)
-        if not self.allocator.can_allocate(block_ids.size):
-            raise OutOfBlocksError(block_ids.size, self.allocator.num_obtainable_blocks,
-                                   "swap_out() host pool")
-        host_ids = self.allocator.allocate(block_ids.size)
-        self._pool.swap_out(block_ids, host_ids)
-        self._keys[seq_id] = [self._device.block_hash(b) for b in block_ids.tolist()]
-        self._device.free(block_ids, unique=True)
-        self._tables.set_swapped(seq_id, host_ids, True)
+        keys = [self._device_allocator.block_hash(b) for b in block_ids.tolist()]
+        self._move(seq_id, block_ids, self.allocator, self._device_allocator,
+                   "swap_out() host pool")
+        self._keys[seq_id] = keys
         self.num_swap_outs += 1
 
     def swap_in(self, seq_id: SeqId) -> None:
         """Bring a swapped-out sequence back into fresh device blocks, indexed again under
         the keys they had."""
-        host_ids = self._tables.blocks(seq_id)
-        if not self._device.can_allocate(host_ids.size):
-            raise OutOfBlocksError(host_ids.size, self._device.num_obtainable_blocks,
-                                   "swap_in()")
-        block_ids = self._device.allocate(host_ids.size)
-        self._pool.swap_in(host_ids, block_ids)
-        self.allocator.free(host_ids, unique=True)
-        self._tables.set_swapped(seq_id, block_ids, False)
+        block_ids = self._move(seq_id, self._tables.blocks(seq_id), self._device_allocator,
+                               self.allocator, "swap_in()")
         token_ids = self._tables.token_ids[self._tables.row_of[seq_id]]
         size = self._tables.block_size
         parent = b""  # events report the first block's parent as unknown
         for j, key in enumerate(self._keys.pop(seq_id)):
             if key is not None:
                 block_tokens = encode_tokens(token_ids[j * size:(j + 1) * size])
-                self._device.register(int(block_ids[j]), key, block_tokens, parent)
+                self._device_allocator.register(int(block_ids[j]), key, block_tokens, parent)
             parent = key or b""
+
+    def _move(self, seq_id: SeqId, src_ids: np.ndarray, dst: BlockAllocator,
+              src: BlockAllocator, what: str) -> np.ndarray:
+        """Copy a sequence's blocks `src_ids` (of `src`) into fresh blocks of `dst`, free
+        the old ones and re-point its row; returns the new ids. The one swap, both ways:
+        which pool is the host's follows from `dst`."""
+        if not dst.can_allocate(src_ids.size):
+            raise OutOfBlocksError(src_ids.size, dst.num_obtainable_blocks, what)
+        dst_ids = dst.allocate(src_ids.size)
+        to_host = dst is self.allocator
+        (self._pool.swap_out if to_host else self._pool.swap_in)(src_ids, dst_ids)
+        src.free(src_ids, unique=True)
+        self._tables.set_swapped(seq_id, dst_ids, to_host)
+        return dst_ids
 
     def drop(self, seq_id: SeqId, host_ids: np.ndarray) -> None:
         """Forget a swapped sequence that is being freed; its host blocks return here."""

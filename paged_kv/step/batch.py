@@ -1,4 +1,5 @@
-"""`StepBatch`: one step's page table in the forms kernels read, built once per step.
+"""`StepBatch`: one step's page table in the forms kernels read, built once per step (and
+`sequence_tables`, the same forms of sequences as they are now, for a gather).
 
 Built by the cache's step commit from host arrays and shipped to the device once; every
 layer's write, gather and attention reuse it.
@@ -11,6 +12,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
+
+from .._checks import require_resident
 
 SeqId = Hashable
 
@@ -174,3 +177,32 @@ class StepBatch:
         return cls(seq_ids if type(seq_ids) is RowNames else tuple(seq_ids), *tensors,
                    num_tokens, int(seq_lens.max()) if max_seq_len is None else max_seq_len,
                    max_query_len, block_size, (block_tables, num_blocks, seq_lens))
+
+
+BatchOrSeqIds = StepBatch | Sequence[SeqId]
+
+
+def sequence_tables(tables, what: str, batch_or_seq_ids: BatchOrSeqIds, device: torch.device,
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block tables ``[B, W]``, lengths ``[B]`` and the longest length of a step's batch, or
+    of resident sequences as they are now (`tables`, a `PageTables`, read only); TypeError /
+    KeyError / ValueError naming `what` for anything else."""
+    if isinstance(batch_or_seq_ids, StepBatch):
+        # the batch's tensors describe its sequences as prepare() left them
+        batch = batch_or_seq_ids
+        return batch.block_tables, batch.seq_lens, batch.max_seq_len
+    if isinstance(batch_or_seq_ids, str | bytes) or not isinstance(batch_or_seq_ids,
+                                                                     Sequence):
+        raise TypeError(f"{what}: expected a StepBatch or a list of sequence ids, "
+                        f"got {type(batch_or_seq_ids).__name__}")
+    seq_ids = batch_or_seq_ids
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"{what}: duplicate sequence ids in {list(seq_ids)!r}")
+    for seq_id in seq_ids:
+        require_resident(tables, what, seq_id)
+    rows = np.array([tables.row_of[s] for s in seq_ids], dtype=np.int64)
+    lengths = tables.num_tokens[rows]
+    width = max(int(tables.num_blocks[rows].max()) if rows.size else 0, 1)
+    block_tables = torch.from_numpy(tables.block_ids[rows, :width].copy()).to(device)
+    seq_lens = torch.from_numpy(lengths.astype(np.int32)).to(device)
+    return block_tables, seq_lens, int(lengths.max()) if rows.size else 0
