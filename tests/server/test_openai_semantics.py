@@ -121,23 +121,29 @@ def test_a_dead_engine_answers_503_on_health_and_requests():
 
 
 # -- bug 3: the stream is the text ---------------------------------------------------------
-def _word_tokenizer(tmp_path):
-    """Whole-word tokens with a metaspace ("▁") and clean-up on, so that the text of the
-    first tokens can end in a space that a following "," takes away: ``"fv "`` + ``","``
-    decodes to ``"fv,"`` (what many real checkpoints do)."""
+def word_tokenizer(path, words: list[str], chat_template: str | None = None):
+    """Whole-word tokens with a metaspace ("▁") and ``clean_up_tokenization_spaces=True``,
+    as many checkpoints ship, saved to `path`; returns (`HFTokenizer`, transformers')."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    words = ["\u2581fv", "\u2581xkzmn", "\u2581", ",", "\u2581hello", ".", "\u2581a"]
     vocab = {w: i for i, w in enumerate(["[UNK]", *words])}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
     backend.decoder = tokenizers.decoders.Metaspace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
                                                 clean_up_tokenization_spaces=True)
-    fast.save_pretrained(tmp_path)
+    fast.chat_template = chat_template
+    fast.save_pretrained(path)
     from paged_kv.server import HFTokenizer
 
-    return HFTokenizer(tmp_path)
+    return HFTokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _word_tokenizer(tmp_path):
+    """Tokens whose first ones can end in a space that a following "," takes away under
+    clean-up: ``"fv "`` + ``","`` decodes to ``"fv,"`` (what many real checkpoints do)."""
+    words = ["\u2581fv", "\u2581xkzmn", "\u2581", ",", "\u2581hello", ".", "\u2581a"]
+    return word_tokenizer(tmp_path, words)[0]
 
 
 def test_streamed_text_equals_the_whole_text_with_clean_up_spaces(tmp_path):

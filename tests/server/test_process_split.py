@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from .test_server import httpx, make_prompt, metric, reference, running_server, sse_events
+from .test_server import (
+    httpx,
+    leave_a_stream,
+    make_prompt,
+    metric,
+    reference,
+    running_server,
+    sse_events,
+)
 
 __all__ = ["reference"]  # the fixture, used below
 POISON = 299
@@ -280,12 +288,7 @@ def test_the_first_request_the_engine_sees_can_be_aborted(tmp_path):
     aborted (a fresh server, so the stream below is request 0 everywhere)."""
     with running_server(log=tmp_path / "log") as (_, url):
         body = {"prompt": "first", "max_tokens": 4000, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=60) as client, \
-                client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            for _ in range(3):
-                next(lines)
-            assert metric(url, "paged_kv_running_requests") == 1
+        leave_a_stream(url, body, lines=3, running=1)
         assert _live_blocks_freed(url), "request 0 still runs after its client left"
 
 
@@ -351,10 +354,5 @@ def test_n_2_chat_stream_gives_both_choices(shared_server):
 
 def test_n_2_stream_left_midway_frees_both_samples(shared_server):
     body = {"prompt": "two", "n": 2, "max_tokens": 4000, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, \
-            client.stream("POST", f"{shared_server}/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        for _ in range(6):
-            next(lines)
-        assert metric(shared_server, "paged_kv_running_requests") == 2
+    leave_a_stream(shared_server, body, lines=6, running=2)
     assert _live_blocks_freed(shared_server), "a sample of the left request still runs"

@@ -115,6 +115,18 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return prometheus_value(httpx.get(f"{url}/metrics", timeout=30).text, name, labels)
 
 
+def leave_a_stream(url: str, body: dict, lines: int, running: int) -> None:
+    """Stream a completion, read `lines` SSE lines, check that `running` sequences run on
+    live blocks, then leave: the connection closes mid-stream."""
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        events = response.iter_lines()
+        for _ in range(lines):
+            next(events)
+        assert metric(url, "paged_kv_running_requests") == running
+        assert metric(url, "paged_kv_blocks", '{state="live"}') > 0
+
+
 def sse_events(lines) -> list[dict]:
     events = []
     for line in lines:
@@ -202,13 +214,7 @@ def test_48_concurrent_streams_get_their_tokens_then_nothing_is_left(server, ref
 def test_disconnect_mid_stream_frees_the_blocks(server):
     body = {"prompt": make_prompt(40, seed=3), "max_tokens": 3000, "temperature": 0,
             "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, \
-            client.stream("POST", f"{server}/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-        assert metric(server, "paged_kv_running_requests") == 1
-        assert metric(server, "paged_kv_blocks", '{state="live"}') > 0
+    leave_a_stream(server, body, lines=3, running=1)
     for _ in range(200):  # bounded: the abort lands within a step of the disconnect
         if metric(server, "paged_kv_blocks", '{state="live"}') == 0:
             break

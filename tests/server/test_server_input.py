@@ -25,6 +25,7 @@ from paged_kv.server.http.protocol import InputLimits
 from paged_kv.serving import RequestOutput, SamplingParams, StepOutput, TinyLlama
 
 from .test_openai_semantics import CONFIG, PROMPT, make_client, sse
+from .test_openai_semantics import word_tokenizer as semantics_word_tokenizer
 from .test_server import httpx, running_server
 
 BIG = 2**64  # msgpack cannot send it: the engine core never may get it
@@ -287,21 +288,8 @@ REFUSE_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}"
 
 
 def word_tokenizer(path, chat_template: str | None = None):
-    """Whole-word tokens with a metaspace ("▁") and ``clean_up_tokenization_spaces=True``,
-    as many checkpoints ship, saved to `path`; returns (`HFTokenizer`, transformers')."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    vocab = {w: i for i, w in enumerate(["[UNK]", *WORDS])}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    backend.decoder = tokenizers.decoders.Metaspace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
-                                                clean_up_tokenization_spaces=True)
-    fast.chat_template = chat_template
-    fast.save_pretrained(path)
-    from paged_kv.server import HFTokenizer
-
-    return HFTokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+    """`WORDS` as a checkpoint's tokenizer, clean-up on; (`HFTokenizer`, transformers')."""
+    return semantics_word_tokenizer(path, WORDS, chat_template)
 
 
 class _Outputs:
