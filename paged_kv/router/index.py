@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..keys import encode_tokens, hash_chain, root_hash
+from ..keys import block_keys, root_hash
 
 # a cached block's worth by where it lives: the engine's pool, then the tiers behind it
 # (llm-d weighs gpu 1.0, cpu 0.8); "ROUTED" is the router's own guess, not yet confirmed
@@ -26,9 +26,7 @@ def prompt_keys(token_ids: Sequence[int], block_size: int, salt: str | None) -> 
     salt : str, optional
         The tenant (the replicas' prefix-cache salt); None: no tenants.
     """
-    num_blocks = len(token_ids) // block_size
-    data = encode_tokens(np.asarray(token_ids[:num_blocks * block_size], dtype=np.int64))
-    return hash_chain(root_hash(salt), data, num_blocks)[0]
+    return block_keys(np.asarray(token_ids, dtype=np.int64), block_size, root_hash(salt))
 
 
 class PrefixIndex:
