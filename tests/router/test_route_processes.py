@@ -26,6 +26,14 @@ KEYS = {"key-one": "one", "key-two": "two"}
 SHARED = (len(PROMPT) + 1) // 16 * 16  # the full blocks of PROMPT + " " (block size 16)
 
 
+
+def events_flags() -> list[str]:
+    """``--kv-events`` and ``--kv-events-replay`` on free ports of their own: the replay's
+    default, the next port, may be one another process took (seen in CI: every test of
+    the module errored on "Address already in use")."""
+    return ["--kv-events", f"tcp://127.0.0.1:{free_port()}",
+            "--kv-events-replay", f"tcp://127.0.0.1:{free_port()}"]
+
 class Process:
     """A server subprocess and its log."""
 
@@ -62,8 +70,8 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     serve = [sys.executable, "-m", "paged_kv.cli", "serve", "--api-keys", str(keys)]
     started: list[Process] = []
     try:
-        replicas = [Process([*serve, "--kv-events", f"tcp://127.0.0.1:{free_port()}"],
-                            tmp / f"replica{i}.log") for i in range(2)]
+        replicas = [Process([*serve, *events_flags()], tmp / f"replica{i}.log")
+                    for i in range(2)]
         silent = Process(serve, tmp / "silent.log")
         started += [*replicas, silent]
         for process in started:
@@ -184,8 +192,8 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(tmp_path):
     serve = [sys.executable, "-m", "paged_kv.cli", "serve"]
     started = []
     try:
-        replicas = [Process([*serve, "--kv-events", f"tcp://127.0.0.1:{free_port()}"],
-                            tmp_path / f"r{i}.log") for i in range(2)]
+        replicas = [Process([*serve, *events_flags()], tmp_path / f"r{i}.log")
+                    for i in range(2)]
         started += replicas
         for replica in replicas:
             replica.wait_healthy()
