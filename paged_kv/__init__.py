@@ -10,7 +10,7 @@ Three owners, composed by `PagedKVCache`:
 from .accounting import CacheStats, SequenceStats
 from .allocator import BlockAllocator
 from .cache import PagedKVCache
-from .config import CacheConfig
+from .config import CacheConfig, LayerKind
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
 from .keys import BlockEvent
 from .page_table import PageTables
@@ -24,6 +24,7 @@ __all__ = [
     "CacheStats",
     "InvariantError",
     "KVPool",
+    "LayerKind",
     "OutOfBlocksError",
     "PageTables",
     "PagedKVCache",

@@ -27,6 +27,7 @@ from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
+from .kernels.attention import attention_kind
 from .kernels.quant import raw, scale_kwargs
 from .keys import KEY_BYTES, BlockEvent, root_hash
 from .offload import load_blocks
@@ -513,8 +514,10 @@ class PagedKVCache:
         return k, v, cu_seqlens
 
     def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
-                  scale: float | None = None) -> torch.Tensor:
-        """Causal attention of the step's queries over each sequence's cached K/V.
+                  scale: float | None = None, *, sinks: torch.Tensor | None = None,
+                  softcap: float = 0.0) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's cached K/V, as the
+        layer's `LayerKind` reads it (the whole past, a sliding window, or its chunk).
 
         Parameters
         ----------
@@ -523,6 +526,12 @@ class PagedKVCache:
             ``num_kv_heads``.
         scale : float, optional
             Default ``head_dim ** -0.5``.
+        sinks : torch.Tensor, optional
+            ``[num_q_heads]`` learned sink logits (gpt-oss): each adds ``exp(sink)`` to its
+            head's softmax denominator, attending to nothing.
+        softcap : float
+            Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``
+            before the mask and softmax; 0 for none.
 
         Returns
         -------
@@ -540,7 +549,8 @@ class PagedKVCache:
                                        batch.seq_lens, batch.query_start_loc, scale,
                                        workspace=None if kernels.use_triton(query)
                                        else self._workspace_for(batch),
-                                       **self._scales_of(layer))
+                                       **self._scales_of(layer),
+                                       **attention_kind(self.config, layer, sinks, softcap))
 
     def _scales_of(self, layer: int, **extra: object) -> dict:
         """Keyword arguments that make a kernel read this layer's 8-bit pages (none for float

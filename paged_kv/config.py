@@ -12,6 +12,76 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # one scale per (token, layer, K/V, kv head) of 8-bit pages; bfloat16 for float32's range
 SCALE_DTYPE = torch.bfloat16
+ATTENTION_KINDS = ("full", "sliding", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one layer's attention reads of the past, which decides what the cache keeps.
+
+    Parameters
+    ----------
+    attention : str
+        ``"full"``: every earlier token. ``"sliding"``: the last `span` tokens, itself
+        included (a query at position ``i`` sees keys ``j`` with ``i - span < j <= i``;
+        Mistral, Gemma's local layers, gpt-oss). ``"chunked"``: the earlier tokens of its
+        own chunk of `span` (``j // span == i // span``; Llama 4's local layers).
+    span : int
+        The window or chunk length in tokens (>= 1); 0 for full attention.
+
+    Examples
+    --------
+    >>> LayerKind.sliding(512).window, LayerKind.chunked(8192).chunk, LayerKind().is_full
+    (512, 8192, True)
+    """
+
+    attention: str = "full"
+    span: int = 0
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"LayerKind.attention: expected one of {ATTENTION_KINDS}, "
+                             f"got {self.attention!r}")
+        if isinstance(self.span, bool) or not isinstance(self.span, int):
+            raise ValueError(f"LayerKind.span: expected an int, got {self.span!r}")
+        if self.attention == "full" and self.span:
+            raise ValueError(f"LayerKind.span: full attention has no span, got {self.span}")
+        if self.attention != "full" and self.span < 1:
+            raise ValueError(f"LayerKind.span: a {self.attention} layer needs a span >= 1, "
+                             f"got {self.span}")
+
+    @classmethod
+    def full(cls) -> LayerKind:
+        """Attention to every earlier token."""
+        return cls()
+
+    @classmethod
+    def sliding(cls, window: int) -> LayerKind:
+        """A sliding window of `window` tokens (the query's own included)."""
+        return cls("sliding", window)
+
+    @classmethod
+    def chunked(cls, chunk: int) -> LayerKind:
+        """Local attention inside aligned chunks of `chunk` tokens."""
+        return cls("chunked", chunk)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the layer reads the whole past."""
+        return self.attention == "full"
+
+    @property
+    def window(self) -> int:
+        """The sliding window in tokens (0 unless sliding)."""
+        return self.span if self.attention == "sliding" else 0
+
+    @property
+    def chunk(self) -> int:
+        """The chunk in tokens (0 unless chunked)."""
+        return self.span if self.attention == "chunked" else 0
+
+    def __str__(self) -> str:
+        return "full" if self.is_full else f"{self.attention}:{self.span}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +114,9 @@ class CacheConfig:
         ``"fp8_e5m2"`` in 8 bits with one `SCALE_DTYPE` scale per (token, layer, K/V, kv head)
         beside them (see docs/architecture.md). `write` takes and `gather` / `attention`
         return `dtype` either way.
+    layer_kinds : tuple of LayerKind
+        One per layer: full attention, a sliding window or chunked local attention (see
+        `LayerKind`); empty (the default) means every layer is full attention.
 
     Examples
     --------
@@ -69,6 +142,7 @@ class CacheConfig:
     num_host_blocks: int = 0
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
+    layer_kinds: tuple[LayerKind, ...] = ()
 
     def __post_init__(self) -> None:
         minimums = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1,
@@ -97,11 +171,29 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs "
                              f"torch.{KV_CACHE_DTYPES[self.kv_cache_dtype]}, which torch "
                              f"{torch.__version__} lacks; use 'int8' or upgrade torch")
+        self._check_layer_kinds()
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"CacheConfig.enable_prefix_caching: expected a bool, "
                 f"got {self.enable_prefix_caching!r}"
             )
+
+    def _check_layer_kinds(self) -> None:
+        kinds = self.layer_kinds
+        if not isinstance(kinds, list | tuple) or not all(isinstance(k, LayerKind)
+                                                        for k in kinds):
+            raise ValueError(f"CacheConfig.layer_kinds: expected a tuple of LayerKind, "
+                             f"got {kinds!r}")
+        if kinds and len(kinds) != self.num_layers:
+            raise ValueError(f"CacheConfig.layer_kinds: expected one per layer "
+                             f"({self.num_layers}), got {len(kinds)}")
+        # all full attention is the default layout: one spelling of it, so configs compare
+        object.__setattr__(self, "layer_kinds",
+                           () if all(k.is_full for k in kinds) else tuple(kinds))
+
+    def kind_of(self, layer: int) -> LayerKind:
+        """The `LayerKind` of `layer`."""
+        return self.layer_kinds[layer] if self.layer_kinds else _FULL
 
     @property
     def is_quantized(self) -> bool:
@@ -171,3 +263,6 @@ class CacheConfig:
                 f"of {probe.bytes_per_block} bytes; at least 2 are needed (one is the null block)"
             )
         return dataclasses.replace(probe, num_blocks=num_blocks)
+
+
+_FULL = LayerKind()

@@ -253,6 +253,24 @@ def paged_attention_triton(
     return out
 
 
+def attention_kind(config, layer: int, sinks: torch.Tensor | None = None,
+                   softcap: float = 0.0) -> dict:
+    """Keyword arguments of `paged_attention` for `layer` of a `CacheConfig` and the
+    model's sinks / soft-cap: none for a plain full-attention layer, so its call is as
+    before."""
+    kind = config.kind_of(layer)
+    extra = {}
+    if kind.window:
+        extra["window"] = kind.window
+    if kind.chunk:
+        extra["chunk"] = kind.chunk
+    if sinks is not None:
+        extra["sinks"] = sinks
+    if softcap:
+        extra["softcap"] = float(softcap)
+    return extra
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -266,6 +284,10 @@ def paged_attention(
     *,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached K/V, read through the page table.
 
@@ -305,6 +327,8 @@ def paged_attention(
     """
     quant.check_scales("paged_attention", key_cache, key_scales, value_scales)
     scales = quant.scale_kwargs(key_scales, value_scales)
+    if window or chunk or sinks is not None or softcap:
+        raise NotImplementedError("paged_attention: window / chunk / sinks / softcap")
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
                                       query_start_loc, scale, out, **scales)
