@@ -36,7 +36,7 @@ from .pool import KVPool
 from .step.batch import BatchOrSeqIds, SeqId, StepBatch, sequence_tables
 from .step.commit import StepCommitter
 from .step.parse import Step, decode_columns, parse_step, tokens_to_array
-from .step.plan import StepPlan, StepPlanner
+from .step.plan import Admission, StepPlanner
 from .step.prefix import forget_unwritten
 from .swap import SwapSpace
 
@@ -139,9 +139,7 @@ class PagedKVCache:
         tokens = (None if prompt_token_ids is None
                   else tokens_to_array("prompt_token_ids", prompt_token_ids))
         plan = self._plan_admission("add_sequence()", seq_id, tokens, salt, keys, 0)
-        self._planner.check(plan, "add_sequence()")  # takes no block: its hits only
-        self._committer.add_row(plan)
-        self._after_mutation()
+        self._commit_admission(plan, "add_sequence()")  # takes no block: its hits only
         return plan.num_hit
 
     def admit(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
@@ -191,21 +189,42 @@ class PagedKVCache:
                 max_tokens, int) or max_tokens < 1):
             raise ValueError(f"admit(): max_tokens must be an int >= 1, got {max_tokens!r}")
         plan = self._plan_admission("admit()", seq_id, tokens, salt, keys, max_tokens)
-        self._planner.check(plan, "admit()")
-        batch = self._committer.admit(plan)
-        self._after_mutation()
-        return plan.num_hit, batch
+        return plan.num_hit, self._commit_admission(plan, "admit()", prepare=True)
+
+    def plan_admission(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
+                       salt: str | None = None, keys: Sequence[bytes] = (),
+                       max_tokens: int | None = None, lookup: bool = True) -> Admission:
+        """What adding `seq_id` with this prompt and preparing its next `max_tokens` tokens
+        would take now (every key of the prompt's full blocks, its cached prefix, the
+        blocks); changes nothing. A scheduler tests it with `paged_kv.step.plan.fits`, then
+        adds the sequence with its keys (`lookup=False`: the prompt is not looked up, as
+        for a request that wants every position's log-probabilities)."""
+        require_new(self._tables, "plan_admission()", seq_id)
+        tokens = tokens_to_array("plan_admission(): prompt_token_ids", prompt_token_ids)
+        return self._plan_admission("plan_admission()", seq_id, tokens, salt, keys,
+                                    max_tokens, lookup=lookup, complete=True)
 
     def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
-                        salt: str | None, keys: Sequence[bytes], max_tokens: int | None):
+                        salt: str | None, keys: Sequence[bytes], max_tokens: int | None,
+                        *, lookup: bool = True, complete: bool = False) -> Admission:
         """Validate the rest of an admission's arguments, then plan it (changes nothing)."""
         root = root_hash(salt)  # also the salt's check, with prefix caching off too
         # counted in C: a request's keys come with every admission
         if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
                          == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
             raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
-        return self._planner.plan_admission(seq_id, tokens, root, keys=keys,
-                                            max_tokens=max_tokens)
+        return self._planner.plan_admission(seq_id, tokens, root if lookup else None,
+                                            keys=keys, max_tokens=max_tokens,
+                                            complete=complete)
+
+    def _commit_admission(self, plan: Admission, what: str, *, prepare: bool = False,
+                          ) -> StepBatch | None:
+        """Check an admission's plan, then commit its row (and, with `prepare`, its next
+        tokens' step)."""
+        self._planner.check(plan, what)
+        batch = self._committer.admit(plan) if prepare else self._committer.add_row(plan)
+        self._after_mutation()
+        return batch if prepare else None
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share all of `parent`'s blocks; the first write into a shared,
@@ -317,14 +336,12 @@ class PagedKVCache:
         KeyError, TypeError, ValueError
             Unknown or swapped-out sequence, bad token ids or counts; nothing changed.
         """
-        return self._commit(self._plan(parse_step(new_tokens, self._tables), "prepare()"))
+        return self._step(parse_step(new_tokens, self._tables), "prepare()")
 
-    def _plan(self, step: Step, what: str) -> StepPlan:
-        plan = self._planner.plan(step)
+    def _step(self, step: Step, what: str, decode: bool | None = None) -> StepBatch:
+        """Plan, check and commit a parsed step (``decode=True``: one token a row)."""
+        plan = self._planner.plan(step, decode=decode)
         self._planner.check(plan, what)
-        return plan
-
-    def _commit(self, plan: StepPlan) -> StepBatch:
         batch = self._committer.commit(plan)
         self._after_mutation()
         return batch
@@ -381,9 +398,7 @@ class PagedKVCache:
                 raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
                                  f"(one per row), got {tokens.shape}")
         step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
-        plan = self._planner.plan(step, decode=True)
-        self._planner.check(plan, "prepare_decode()")
-        return self._commit(plan)
+        return self._step(step, "prepare_decode()", decode=True)
 
     def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
                           *, per_sequence: bool = False) -> int | np.ndarray:

@@ -220,10 +220,22 @@ class CacheConfig:
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
+    def layer_groups(self) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
+        """The layers a block spans, as ``(kind, layers)`` groups (see `group_layers`): one
+        group of every layer for a full-attention model."""
+        return group_layers(self.layer_kinds or (_FULL,) * self.num_layers)
+
+    @property
+    def group_size(self) -> int:
+        """Layers one block holds: all of them for a uniform model, a group's for a hybrid
+        one (each group of layers has its own block table; see `group_layers`)."""
+        return len(self.layer_groups[0][1])
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V (scales included): the unit the
-        pool hands out."""
-        return self.bytes_per_token * self.block_size
+        """Bytes of one block across the layers it spans (`group_size`), K and V (scales
+        included): the unit the pool hands out."""
+        return self.bytes_per_token * self.block_size * self.group_size // self.num_layers
 
     @property
     def total_bytes(self) -> int:
@@ -266,3 +278,27 @@ class CacheConfig:
 
 
 _FULL = LayerKind()
+
+
+def group_layers(kinds: tuple[LayerKind, ...]) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
+    """Split layers into groups of one kind and one size, full-attention groups first.
+
+    Every group has as many layers as the rarest kind (vLLM's rule): then one block of any
+    group has the same bytes, one pool serves them all, and each group gets its own block
+    table (a window group's table gives back the blocks its window has left). A kind whose
+    count is not a multiple of that size gets a last group with fewer real layers; its
+    missing layers' planes are padding (``group_size`` per block still).
+
+    Examples
+    --------
+    >>> w, f = LayerKind.sliding(512), LayerKind.full()
+    >>> [(str(kind), layers) for kind, layers in group_layers((w, w, f, w, w, f))]
+    [('full', (2, 5)), ('sliding:512', (0, 1)), ('sliding:512', (3, 4))]
+    """
+    by_kind: dict[LayerKind, list[int]] = {}
+    for layer, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(layer)
+    size = min(map(len, by_kind.values()))
+    order = sorted(by_kind, key=lambda kind: not kind.is_full)  # stable: first seen first
+    return tuple((kind, tuple(by_kind[kind][start:start + size])) for kind in order
+                 for start in range(0, len(by_kind[kind]), size))

@@ -17,10 +17,8 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
-from ..keys import root_hash
 from ..step.batch import StepBatch
-from ..step.parse import tokens_to_array
-from ..step.plan import Admission, fits, plan_admission
+from ..step.plan import Admission, fits
 from .request import Request, Sequence, Status
 
 
@@ -149,12 +147,9 @@ class Scheduler:
         """What admitting `seq` with at most `budget` tokens would take now. Its block keys
         are computed once and kept on it (only blocks it gained since, by decoding before a
         preemption, are hashed): the device lookup, the tiers and the commit all use them."""
-        tokens = tokens_to_array("prompt", seq.token_ids)
-        caching = reuse and self.cache.allocator.enable_prefix_caching
-        root = root_hash(seq.request.salt) if caching else None
-        admission = plan_admission(self.cache.allocator, self.cache.config.block_size,
-                                   seq.seq_id, tokens, root, keys=seq.block_keys,
-                                   max_tokens=budget)
+        admission = self.cache.plan_admission(seq.seq_id, seq.token_ids, salt=seq.request.salt,
+                                              keys=seq.block_keys, max_tokens=budget,
+                                              lookup=reuse)
         if len(admission.keys) > len(seq.block_keys):
             seq.block_keys = admission.keys
         return admission

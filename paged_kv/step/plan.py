@@ -176,14 +176,15 @@ class StepPlanner:
         self._block_size = config.block_size
         self._indexing = config.enable_prefix_caching
 
-    def plan_admission(self, seq_id: SeqId, tokens: np.ndarray | None, root: bytes, *,
-                       keys: Sequence[bytes] = (), max_tokens: int | None = 0) -> Admission:
+    def plan_admission(self, seq_id: SeqId, tokens: np.ndarray | None, root: bytes | None, *,
+                       keys: Sequence[bytes] = (), max_tokens: int | None = 0,
+                       complete: bool = False) -> Admission:
         """`plan_admission` over this cache's owners (`root` the salt's; None when prefix
-        caching is off). Keys past the first miss are hashed by the commit, as it indexes
-        those blocks."""
+        caching is off or the prompt is not looked up). Unless `complete`, keys past the
+        first miss are hashed by the commit, as it indexes those blocks."""
         return plan_admission(self._allocator, self._block_size, seq_id, tokens,
                               root if self._indexing else None, keys=keys,
-                              max_tokens=max_tokens, complete=False)
+                              max_tokens=max_tokens, complete=complete)
 
     def check(self, plan: StepPlan | Admission, what: str = "prepare()") -> None:
         """Raise `OutOfBlocksError` unless `plan` `fits` in the blocks obtainable now."""
