@@ -12,6 +12,7 @@ from .allocator import BlockAllocator
 from .cache import PagedKVCache
 from .config import CacheConfig, LayerKind
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
+from .hybrid import HybridKVCache
 from .keys import BlockEvent
 from .page_table import PageTables
 from .pool import KVPool
@@ -22,6 +23,7 @@ __all__ = [
     "BlockEvent",
     "CacheConfig",
     "CacheStats",
+    "HybridKVCache",
     "InvariantError",
     "KVPool",
     "LayerKind",

@@ -65,6 +65,12 @@ class CacheStats:
         Host-pool blocks holding swapped-out sequences.
     sequences : tuple of SequenceStats
         Per-sequence breakdown, in insertion order.
+    blocks_by_kind : tuple of (str, int)
+        A hybrid layout's blocks held by sequences' rows, per layer kind (``"full"``,
+        ``"sliding:512"``, ...); empty for a uniform one.
+    num_given_back, bytes_given_back : int
+        Blocks (and their bytes) window and chunked rows gave back to the pool as their
+        window moved on (cumulative; 0 for a uniform layout).
     """
 
     num_blocks: int
@@ -83,6 +89,9 @@ class CacheStats:
     num_swap_outs: int
     num_swapped_blocks: int
     sequences: tuple[SequenceStats, ...]
+    blocks_by_kind: tuple[tuple[str, int], ...] = ()
+    num_given_back: int = 0
+    bytes_given_back: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -21,19 +21,18 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from . import kernels
-from ._checks import check_tensor, require_known, require_layer, require_new, require_resident
+from ._checks import require_known, require_new, require_resident
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
 from .config import CacheConfig
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
-from .kernels.attention import attention_kind
-from .kernels.quant import raw, scale_kwargs
+from .kernels.quant import raw
 from .keys import KEY_BYTES, BlockEvent, root_hash
+from .layer_access import LayerAccess
 from .offload import load_blocks
 from .page_table import PageTables
 from .pool import KVPool
-from .step.batch import BatchOrSeqIds, SeqId, StepBatch, sequence_tables
+from .step.batch import SeqId, StepBatch
 from .step.commit import StepCommitter
 from .step.parse import Step, decode_columns, parse_step, tokens_to_array
 from .step.plan import Admission, StepPlanner
@@ -43,7 +42,7 @@ from .swap import SwapSpace
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
-class PagedKVCache:
+class PagedKVCache(LayerAccess):
     """A paged KV cache for many sequences at once.
 
     Parameters
@@ -69,6 +68,19 @@ class PagedKVCache:
     >>> cache.stats().num_live_blocks, cache.stats().num_empty_slots
     (2, 3)
     """
+
+    _layout_of_kinds: type | None = None  # the subclass that serves layer kinds
+
+    def __init_subclass__(cls, *, serves_layer_kinds: bool = False, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if serves_layer_kinds:  # paged_kv.hybrid's, registered as the package loads
+            PagedKVCache._layout_of_kinds = cls
+
+    def __new__(cls, config: CacheConfig, *args, **kwargs) -> PagedKVCache:
+        # a config with window or chunked layers gets per-group block tables
+        if cls is PagedKVCache and isinstance(config, CacheConfig) and config.layer_kinds:
+            return super().__new__(PagedKVCache._layout_of_kinds)
+        return super().__new__(cls)
 
     def __init__(self, config: CacheConfig, *, compiled: bool | None = None) -> None:
         if not isinstance(config, CacheConfig):
@@ -450,144 +462,6 @@ class PagedKVCache:
         self._swap.swap_in(seq_id)
         self._after_mutation()
 
-    # -- the worker side: K/V of a layer ------------------------------------------------
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              batch: StepBatch) -> None:
-        """Scatter the step's new K/V of one layer into their slots.
-
-        Parameters
-        ----------
-        layer : int
-        key, value : torch.Tensor
-            ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device
-            (quantized on the way in when ``kv_cache_dtype`` is 8-bit).
-        batch : StepBatch
-            From this step's `prepare`.
-
-        Mutates
-        -------
-        The pool's slots named by ``batch.slot_mapping``.
-        """
-        require_layer(self.config, "write()", layer)
-        self._require_batch("write()", batch)
-        shape = (batch.num_tokens, self.config.num_kv_heads, self.config.head_dim)
-        for name, tensor in (("key", key), ("value", value)):
-            check_tensor(f"write(): {name}", tensor, shape, dtype=self.config.dtype,
-                         device=self.config.device)
-        kernels.write_kv(key, value, *self._pool.layer(layer), batch.slot_mapping,
-                         *self._pool.layer_scales(layer))
-
-    def gather(self, layer: int, batch_or_seq_ids: BatchOrSeqIds, pad_to: int | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None, *, packed: bool = False,
-               ) -> tuple[torch.Tensor, ...]:
-        """Contiguous K/V of some sequences as they are now: zero-padded, or packed end to
-        end (the varlen form an attention kernel of one's own reads).
-
-        Returns
-        -------
-        (torch.Tensor, torch.Tensor)
-            K and V ``[B, T, num_kv_heads, head_dim]``, ``T = pad_to or`` the longest length,
-            zeros past each sequence's length; the cache's `dtype` (dequantized from 8-bit
-            pages).
-        (torch.Tensor, torch.Tensor, torch.Tensor)
-            With ``packed=True``: K and V ``[total_tokens, num_kv_heads, head_dim]`` and
-            ``cu_seqlens [B + 1]`` int32 (`pad_to` must be None: nothing is padded).
-        """
-        what = "gather(packed=True)" if packed else "gather()"
-        require_layer(self.config, what, layer)
-        block_tables, seq_lens, longest = sequence_tables(
-            self._tables, what, batch_or_seq_ids, self.config.device)
-        if packed:
-            if pad_to is not None:
-                raise ValueError(f"{what}: pad_to pads each sequence; packed K/V have none")
-            return self._gather_packed(layer, block_tables, seq_lens, out)
-        if pad_to is not None and (not isinstance(pad_to, int) or pad_to < longest):
-            raise ValueError(f"gather(): pad_to must be an int >= the longest sequence "
-                             f"({longest}), got {pad_to!r}")
-        length = longest if pad_to is None else pad_to
-        if out is not None:
-            shape = (seq_lens.shape[0], length, self.config.num_kv_heads, self.config.head_dim)
-            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
-                check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
-                             device=self.config.device)
-        return kernels.gather_kv(*self._pool.layer(layer), block_tables, seq_lens, length, out,
-                                 **self._scales_of(layer, out_dtype=self.config.dtype))
-
-    def _gather_packed(self, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       out: tuple[torch.Tensor, torch.Tensor] | None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-        torch.cumsum(seq_lens, 0, out=cu_seqlens[1:])
-        if out is not None:
-            shape = (int(cu_seqlens[-1]), self.config.num_kv_heads, self.config.head_dim)
-            for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
-                check_tensor(f"gather(packed=True): {name}", tensor, shape,
-                             dtype=self.config.dtype, device=self.config.device)
-        k, v = kernels.gather_kv_packed(*self._pool.layer(layer), block_tables, seq_lens,
-                                        cu_seqlens, out,
-                                        **self._scales_of(layer, out_dtype=self.config.dtype))
-        return k, v, cu_seqlens
-
-    def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
-                  scale: float | None = None, *, sinks: torch.Tensor | None = None,
-                  softcap: float = 0.0) -> torch.Tensor:
-        """Causal attention of the step's queries over each sequence's cached K/V, as the
-        layer's `LayerKind` reads it (the whole past, a sliding window, or its chunk).
-
-        Parameters
-        ----------
-        query : torch.Tensor
-            ``[batch.num_tokens, num_q_heads, head_dim]``; ``num_q_heads`` a multiple of
-            ``num_kv_heads``.
-        scale : float, optional
-            Default ``head_dim ** -0.5``.
-        sinks : torch.Tensor, optional
-            ``[num_q_heads]`` learned sink logits (gpt-oss): each adds ``exp(sink)`` to its
-            head's softmax denominator, attending to nothing.
-        softcap : float
-            Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``
-            before the mask and softmax; 0 for none.
-
-        Returns
-        -------
-        torch.Tensor
-            ``[batch.num_tokens, num_q_heads, head_dim]``.
-        """
-        require_layer(self.config, "attention()", layer)
-        self._require_batch("attention()", batch)
-        check_tensor("attention(): query", query, (batch.num_tokens, None, self.config.head_dim),
-                     dtype=self.config.dtype, device=self.config.device)
-        if query.shape[1] % self.config.num_kv_heads:
-            raise ValueError(f"attention(): query heads ({query.shape[1]}) must be a multiple "
-                             f"of num_kv_heads ({self.config.num_kv_heads})")
-        return kernels.paged_attention(query, *self._pool.layer(layer), batch.block_tables,
-                                       batch.seq_lens, batch.query_start_loc, scale,
-                                       workspace=None if kernels.use_triton(query)
-                                       else self._workspace_for(batch),
-                                       **self._scales_of(layer),
-                                       **attention_kind(self.config, layer, sinks, softcap))
-
-    def _scales_of(self, layer: int, **extra: object) -> dict:
-        """Keyword arguments that make a kernel read this layer's 8-bit pages (none for float
-        pages, so their calls stay as they were)."""
-        return scale_kwargs(*self._pool.layer_scales(layer), **extra)
-
-    def _workspace_for(self, batch: StepBatch) -> torch.Tensor:
-        """Scratch for the torch attention path's gathers, grown on demand, reused by every
-        layer and step."""
-        block_size, config = self.config.block_size, self.config
-        length = -(-batch.max_seq_len // block_size) * block_size
-        need = 2 * batch.batch_size * length * config.num_kv_heads * config.head_dim
-        if self._workspace.numel() < need:
-            self._workspace = torch.empty(need + need // 2, dtype=config.dtype,
-                                          device=config.device)
-        return self._workspace
-
-    def _require_batch(self, what: str, batch: object) -> None:
-        if not isinstance(batch, StepBatch):
-            raise TypeError(f"{what}: batch must be the StepBatch prepare() returned, "
-                            f"got {type(batch).__name__}")
-
     # -- accounting and checking ----------------------------------------------------------
     def stats(self) -> CacheStats:
         """Where every block and byte is now (see `CacheStats`)."""
@@ -619,4 +493,7 @@ def snapshot(cache: PagedKVCache) -> tuple:
     tensors = tuple(None if t is None else raw(t).clone() for t in (
         pool.kv, pool.host, pool.scales, pool.host_scales))
     host = None if cache._swap is None else cache._swap.snapshot()
-    return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors
+    # a hybrid layout's every layer group: its rows, and the blocks its window gave back
+    groups = tuple((g.tables.snapshot(), g.released.tobytes())
+                   for g in getattr(cache, "groups", ()))
+    return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors, groups

@@ -183,13 +183,22 @@ class PageTables:
         """``[num_seqs]`` int64 rows in use, in insertion order."""
         return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
 
-    def check(self) -> None:
-        """Raise `InvariantError` if a row's blocks disagree with its token count."""
+    def check(self, null_prefix: np.ndarray | None = None) -> None:
+        """Raise `InvariantError` if a row's blocks disagree with its token count.
+
+        `null_prefix` (``[rows]``, optional): how many leading entries of each row are the
+        null block by design (blocks a window layer's row gave back); none elsewhere.
+        """
         rows = self.rows()
         expected = -(-self._num_tokens[rows] // self.block_size)
         bad = np.flatnonzero(self._num_blocks[rows] != expected)
         ensure(bad.size == 0, f"rows {rows[bad].tolist()} hold a wrong number of blocks")
-        in_use = np.arange(self._block_ids.shape[1]) < self._num_blocks[:, None]
+        columns = np.arange(self._block_ids.shape[1])
+        in_use = columns < self._num_blocks[:, None]
+        if null_prefix is not None:
+            ensure(not self._block_ids[columns < null_prefix[:, None]].any(),
+                   "a row holds a block its window gave back")
+            in_use &= columns >= null_prefix[:, None]
         ensure(not (self._block_ids[in_use] == 0).any(), "a row points at the null block")
         ensure(not self._block_ids[~in_use].any(), "a row has entries past its blocks")
         free = np.array(self._free_rows, dtype=np.int64)

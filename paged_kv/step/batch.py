@@ -78,6 +78,9 @@ class StepBatch:
     block_size: int
     _host: tuple[np.ndarray, np.ndarray, np.ndarray]  # block tables, num blocks, seq lens
     _csr: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    # a hybrid layout's step: one batch per layer group (each its own block tables and
+    # slots), this one being the first group's; empty for a uniform layout
+    groups: tuple = dataclasses.field(default=(), repr=False)
 
     @property
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

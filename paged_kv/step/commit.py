@@ -96,14 +96,8 @@ class StepCommitter:
 
     def _admission_batch(self, seq_id: SeqId, ids: np.ndarray, end: int, count: int,
                          new_ids: np.ndarray) -> StepBatch:
-        """An admission's batch: its row holds `ids`; its `count` new tokens fill `new_ids`
-        from their start."""
-        block_size = self._block_size
-        slots = (new_ids[:, None] * block_size + self._offsets).ravel()[:count]
-        return StepBatch.from_host(
-            (seq_id,), ids.astype(np.int32)[None], np.array([ids.size]),
-            np.array([end], dtype=np.int32), np.array([0, count], dtype=np.int32), slots,
-            count, count, block_size, self._device, max_seq_len=end)  # int32: shipped as is
+        return admission_batch(seq_id, ids, end, count, new_ids, self._block_size,
+                               self._device)
 
     # -- a step ---------------------------------------------------------------------------
     def commit(self, plan: StepPlan) -> StepBatch:
@@ -179,3 +173,14 @@ class StepCommitter:
         block_tables = tables.block_ids[:, : int(num_blocks.max())][rows]
         return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
                                      step.counts, self._block_size, self._device)
+
+
+def admission_batch(seq_id: SeqId, ids: np.ndarray, end: int, count: int, new_ids: np.ndarray,
+                    block_size: int, device) -> StepBatch:
+    """An admission's batch: its row holds `ids` (up to `end` tokens); its `count` new
+    tokens fill `new_ids` from their start."""
+    slots = (new_ids[:, None] * block_size + np.arange(block_size)).ravel()[:count]
+    return StepBatch.from_host(
+        (seq_id,), ids.astype(np.int32)[None], np.array([ids.size]),
+        np.array([end], dtype=np.int32), np.array([0, count], dtype=np.int32), slots,
+        count, count, block_size, device, max_seq_len=end)  # int32: shipped as is

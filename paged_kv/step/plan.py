@@ -186,6 +186,11 @@ class StepPlanner:
                               root if self._indexing else None, keys=keys,
                               max_tokens=max_tokens, complete=complete)
 
+    @property
+    def indexing(self) -> bool:
+        """Whether the blocks it plans are indexed for prefix reuse."""
+        return self._indexing
+
     def check(self, plan: StepPlan | Admission, what: str = "prepare()") -> None:
         """Raise `OutOfBlocksError` unless `plan` `fits` in the blocks obtainable now."""
         obtainable = self._allocator.num_obtainable_blocks
