@@ -248,8 +248,29 @@ class CacheConfig:
         return self.num_blocks - 1
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold `num_tokens` tokens."""
+        """Blocks needed to hold `num_tokens` tokens (of one layer group)."""
         return -(-num_tokens // self.block_size)
+
+    def blocks_for_sequence(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once, over every layer
+        group, when it gains at most `step_tokens` tokens a step (None: all at once).
+
+        A full group holds a block per `block_size` tokens; a window (chunk) group only
+        what its queries still read: the window (chunk) and the step's tokens, plus one
+        block for alignment.
+
+        Examples
+        --------
+        >>> cfg = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=16,
+        ...                   layer_kinds=(LayerKind.sliding(64), LayerKind()))
+        >>> cfg.blocks_for_sequence(1024, step_tokens=1)  # 64 + 5 (4 + 1 for the window)
+        69
+        """
+        full = self.blocks_for(num_tokens)
+        step = num_tokens if step_tokens is None else min(step_tokens, num_tokens)
+        return sum(full if kind.is_full else min(full, self.blocks_for(kind.span + step - 1)
+                                                 + 1)
+                   for kind, _ in self.layer_groups)
 
     @classmethod
     def for_memory(cls, budget_bytes: int, *, num_layers: int, num_kv_heads: int,

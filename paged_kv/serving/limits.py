@@ -66,7 +66,8 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = "
                          f"{total} exceeds the model's max_position "
                          f"({model_config.max_position})")
-    needed = cache_config.blocks_for(total - 1)
+    # a window group holds its window and a step's tokens; a prompt may come in one step
+    needed = cache_config.blocks_for_sequence(total - 1, len(prompt))
     if needed > cache_config.num_usable_blocks:
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs "
                          f"{needed} blocks, more than the pool's "

@@ -2,10 +2,13 @@
 mapping, block tables, sequence lengths, query starts, and the pool operations of the step:
 copy-on-write copies, swap-outs and -ins) into one int64 tensor behind a fixed 8-entry
 header; every rank unpacks it and replays the pool operations, in order, on its own pool.
+A hybrid layout's step carries each further layer group's slots and block tables after the
+operations (header entry 7 counts those groups).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,16 +33,21 @@ def pack_step(token_ids: torch.Tensor, positions: torch.Tensor, logits_indices: 
     parts = [token_ids.numpy(), positions.numpy(), logits_indices.numpy(),
              batch.slot_mapping.cpu().numpy(), block_tables.ravel(), num_blocks,
              batch.seq_lens.cpu().numpy(), batch.query_start_loc.cpu().numpy(), *op_parts]
+    for group in batch.groups[1:]:  # a hybrid layout's other layer groups
+        tables, blocks, _ = group.host_arrays
+        parts += [np.array([tables.shape[1]]), group.slot_mapping.cpu().numpy(),
+                  tables.ravel(), blocks]
     payload = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
     header = torch.tensor([CMD_STEP, payload.numel(), batch.num_tokens, batch.batch_size,
-                           block_tables.shape[1], logits_indices.numel(), len(ops), 0])
+                           block_tables.shape[1], logits_indices.numel(), len(ops),
+                           max(len(batch.groups) - 1, 0)])
     return header, payload
 
 
 def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int,
                 device: torch.device) -> tuple:
     """Inverse of `pack_step`: tokens, positions, logits rows, the batch, the pool ops."""
-    _, _, num_tokens, size, width, num_logits, num_ops, _ = header.tolist()
+    _, _, num_tokens, size, width, num_logits, num_ops, num_groups = header.tolist()
     data = payload.numpy()
     cuts = np.cumsum([num_tokens, num_tokens, num_logits, num_tokens, size * width, size, size,
                       size + 1])
@@ -50,10 +58,22 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor, block_size: int,
         kind, count = int(rest[at]), int(rest[at + 1])
         ops.append((kind, rest[at + 2:at + 2 + count], rest[at + 2 + count:at + 2 + 2 * count]))
         at += 2 + 2 * count
-    batch = StepBatch.from_host(tuple(range(size)), tables.reshape(size, width).astype(np.int32),
-                                num_blocks, seq_lens.astype(np.int32), starts.astype(np.int32),
-                                slots.copy(), num_tokens, int(np.diff(starts).max()),
-                                block_size, device)
+    def group_batch(slots: np.ndarray, tables: np.ndarray, num_blocks: np.ndarray,
+                    width: int) -> StepBatch:
+        return StepBatch.from_host(
+            tuple(range(size)), tables.reshape(size, width).astype(np.int32), num_blocks,
+            seq_lens.astype(np.int32), starts.astype(np.int32), slots.copy(), num_tokens,
+            int(np.diff(starts).max()), block_size, device)
+
+    batches = [group_batch(slots, tables, num_blocks, width)]
+    for _ in range(num_groups):
+        width = int(rest[at])
+        cuts = np.cumsum([at + 1, num_tokens, size * width, size])
+        _, slots, tables, num_blocks, _ = np.split(rest, cuts)
+        batches.append(group_batch(slots, tables, num_blocks, width))
+        at = int(cuts[-1])
+    batch = batches[0] if not num_groups else dataclasses.replace(batches[0],
+                                                                    groups=tuple(batches))
     return (torch.from_numpy(tokens.copy()), torch.from_numpy(positions.copy()),
             torch.from_numpy(logits.copy()), batch, ops)
 
