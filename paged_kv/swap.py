@@ -33,11 +33,17 @@ class SwapSpace:
     tables, allocator, pool : PageTables, BlockAllocator, KVPool
         The cache's owners: the rows it re-points, the device ids it frees and takes, the
         tensors it moves.
+    host_allocator : BlockAllocator, optional
+        The host pool's ids, when several swap spaces share the host pool (a hybrid
+        layout's layer groups); default its own.
+
+    A row's null entries (the columns a window row gave back) stay null both ways.
     """
 
     def __init__(self, num_blocks: int, tables: PageTables, allocator: BlockAllocator,
-                 pool: KVPool) -> None:
-        self.allocator = BlockAllocator(num_blocks + 1, enable_prefix_caching=False)
+                 pool: KVPool, host_allocator: BlockAllocator | None = None) -> None:
+        self.allocator = host_allocator or BlockAllocator(num_blocks + 1,
+                                                          enable_prefix_caching=False)
         self._tables, self._device_allocator, self._pool = tables, allocator, pool
         self._keys: dict[SeqId, list[bytes | None]] = {}  # device prefix keys of swapped blocks
         self.num_swap_outs = 0
@@ -74,24 +80,32 @@ class SwapSpace:
         """Copy a sequence's blocks `src_ids` (of `src`) into fresh blocks of `dst`, free
         the old ones and re-point its row; returns the new ids. The one swap, both ways:
         which pool is the host's follows from `dst`."""
-        if not dst.can_allocate(src_ids.size):
-            raise OutOfBlocksError(src_ids.size, dst.num_obtainable_blocks, what)
-        dst_ids = dst.allocate(src_ids.size)
+        real = src_ids != 0  # given-back columns of a window row: nothing to move
+        count = int(real.sum())
+        if not dst.can_allocate(count):
+            raise OutOfBlocksError(count, dst.num_obtainable_blocks, what)
+        dst_ids = np.zeros_like(src_ids)
+        dst_ids[real] = dst.allocate(count)
         to_host = dst is self.allocator
-        (self._pool.swap_out if to_host else self._pool.swap_in)(src_ids, dst_ids)
-        src.free(src_ids, unique=True)
+        (self._pool.swap_out if to_host else self._pool.swap_in)(src_ids[real], dst_ids[real])
+        src.free(src_ids[real], unique=True)
         self._tables.set_swapped(seq_id, dst_ids, to_host)
         return dst_ids
 
     def drop(self, seq_id: SeqId, host_ids: np.ndarray) -> None:
         """Forget a swapped sequence that is being freed; its host blocks return here."""
-        self.allocator.free(host_ids, unique=True)
+        self.allocator.free(host_ids[host_ids != 0], unique=True)
         del self._keys[seq_id]
 
-    def check(self) -> None:
-        """Raise `InvariantError` if host refcounts or the swapped set disagree with the rows."""
+    def check(self, owners: np.ndarray | None = None) -> None:
+        """Raise `InvariantError` if host refcounts or the swapped set disagree with the rows
+        (`owners`: the host blocks' owners over every space sharing the host pool; default
+        this space's rows')."""
         tables = self._tables
-        self.allocator.check_invariants(tables.owners(self.allocator.num_blocks, swapped=True))
+        if owners is None:
+            owners = tables.owners(self.allocator.num_blocks, swapped=True)
+        owners[0] = 0  # a window row's null entries
+        self.allocator.check_invariants(owners)
         swapped = {s for s in tables.seq_ids if tables.swapped[tables.row_of[s]]}
         if swapped != set(self._keys):
             raise InvariantError("swapped sequences and their saved prefix keys disagree")

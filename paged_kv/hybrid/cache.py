@@ -61,22 +61,21 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
     def __init__(self, config: CacheConfig, *, compiled: bool | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
-        if config.num_host_blocks:
-            raise ValueError("CacheConfig.num_host_blocks: swapping is not built for layers "
-                             "of several kinds yet; preempt by recompute (num_host_blocks=0)")
         self.config = config
         self._allocator = BlockAllocator(config.num_blocks,
                                          enable_prefix_caching=config.enable_prefix_caching)
         self._pool = KVPool(dataclasses.replace(config, num_layers=config.group_size,
                                                 layer_kinds=()))
+        host = (BlockAllocator(config.num_host_blocks + 1, enable_prefix_caching=False)
+                if config.num_host_blocks else None)  # one host pool, every group's ids
         self._groups = [LayerGroup.build(index, kind, layers, config, self._allocator,
-                                         self._pool, compiled)
+                                         self._pool, compiled, host)
                         for index, (kind, layers) in enumerate(config.layer_groups)]
         ensure(len(self._groups) < 256, "more than 255 layer groups")
         leader = self._groups[0]
         self._tables, self._planner, self._committer = (leader.tables, leader.planner,
                                                         leader.committer)
-        self._swap = None
+        self._swap = leader.swap
         self._plane = {layer: (group.index, plane) for group in self._groups
                        for plane, layer in enumerate(group.layers)}
         self._given_back = 0  # blocks window rows gave back, since the start
@@ -193,10 +192,40 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
         row = self._tables.row_of[seq_id]
+        swapped = self._swap is not None and self._swap.is_swapped(seq_id)
         for group in self._groups:
             blocks = group.tables.remove(seq_id)
             group.released[row] = 0
-            self._allocator.free(blocks[blocks != 0], unique=True)
+            if swapped:
+                group.swap.drop(seq_id, blocks)
+            else:
+                self._allocator.free(blocks[blocks != 0], unique=True)
+        self._changed()
+
+    def swap_out(self, seq_id: SeqId) -> None:
+        """Move the sequence's blocks of every group to the host pool (all or nothing)."""
+        self._swap_all(seq_id, "swap_out()", out=True)
+
+    def swap_in(self, seq_id: SeqId) -> None:
+        """Bring every group's blocks of a swapped-out sequence back (all or nothing)."""
+        self._swap_all(seq_id, "swap_in()", out=False)
+
+    def _swap_all(self, seq_id: SeqId, what: str, *, out: bool) -> None:
+        if out:
+            require_resident(self._tables, what, seq_id)
+        elif seq_id not in self._tables or self._swap is None \
+                or not self._swap.is_swapped(seq_id):
+            super().swap_in(seq_id)  # raises the uniform cache's error
+        if self._swap is None:
+            super().swap_out(seq_id)  # raises: no host pool
+        blocks = sum(int(np.count_nonzero(group.tables.blocks(seq_id)))
+                     for group in self._groups)
+        pool = self._swap.allocator if out else self._allocator
+        if not pool.can_allocate(blocks):
+            raise OutOfBlocksError(blocks, pool.num_obtainable_blocks, f"{what} host pool"
+                                   if out else what)
+        for group in self._groups:
+            (group.swap.swap_out if out else group.swap.swap_in)(seq_id)
         self._changed()
 
     # -- the worker side ------------------------------------------------------------------
@@ -247,3 +276,8 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
             owners += tables.owners(self.config.num_blocks)
         owners[0] = 0
         self._allocator.check_invariants(owners)
+        if self._swap is not None:
+            host = sum(group.tables.owners(self.config.num_host_blocks + 1, swapped=True)
+                       for group in self._groups)
+            for group in self._groups:
+                group.swap.check(host.copy())

@@ -20,6 +20,7 @@ from ..page_table import PageTables
 from ..pool import KVPool
 from ..step.commit import StepCommitter
 from ..step.plan import StepPlanner
+from ..swap import SwapSpace
 from .rules import group_key, skipped_blocks
 
 
@@ -49,17 +50,21 @@ class LayerGroup:
     planner: StepPlanner
     committer: StepCommitter
     released: np.ndarray
+    swap: SwapSpace | None = None
 
     @classmethod
     def build(cls, index: int, kind: LayerKind, layers: tuple[int, ...], config: CacheConfig,
-              allocator: BlockAllocator, pool: KVPool, compiled: bool | None) -> LayerGroup:
-        """A group over the shared allocator and pool."""
+              allocator: BlockAllocator, pool: KVPool, compiled: bool | None,
+              host_allocator: BlockAllocator | None) -> LayerGroup:
+        """A group over the shared allocator and pool (and host pool, when there is one)."""
         own = dataclasses.replace(config, enable_prefix_caching=(
             config.enable_prefix_caching and index == 0))
         tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
+        swap = None if host_allocator is None else SwapSpace(
+            config.num_host_blocks, tables, allocator, pool, host_allocator)
         return cls(index, kind, layers, tables, StepPlanner(tables, allocator, own),
                    StepCommitter(tables, allocator, pool, own),
-                   np.zeros(config.max_num_seqs, dtype=np.int64))
+                   np.zeros(config.max_num_seqs, dtype=np.int64), swap)
 
     @property
     def gives_back(self) -> bool:

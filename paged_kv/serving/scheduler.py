@@ -96,7 +96,7 @@ class Scheduler:
             seq = self.swapped[0]
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
             # its blocks come back fresh (unshared), then grow by this step's tokens
-            need = self.cache.config.blocks_for(seq.num_computed + num_new)
+            need = self.cache.config.blocks_for_sequence(seq.num_computed + num_new, num_new)
             if need > self._available(self._reserved):
                 break
             self.cache.swap_in(seq.seq_id)
