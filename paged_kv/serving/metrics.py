@@ -56,6 +56,14 @@ class EngineMetrics:
         self.generated = Counter("paged_kv_generated_tokens", "Tokens generated", registry=r)
         self.pool_bytes = Gauge("paged_kv_pool_bytes", "KV pool bytes by tensor-parallel rank",
                                 ["rank"], registry=r)
+        # a hybrid layout's blocks by layer kind, and what its window rows gave back
+        self.kind_blocks = Gauge("paged_kv_blocks_by_kind", "KV blocks held by sequences, "
+                                 "by layer kind (hybrid layouts)", ["kind"], registry=r)
+        self.given_back = Gauge("paged_kv_given_back_blocks", "Blocks window and chunked "
+                                "layers gave back as their window moved on (cumulative)",
+                                registry=r)
+        self.given_back_bytes = Gauge("paged_kv_given_back_bytes", "Bytes of those blocks "
+                                      "(cumulative)", registry=r)
         for rank, nbytes in enumerate(pool_bytes_per_rank):
             self.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._seen = (0, 0, 0)
@@ -101,6 +109,11 @@ class EngineMetrics:
         stats = cache.stats()
         self.live_tokens.set(stats.num_live_tokens)
         self.empty_slots.set(stats.num_empty_slots)
+        for kind, count in stats.blocks_by_kind:
+            self.kind_blocks.labels(kind=kind).set(count)
+        if stats.blocks_by_kind:
+            self.given_back.set(stats.num_given_back)
+            self.given_back_bytes.set(stats.bytes_given_back)
         return generate_latest(self.registry).decode()
 
 

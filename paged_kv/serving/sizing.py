@@ -104,7 +104,29 @@ def cache_config_for_free_memory(model: torch.nn.Module,
                 "%.2f GiB free)", probe.device.type.upper(), config.num_usable_blocks,
                 block_size, config.num_usable_blocks * block_size, config.total_bytes / 2**30,
                 memory_fraction, free / 2**30)
+    if config.layer_kinds:  # blocks x block_size says little when windows give blocks back
+        logger.info("# fits: %s", capacity(config))
     return config
+
+
+def capacity(config: CacheConfig, lengths: tuple[int, ...] = (2048, 8192, 32768, 131072),
+             ) -> str:
+    """How many sequences of each length the pool holds at once in decode, every layer
+    group's blocks counted (window groups only their window's): a hybrid layout's real
+    capacity, which ``blocks x block_size`` understates.
+
+    Examples
+    --------
+    >>> from paged_kv.config import LayerKind
+    >>> cfg = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=16,
+    ...                   num_blocks=1025, layer_kinds=(LayerKind.sliding(64), LayerKind()))
+    >>> capacity(cfg, (1024,))
+    '14 sequences of 1024 tokens (14336 tokens)'
+    """
+    fits = [(config.num_usable_blocks // config.blocks_for_sequence(length, 1), length)
+            for length in lengths]
+    return ", ".join(f"{count} sequences of {length} tokens ({count * length} tokens)"
+                     for count, length in fits if count)
 
 
 def pool_config(model: torch.nn.Module, *, block_size: int, memory_mib: float,
