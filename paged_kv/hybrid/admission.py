@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..allocator import BlockAllocator
+from ..config import LayerKind
 from ..keys import TOKEN_BYTES
 from ..step.commit import admission_batch
 from ..step.plan import Admission
@@ -40,6 +41,7 @@ class HybridAdmission(NamedTuple):
     group_hits: tuple[list[int], ...]
     requested: int
     revived: int
+    kinds: tuple[LayerKind, ...] = ()  # of every group, the leading one first
 
     @property
     def seq_id(self):
@@ -62,8 +64,21 @@ class HybridAdmission(NamedTuple):
         return self.leader.count
 
     def missing(self, block_size: int) -> tuple[bytes, list[bytes], np.ndarray]:
-        """The leading group's `Admission.missing`."""
-        return self.leader.missing(block_size)
+        """What a lower tier is asked for: the leading group's `Admission.missing`, then
+        each other group's blocks (under its `group_key`s) that a hit at the prompt's end
+        needs — a window group's last window only. One run, so one fetch; a run that
+        stops early lands the leading group's blocks first."""
+        parent, keys, tokens = self.leader.missing(block_size)
+        lead = self.leader
+        if lead.tokens is None or not keys:
+            return parent, keys, tokens
+        end, start = len(lead.hits) + len(keys), len(lead.hits)
+        keys, parts = list(keys), [tokens]
+        for index, kind in enumerate(self.kinds[1:], start=1):
+            first = max(start, skipped_blocks(kind, end * block_size, block_size))
+            keys += [group_key(key, index) for key in lead.keys[first:end]]
+            parts.append(lead.tokens[first * block_size:end * block_size])
+        return parent, keys, np.concatenate(parts)
 
 
 def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admission,
@@ -98,7 +113,8 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
         for group in groups[1:])
     revived = leader.revived + (sum(allocator.count_cached([b for b in hits if b])
                                     for hits in group_hits) if leader.count else 0)
-    return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived)
+    return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived,
+                           tuple(group.kind for group in groups))
 
 
 def _cut(plan: Admission, num_hits: int, block_size: int, max_tokens: int | None,
