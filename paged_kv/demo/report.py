@@ -61,10 +61,24 @@ def make_report(workload: list, outputs: list, elapsed: float, peak: CacheStats,
         "final_free_blocks": final.num_free_blocks,
         "contiguous_max_len": max_len,
         "contiguous_fits_requests": budget // (max_len * engine.cache.config.bytes_per_token),
-        "peak_blocks_by_kind": dict(peak.blocks_by_kind),
-        "given_back_blocks": final.num_given_back,
-        "given_back_bytes": final.bytes_given_back,
-    }
+    } | _hybrid_fields(peak, final)
+
+
+def _hybrid_fields(peak, final) -> dict:
+    """A hybrid layout's peak blocks by layer kind and what its window layers gave back."""
+    return {"peak_blocks_by_kind": dict(peak.blocks_by_kind),
+            "given_back_blocks": final.num_given_back,
+            "given_back_bytes": final.bytes_given_back}
+
+
+def _hybrid_rows(report: dict) -> list[tuple[str, str]]:
+    """The report's rows about a hybrid layout's window layers (none for a uniform one)."""
+    if not report.get("peak_blocks_by_kind"):
+        return []
+    return [("peak blocks by layer kind", ", ".join(
+                f"{kind} {count}" for kind, count in report["peak_blocks_by_kind"].items())),
+            ("given back by window layers", f"{report['given_back_blocks']} blocks "
+             f"({report['given_back_bytes'] / 2**20:.1f} MiB)")]
 
 
 def _tier_rows(report: dict) -> list[tuple[str, str]]:
@@ -115,12 +129,7 @@ def format_report(report: dict) -> str:
                                           f"same memory (paged ran up to "
                                           f"{report['max_running']})"),
     ]
-    if report.get("peak_blocks_by_kind"):  # a hybrid layout: its window layers' savings
-        rows.append(("peak blocks by layer kind", ", ".join(
-            f"{kind} {count}" for kind, count in report["peak_blocks_by_kind"].items())))
-        rows.append(("given back by window layers", f"{report['given_back_blocks']} blocks "
-                     f"({report['given_back_bytes'] / mib:.1f} MiB)"))
-    rows += _tier_rows(report)
+    rows += _hybrid_rows(report) + _tier_rows(report)
     if "tensor parallel" in report:
         parallel = report["tensor parallel"]
         rows.append(("tensor-parallel ranks", f"{parallel['ranks']}, KV pool per rank " + ", ".join(
