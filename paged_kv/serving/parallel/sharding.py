@@ -133,6 +133,8 @@ def _shard_tinyllama(model: TinyLlama, rank: int, world: int, reduce) -> int:
                                       _rows(k, kv_first * d, kv_heads * d),
                                       _rows(v, kv_first * d, kv_heads * d)]))
         layer.out = _param(layer.out.data[:, rank * heads * d:(rank + 1) * heads * d].clone())
+        if hasattr(layer, "sinks"):  # one learned sink logit per query head: the rank's heads
+            layer.sinks = _param(_rows(layer.sinks.data, rank * heads, heads))
         gate, up = layer.gate_up.data.chunk(2)
         layer.gate_up = _param(torch.cat([_rows(gate, rank * inter, inter),
                                           _rows(up, rank * inter, inter)]))
