@@ -97,34 +97,45 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
             return memo[column] is not None
         return cached
 
-    end = len(plan.hits)
+    # a full leading group's lookup is its leading run; a window one (every layer a window)
+    # is asked like the others, right to left from the prompt's last full block
+    window_led = not groups[0].kind.is_full
+    end = (min(len(plan.keys), (len(plan.tokens) - 1) // block_size)
+           if window_led and plan.tokens is not None else len(plan.hits))
+    askers = groups if window_led else groups[1:]
     while True:
         agreed = end
-        for group in groups[1:]:
+        for group in askers:
             agreed = accepted_hit(group.kind, agreed, block_size, cached_in(group))
         if agreed == end:
             break
         end = agreed
-    leader = plan if end == len(plan.hits) else _cut(plan, end, block_size, max_tokens,
-                                                      allocator)
-    group_hits = tuple(
-        [0] * (first := skipped_blocks(group.kind, end * block_size, block_size) if end else 0)
-        + [found[group.index][column] for column in range(first, end)]
-        for group in groups[1:])
+
+    def hits_of(group: LayerGroup) -> list[int]:
+        first = skipped_blocks(group.kind, end * block_size, block_size) if end else 0
+        return [0] * first + [found[group.index][column] for column in range(first, end)]
+
+    leader = plan
+    if window_led:
+        leader = _cut(plan, hits_of(groups[0]), block_size, max_tokens, allocator)
+    elif end < len(plan.hits):
+        leader = _cut(plan, plan.hits[:end], block_size, max_tokens, allocator)
+    group_hits = tuple(hits_of(group) for group in groups[1:])
     revived = leader.revived + (sum(allocator.count_cached([b for b in hits if b])
                                     for hits in group_hits) if leader.count else 0)
     return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived,
                            tuple(group.kind for group in groups))
 
 
-def _cut(plan: Admission, num_hits: int, block_size: int, max_tokens: int | None,
+def _cut(plan: Admission, hits: list[int], block_size: int, max_tokens: int | None,
          allocator: BlockAllocator) -> Admission:
-    """`plan` with only its first `num_hits` hits (another group lacks the rest)."""
-    hits, num_hit = plan.hits[:num_hits], num_hits * block_size
+    """`plan` with these hits instead (the agreed hit: another group lacks the rest, or a
+    window leader's own, 0 where its window has left)."""
+    num_hit = len(hits) * block_size
     count = 0 if plan.tokens is None else len(plan.tokens) - num_hit
     count = count if max_tokens is None else min(count, max_tokens)
-    requested = -(-(num_hit + count) // block_size) - num_hits
-    revived = allocator.count_cached(hits) if hits and count else 0
+    requested = -(-(num_hit + count) // block_size) - len(hits)
+    revived = allocator.count_cached([block for block in hits if block]) if hits and count else 0
     # the pieces were cut after the longer hit: the commit cuts its own
     return plan._replace(hits=hits, num_hit=num_hit, count=count, requested=requested,
                          revived=revived, pieces=[])
@@ -145,7 +156,7 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
         leader.committer.add_row(leader_plan)
     row = leader.tables.row_of[leader_plan.seq_id]
     leader.released_of(np.array([row]))
-    leader.released[row] = 0
+    leader.released[row] = leader_plan.hits.count(0)  # a window leader's given-back columns
     count = leader_plan.count if prepare else 0
     end, num_new = leader_plan.num_hit + count, (leader_plan.requested if prepare else 0)
     batches = [first]

@@ -92,6 +92,8 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
     def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
                         salt: str | None, keys: Sequence[bytes], max_tokens: int | None,
                         *, lookup: bool = True, complete: bool = False) -> HybridAdmission:
+        # a window leader's hit is found right to left: it needs every key of the prompt
+        complete = complete or not self._groups[0].kind.is_full
         plan = super()._plan_admission(what, seq_id, tokens, salt, keys, max_tokens,
                                        lookup=lookup, complete=complete)
         return plan_groups(self._groups, self._allocator, plan, self.config.block_size,
@@ -131,10 +133,15 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
         return dataclasses.replace(batches[0], groups=batches)
 
     def _freed(self, group: LayerGroup, rows: np.ndarray, upto: np.ndarray) -> np.ndarray:
-        """``[len(rows)]`` blocks each row's give-back makes obtainable (its sole owner)."""
-        refcount = self._allocator.refcount
-        return np.array([int((refcount[group.blocks_between(rows[i:i + 1], upto[i:i + 1])]
-                               == 1).sum()) for i in range(rows.size)], dtype=np.int64)
+        """``[len(rows)]`` blocks each row's give-back makes obtainable: those every owner
+        gives back in this step (forks decoding together give back shared blocks at once),
+        each credited to the first row giving it back."""
+        parts = [group.blocks_between(rows[i:i + 1], upto[i:i + 1]) for i in range(rows.size)]
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        owner = np.repeat(np.arange(rows.size), [part.size for part in parts])
+        unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        gone = counts == self._allocator.refcount[unique]
+        return np.bincount(owner[first[gone]], minlength=rows.size).astype(np.int64)
 
     def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
                           *, per_sequence: bool = False) -> int | np.ndarray:

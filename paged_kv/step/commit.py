@@ -81,8 +81,8 @@ class StepCommitter:
             and num_keys == len(plan.tokens) // self._block_size
         ahead = (plan.keys, plan.data) if keep else None
         row = tables.add(plan.seq_id, plan.chain, plan.root if self._indexing else None, ahead)
-        if plan.hits:
-            allocator.share(plan.hits)
+        if plan.hits:  # a window row's hit starts with null columns (0): nothing to share
+            allocator.share(plan.hits if plan.hits[0] else [b for b in plan.hits if b])
         if plan.tokens is not None and plan.root is not None:
             allocator.count_prefix_lookup(len(plan.tokens), plan.num_hit)
         ids = new_ids = allocator.allocate(num_new) if num_new else _NONE

@@ -159,8 +159,6 @@ def test_a_hit_after_the_windows_early_blocks_were_evicted():
     cache.check()
 
 
-@pytest.mark.xfail(strict=True, reason="a window-only layout's leading group is looked up "
-                   "left to right (plan_groups applies accepted_hit to groups[1:] only)")
 def test_a_window_only_hit_after_its_early_blocks_were_evicted():
     """Mistral-like (every layer a window): the leading group is a window too, so its
     lookup must also go right to left."""
@@ -182,9 +180,6 @@ def _forked_at_a_window_edge(num_blocks: int):
     return cache
 
 
-@pytest.mark.xfail(strict=True, reason="HybridKVCache._freed counts a given-back block as "
-                   "freed only when one row owns it (refcount == 1): forks that give back "
-                   "one shared block in the same step are never credited")
 def test_num_blocks_needed_credits_shared_blocks_forks_give_back_together():
     cache = _forked_at_a_window_edge(num_blocks=40)
     step = {"a": [5], "b": [5]}
@@ -194,8 +189,6 @@ def test_num_blocks_needed_credits_shared_blocks_forks_give_back_together():
     assert before - cache.allocator.num_obtainable_blocks == needed
 
 
-@pytest.mark.xfail(strict=True, reason="the same undercount in HybridKVCache._step: a step "
-                   "that fits is refused")
 def test_a_forked_step_that_fits_is_not_refused():
     """8 new blocks, 4 shared ones given back first: 5 obtainable are enough (one row at a
     time it succeeds), so the step must not raise."""

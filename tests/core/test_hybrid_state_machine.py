@@ -180,8 +180,9 @@ class HybridMachine(RuleBasedStateMachine):
             assert_same_snapshot(before, snapshot(self.cache), f"{what} out of blocks")
             return None
         taken = obtainable - self.cache.allocator.num_obtainable_blocks
-        # an upper bound here: rows that give back one shared block in one step free it
-        # between them (test_hybrid_cache.py holds the exact count)
+        # an upper bound: a copy-on-write copy's source returns to the obtainable blocks
+        # when the row was its last owner (as in the uniform cache); the give-back of shared
+        # blocks by forks in one step is counted exactly (test_hybrid_cache.py)
         assert taken <= needed, f"{what} took {taken} blocks, num_blocks_needed said {needed}"
         return batch
 
