@@ -36,7 +36,7 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import OutOfBlocksError
 from ..step.batch import StepBatch
-from .hf_support import require_supported, window_features
+from .hf_support import layer_kinds, require_supported
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -97,7 +97,7 @@ class PagedCache(Cache):
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  kv_cache_dtype: str = "auto") -> None:
         text_config = config.get_text_config(decoder=True)
-        _require_full_attention(text_config)
+        require_supported(text_config, "PagedCache (use DynamicCache for this model)")
         num_heads = text_config.num_attention_heads
         head_dim = (getattr(text_config, "head_dim", None)
                     or text_config.hidden_size // num_heads)
@@ -110,7 +110,7 @@ class PagedCache(Cache):
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
             device=device, enable_prefix_caching=False,  # token ids never reach a cache
-            kv_cache_dtype=kv_cache_dtype))
+            kv_cache_dtype=kv_cache_dtype, layer_kinds=layer_kinds(text_config)))
         self._seq_ids: list[int] = []        # one sequence per batch row, in row order
         self._next_seq_id = 0
         self._batch: StepBatch | None = None  # the open step, shared by every layer
@@ -379,14 +379,6 @@ class _PagedLayer(CacheLayerMixin):
 
     reset = crop = reorder_cache = _shared_rows
     batch_select_indices = batch_repeat_interleave = offload = prefetch = _shared_rows
-
-
-def _require_full_attention(text_config: object) -> None:
-    """Raise `UnsupportedModelError` (a ValueError) unless every layer attends to the whole
-    past. Soft-capped logits and attention sinks are fine here: the model's own attention
-    function runs on the K/V `update` returns."""
-    require_supported(text_config, "PagedCache (use DynamicCache for this model)",
-                      window_features(text_config))
 
 
 __all__ = ["PagedCache"]
