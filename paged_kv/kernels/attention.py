@@ -3,83 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import quant
 from ._triton import tl, triton
+from .attention_reference import AttentionKind, check_kind, paged_attention_reference
 from .backend import use_triton
-from .gather import gather_kv_reference
 
-
-def paged_attention_reference(
-    query: torch.Tensor,            # [num_tokens, num_q_heads, D]
-    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, D]
-    value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, D]
-    block_tables: torch.Tensor,     # [B, max_blocks] int32
-    seq_lens: torch.Tensor,         # [B] int32, after this step's tokens
-    query_start_loc: torch.Tensor,  # [B + 1] int32
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,  # [>= 2 * B * T * Hkv * D], the query's dtype
-    *,
-    key_scales: torch.Tensor | None = None,    # [num_blocks, block_size, num_kv_heads]
-    value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
-) -> torch.Tensor:
-    """Torch implementation of `paged_attention` (the CPU path): gather, then SDPA in float32.
-
-    Decode rows (one query each) run as one batched SDPA; rows with several queries (prefill
-    chunks) run one sequence at a time, so a long chunk never pads every decode row to its
-    length. 8-bit pages are dequantized by the gather.
-    """
-    out = torch.empty_like(query) if out is None else out
-    scales = (key_scales, value_scales)
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    decode = (query_lens == 1).nonzero().flatten()
-    if decode.numel():
-        starts = query_start_loc[decode].long()
-        out[starts] = _attend(query[starts, :, None], key_cache, value_cache,
-                              block_tables[decode], seq_lens[decode], scale,
-                              workspace, scales)[:, :, 0]
-    for row in (query_lens > 1).nonzero().flatten().tolist():
-        start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
-        attended = _attend(query[None, start:end].transpose(1, 2), key_cache, value_cache,
-                           block_tables[row:row + 1], seq_lens[row:row + 1], scale, workspace,
-                           scales)
-        out[start:end] = attended[0].transpose(0, 1)
-    return out
-
-
-def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float | None, workspace: torch.Tensor | None = None,
-            scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-            ) -> torch.Tensor:
-    """``query (B, Hq, n, D)``, the last n positions of each sequence -> ``(B, Hq, n, D)``."""
-    # T rounded up to whole blocks: the gather then copies blocks, not tokens
-    block_size = key_cache.shape[1]
-    length = -(-int(seq_lens.max()) // block_size) * block_size
-    shape = (seq_lens.shape[0], length, *key_cache.shape[2:])
-    size = shape[0] * shape[1] * shape[2] * shape[3]
-    out = None
-    if workspace is not None and workspace.numel() >= 2 * size:
-        # reused buffers: a fresh multi-MiB output costs several times the copy in page faults
-        out = (workspace[:size].view(shape), workspace[size:2 * size].view(shape))
-    # padding stays unzeroed: the mask gives it zero weight, and pages hold finite values
-    k, v = gather_kv_reference(key_cache, value_cache, block_tables, seq_lens,
-                               pad_to=length, out=out, zero_padding=False,
-                               key_scales=scales[0], value_scales=scales[1],
-                               out_dtype=query.dtype)  # (B, T, Hkv, D)
-    num_queries = query.shape[2]
-    key_pos = torch.arange(k.shape[1], device=query.device)
-    # bottom-right aligned causal mask: query j of n sits at position seq_len - n + j
-    query_pos = (seq_lens[:, None] - num_queries) + torch.arange(num_queries,
-                                                                 device=query.device)
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
-        key_pos[None, None, :] < seq_lens[:, None, None])  # (B, n, T)
-    attended = F.scaled_dot_product_attention(
-        query.float(), k.float().transpose(1, 2), v.float().transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
-    return attended.to(query.dtype)
+__all__ = ["attention_kind", "paged_attention", "paged_attention_reference",
+           "paged_attention_triton"]
 
 
 if triton is not None:
@@ -91,6 +22,7 @@ if triton is not None:
         value_cache_ptr,      # [num_blocks, block_size, num_kv_heads, D], same strides
         key_scales_ptr,       # [num_blocks, block_size, num_kv_heads], read when FORMAT
         value_scales_ptr,     # as key_scales, same strides
+        sinks_ptr,            # [num_q_heads] float32, read when HAS_SINKS
         block_tables_ptr,     # [B, max_blocks] int32
         seq_lens_ptr,         # [B] int32, including this step's tokens
         query_start_loc_ptr,  # [B + 1] int32
@@ -114,12 +46,18 @@ if triton is not None:
         group_size,           # num_q_heads // num_kv_heads
         head_dim,
         scale,                # softmax scale
+        window,               # sliding window W, read when LOCAL (2**30 when off)
+        chunk,                # chunk size C, read when LOCAL (2**30 when off)
+        softcap,              # scores -> softcap * tanh(scores / softcap), read when SOFTCAP
         BLOCK_B: tl.constexpr,  # next_power_of_2(B), to find the token's sequence in one load
         BLOCK_G: tl.constexpr,  # query heads of one kv head, padded to >= 16 for tl.dot
         BLOCK_N: tl.constexpr,  # keys per step
         BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16 for tl.dot
         UPCAST_DOT: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
         FORMAT: tl.constexpr,   # 0 = float pages; else quant.FORMATS' code, dequantized here
+        LOCAL: tl.constexpr,    # a window or chunk: keys start at the first visible one
+        HAS_SINKS: tl.constexpr,  # a per-head sink logit in the softmax denominator
+        SOFTCAP: tl.constexpr,  # soft-cap the scaled scores
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -129,6 +67,13 @@ if triton is not None:
         # bottom-right causal: position seq_len - n + j = seq_len - (query_end - token)
         query_end = tl.load(query_start_loc_ptr + seq + 1)
         num_keys = tl.load(seq_lens_ptr + seq) - query_end + token + 1
+        # what a query sees is one run first .. num_keys - 1: the loop starts there, so blocks
+        # wholly before it (the null block, once given back) are never read
+        first = 0
+        if LOCAL:
+            query_pos = num_keys - 1
+            first = tl.maximum(query_pos - window + 1, 0)
+            first = tl.maximum(first, query_pos // chunk * chunk)
 
         heads = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
@@ -144,12 +89,19 @@ if triton is not None:
         if UPCAST_DOT:
             q = q.to(tl.float32)
 
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max
-        l_i = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
+        if HAS_SINKS:
+            # the sink is a key column of logit `sink` and no value: start the running max at
+            # it with exp(sink - sink) = 1 in the denominator (padding heads read 0, unstored)
+            m_i = tl.load(sinks_ptr + kv_head * group_size + heads, mask=heads < group_size,
+                          other=0.0).to(tl.float32)
+            l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max
+            l_i = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         keys = tl.arange(0, BLOCK_N)
         table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-        for start in range(0, num_keys, BLOCK_N):
+        for start in range(first, num_keys, BLOCK_N):
             positions = start + keys
             is_key = positions < num_keys
             blocks = tl.load(table_row + positions // block_size, mask=is_key, other=0)
@@ -173,6 +125,13 @@ if triton is not None:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            if SOFTCAP:
+                # tanh from exp (no tl.tanh; libdevice's is not in the interpreter), odd and
+                # saturating: (1 - e) / (1 + e) with e = exp(-2|x|) never overflows
+                capped = scores / softcap
+                e = tl.exp(-2.0 * tl.abs(capped))
+                tanh = (1.0 - e) / (1.0 + e)
+                scores = softcap * tl.where(capped < 0, -tanh, tanh)
             scores = tl.where(is_key[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -223,19 +182,21 @@ def paged_attention_triton(
     *,
     key_scales: torch.Tensor | None = None,    # [num_blocks, block_size, num_kv_heads]
     value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,         # [num_q_heads]
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Triton implementation of `paged_attention` (the CUDA path); same contract."""
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    _check_launch(num_q_heads, key_cache, value_cache)
+    num_tokens, head_dim = query.shape[0], query.shape[2]
+    _check_launch(query.shape[1], key_cache, value_cache)
+    kind = check_kind(query, window, chunk, sinks, softcap)
     out = query.new_empty(query.shape) if out is None else out
     if num_tokens == 0:
         return out
     scales, strides = quant.page_strides(key_cache, key_scales)
-    group_size = num_q_heads // num_kv_heads
-    # a program per (token, kv head), so the kv head's query heads share each K/V tile; 64 keys
-    # per step spans blocks of any size and keeps a [64, D] tile (16 KiB bf16 at D=128) in flight
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+    # a program per (token, kv head), so the kv head's query heads share each K/V tile
+    _paged_attention_kernel[(num_tokens, key_cache.shape[2])](
         query_ptr=query, key_cache_ptr=quant.raw(key_cache),
         value_cache_ptr=quant.raw(value_cache), key_scales_ptr=scales,
         value_scales_ptr=scales if value_scales is None else value_scales,
@@ -243,14 +204,38 @@ def paged_attention_triton(
         query_start_loc_ptr=query_start_loc, out_ptr=out,
         **_token_strides("query", query), **_token_strides("out", out),
         **strides, block_tables_stride=block_tables.stride(0),
-        num_seqs=seq_lens.shape[0], block_size=key_cache.shape[1], group_size=group_size,
-        head_dim=head_dim, scale=head_dim ** -0.5 if scale is None else scale,
-        BLOCK_B=triton.next_power_of_2(seq_lens.shape[0]),
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=64,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST_DOT=not query.is_cuda,
-        FORMAT=quant.format_of(key_cache)[0],
+        scale=head_dim ** -0.5 if scale is None else scale,
+        **_shape_args(query, key_cache, seq_lens), **_kind_args(kind, query),
     )
     return out
+
+
+def _shape_args(query: torch.Tensor, key_cache: torch.Tensor, seq_lens: torch.Tensor) -> dict:
+    """The kernel's sizes and tile shapes for these tensors."""
+    num_q_heads, head_dim = query.shape[1:]
+    group_size = num_q_heads // key_cache.shape[2]
+    # 64 keys per step spans blocks of any size and keeps a [64, D] tile (16 KiB bf16 at
+    # D=128) in flight
+    return dict(num_seqs=seq_lens.shape[0], block_size=key_cache.shape[1],
+                group_size=group_size, head_dim=head_dim,
+                BLOCK_B=triton.next_power_of_2(seq_lens.shape[0]),
+                BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=64,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST_DOT=not query.is_cuda,
+                FORMAT=quant.format_of(key_cache)[0])
+
+
+# stands for "off" in the kernel's window / chunk: no position reaches it, so the first
+# visible key it gives is 0
+_UNBOUNDED = 1 << 30
+
+
+def _kind_args(kind: AttentionKind | None, query: torch.Tensor) -> dict:
+    """The kernel's layer-kind arguments; all flags off (today's kernel) for full attention."""
+    kind = kind or AttentionKind()
+    return dict(sinks_ptr=query if kind.sinks is None else kind.sinks,
+                window=kind.window or _UNBOUNDED, chunk=kind.chunk or _UNBOUNDED,
+                softcap=kind.softcap or 1.0, LOCAL=kind.is_local,
+                HAS_SINKS=kind.sinks is not None, SOFTCAP=bool(kind.softcap))
 
 
 def attention_kind(config, layer: int, sinks: torch.Tensor | None = None,
@@ -293,7 +278,9 @@ def paged_attention(
 
     Query j of a sequence with ``n`` new tokens sits at position ``seq_len - n + j`` and sees
     keys ``0 .. seq_len - n + j`` (bottom-right causal), so chunked prefill and single-token
-    decode are one case. Grouped-query: ``num_q_heads % num_kv_heads == 0``.
+    decode are one case. Grouped-query: ``num_q_heads % num_kv_heads == 0``. A sliding
+    `window` or a `chunk` narrows what each query sees; `sinks` and `softcap` change the
+    softmax (gpt-oss, Gemma 2). With none of the four the call is plain causal attention.
 
     Parameters
     ----------
@@ -319,6 +306,22 @@ def paged_attention(
     key_scales, value_scales : torch.Tensor, optional
         ``[num_blocks, block_size, num_kv_heads]`` bfloat16 scales of 8-bit pages, which are
         then dequantized as they are read (in the kernel's inner loop).
+    window : int, optional
+        Sliding window ``W`` (0, the default: off). The query at position ``i`` sees keys
+        ``i - W < j <= i`` (``W`` keys, itself included; transformers' ``sliding_window``).
+        Only the blocks from the one holding ``seq_len - n + 1 - W`` on are read, so block
+        table entries wholly before a row's window may be anything, e.g. the null block 0.
+    chunk : int, optional
+        Chunked local attention of ``C`` tokens (0: off): the query at ``i`` sees keys
+        ``j <= i`` with ``j // C == i // C`` (Llama 4). Blocks before the chunk of the row's
+        first query are not read. With `window` too a key must pass both.
+    sinks : torch.Tensor, optional
+        ``[num_q_heads]`` floating: a learned logit per query head that joins its softmax
+        denominator (adds ``exp(sink)``) and contributes no value, so a head may attend to
+        nothing (gpt-oss).
+    softcap : float, optional
+        Logit soft-cap (0: off): the scaled scores ``s`` become ``softcap * tanh(s / softcap)``
+        before the mask (Gemma 2). The sinks are not capped.
 
     Returns
     -------
@@ -327,10 +330,13 @@ def paged_attention(
     """
     quant.check_scales("paged_attention", key_cache, key_scales, value_scales)
     scales = quant.scale_kwargs(key_scales, value_scales)
-    if window or chunk or sinks is not None or softcap:
-        raise NotImplementedError("paged_attention: window / chunk / sinks / softcap")
+    # only the set ones are passed on, so a full-attention call is exactly today's
+    kind = {name: value for name, value in (("window", window), ("chunk", chunk),
+                                            ("softcap", softcap)) if value}
+    if sinks is not None:
+        kind["sinks"] = sinks
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, out, **scales)
+                                      query_start_loc, scale, out, **scales, **kind)
     return paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, out, workspace, **scales)
+                                     query_start_loc, scale, out, workspace, **scales, **kind)
