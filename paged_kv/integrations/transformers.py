@@ -54,7 +54,9 @@ class PagedCache(Cache):
     config : transformers.PreTrainedConfig
         The model's config; its (decoder) text config gives ``num_hidden_layers``,
         ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size //
-        num_attention_heads``). Every layer must be full attention.
+        num_attention_heads``) and each layer's kind (`hf_support.layer_kinds`: full,
+        sliding-window or chunked attention; the model masks windows and chunks itself
+        over the whole past `update` returns).
     num_blocks : int
         Blocks in the pool, the reserved null block included.
     block_size : int
@@ -72,7 +74,9 @@ class PagedCache(Cache):
     Raises
     ------
     ValueError
-        A layer is not full attention, or a pool setting is invalid (from `CacheConfig`).
+        A layer paged_kv does not serve (linear / Mamba, cross-attention; an
+        `UnsupportedModelError` naming the model type and layer type), or a pool setting is
+        invalid (from `CacheConfig`).
 
     Examples
     --------

@@ -18,6 +18,7 @@ from paged_kv.cache import snapshot  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
 from ..conftest import assert_same_snapshot  # noqa: E402
+from ..serving.test_hybrid_models import FAMILIES, hybrid_configs  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_NEW_TOKENS = 20
@@ -245,19 +246,37 @@ def test_bad_update_leaves_the_cache_unchanged(model):
         assert_same_snapshot(before, snapshot(cache.kv_cache), f"{tuple(states.shape)}")
 
 
-def test_rejects_models_with_windowed_layers():
-    config = transformers.MistralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, sliding_window=8)
-    with pytest.raises(ValueError, match=r"'mistral'.*sliding_window=8 on every layer"):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_layers_match_dynamic_cache(family):
+    """Window, chunked and sink layers (window 16): the model masks them itself over the
+    K/V `PagedCache` returns (every layer's whole past, from position 0), so greedy tokens,
+    one row or a left-padded batch, equal `DynamicCache`'s; the pool is built with the
+    model's layer kinds."""
+    config, kinds = hybrid_configs()[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    for input_ids, attention_mask in [(prompt(40), None), left_padded_batch()]:
+        want = model.generate(input_ids, attention_mask=attention_mask, cache=dynamic(model),
+                              **GREEDY)
+        cache = PagedCache(model.config, num_blocks=128, block_size=6, dtype=torch.float32)
+        assert cache.kv_cache.config.layer_kinds == kinds
+        got = model.generate(input_ids, attention_mask=attention_mask, cache=cache, **GREEDY)
+        assert torch.equal(got, want), f"{family}, {input_ids.shape[0]} rows"
+        cache.kv_cache.check()
+
+
+def test_refuses_models_with_linear_layers():
+    config = transformers.Qwen3NextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=128)
+    with pytest.raises(ValueError, match=r"'qwen3_next'.*3 'linear_attention' layers"):
         PagedCache(config, num_blocks=8)
 
 
 @pytest.mark.parametrize("family", ["gemma2 softcap", "gpt-oss sinks"])
 def test_softcap_and_sinks_on_full_layers_match_dynamic_cache(family):
     """`PagedCache` hands the model its K/V and the model's own attention applies the
-    soft-cap or the sinks, so these are served (the paged kernels' `HFCausalLM` refuses
-    them): greedy tokens equal `DynamicCache`'s."""
+    soft-cap or the sinks: greedy tokens equal `DynamicCache`'s."""
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   layer_types=["full_attention"] * 2, initializer_range=0.3)

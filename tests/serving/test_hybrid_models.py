@@ -117,6 +117,39 @@ def test_layer_kinds_follow_the_config(family):
     assert layer_kinds(config) == kinds
 
 
+def edge_configs() -> dict[str, tuple[object, tuple[LayerKind, ...]]]:
+    """Configs whose kinds are easy to get wrong: ``{case: (config, kinds)}``."""
+    t = transformers
+    return {
+        # Mistral's modeling applies sliding_window to every layer; a stray layer_types
+        # attribute (MistralConfig has no such field) is never read
+        "mistral ignores layer_types": (
+            t.MistralConfig(sliding_window=WINDOW, layer_types=["full_attention"] * 2,
+                            **COMMON), (SLIDING, SLIDING)),
+        "a window past every position is full": (
+            t.MistralConfig(sliding_window=256, **COMMON), (FULL, FULL)),
+        "qwen2 without use_sliding_window": (
+            t.Qwen2Config(use_sliding_window=False, sliding_window=WINDOW, max_window_layers=0,
+                          **COMMON), (FULL, FULL)),
+        "qwen2 max_window_layers=0": (
+            t.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0,
+                          **COMMON), (SLIDING, SLIDING)),
+        "a chunk past every position is full": (
+            t.Llama4TextConfig(attention_chunk_size=256, **{**COMMON, "num_hidden_layers": 4}),
+            (FULL,) * 4),
+        "legacy 'attention' layer type": (
+            t.Gemma2Config(sliding_window=WINDOW, query_pre_attn_scalar=16,
+                           layer_types=["attention", "sliding_attention"], **COMMON),
+            (FULL, SLIDING)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(edge_configs()))
+def test_layer_kinds_edge_cases(case):
+    config, kinds = edge_configs()[case]
+    assert layer_kinds(config) == kinds
+
+
 @pytest.mark.parametrize("block_size", [4, 6])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_matches_generate(family, block_size, checkpoints, expected):
