@@ -33,7 +33,7 @@ except ImportError as exc:  # optional dependency: say which extra brings it
 from .._checks import check_tensor
 from ..accounting import CacheStats
 from ..cache import PagedKVCache
-from ..config import CacheConfig
+from ..config import CacheConfig, LayerKind
 from ..errors import OutOfBlocksError
 from ..step.batch import StepBatch
 from .hf_support import layer_kinds, require_supported
@@ -56,7 +56,7 @@ class PagedCache(Cache):
         ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size //
         num_attention_heads``) and each layer's kind (`hf_support.layer_kinds`: full,
         sliding-window or chunked attention; the model masks windows and chunks itself
-        over the whole past `update` returns).
+        over the whole past `update` returns, and the pool keeps what those masks read).
     num_blocks : int
         Blocks in the pool, the reserved null block included.
     block_size : int
@@ -114,7 +114,7 @@ class PagedCache(Cache):
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
             device=device, enable_prefix_caching=False,  # token ids never reach a cache
-            kv_cache_dtype=kv_cache_dtype, layer_kinds=layer_kinds(text_config)))
+            kv_cache_dtype=kv_cache_dtype, layer_kinds=_pool_kinds(text_config)))
         self._seq_ids: list[int] = []        # one sequence per batch row, in row order
         self._next_seq_id = 0
         self._batch: StepBatch | None = None  # the open step, shared by every layer
@@ -383,6 +383,16 @@ class _PagedLayer(CacheLayerMixin):
 
     reset = crop = reorder_cache = _shared_rows
     batch_select_indices = batch_repeat_interleave = offload = prefetch = _shared_rows
+
+
+def _pool_kinds(text_config: object) -> tuple[LayerKind, ...]:
+    """The model's layer kinds as the pool keeps them: a chunked layer of ``C`` as a window
+    of ``C``. transformers aligns a left-padded row's chunks to its first real token
+    (``(kv - pad) // C == (q - pad) // C``), not to slot 0 as the pool's chunks are, so a
+    chunked pool would give back keys such a row still reads; every key a chunk shows its
+    query lies within the last ``C`` positions, whatever the padding."""
+    return tuple(LayerKind.sliding(kind.chunk) if kind.chunk else kind
+                 for kind in layer_kinds(text_config))
 
 
 __all__ = ["PagedCache"]
