@@ -269,6 +269,22 @@ def test_hybrid_layers_match_dynamic_cache(family):
         cache.kv_cache.check()
 
 
+@pytest.mark.parametrize("family", ["mistral", "llama4"])
+@pytest.mark.parametrize("extra", [dict(num_beams=3), dict(prompt_lookup_num_tokens=3)],
+                         ids=["beams", "prompt-lookup"])
+def test_beams_and_rolled_back_drafts_on_hybrid_layers_match_dynamic_cache(family, extra):
+    """Forked rows (beam search) and `crop` (rejected drafts) on window and chunked layers:
+    a 48-token prompt, past the window, then 20 tokens."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hybrid_configs()[family][0]).eval().float()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10] * 8])  # repetitive: drafts come from it
+    want = model.generate(input_ids, cache=dynamic(model), **GREEDY, **extra)
+    cache = PagedCache(model.config, num_blocks=256, block_size=6, dtype=torch.float32)
+    assert torch.equal(model.generate(input_ids, cache=cache, **GREEDY, **extra), want)
+    cache.kv_cache.check()
+
+
 def test_refuses_models_with_linear_layers():
     config = transformers.Qwen3NextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4,
                                           num_attention_heads=4, num_key_value_heads=2,
