@@ -1,78 +1,104 @@
 """What of a transformers model's attention paged_kv implements, read from its config.
 
-paged_kv's attention kernels compute full causal attention over every cached token, with
-a scale and grouped heads. A model whose layers ask for more — a sliding window, chunked
-local attention, linear (recurrent) layers, soft-capped attention logits, or learned
-attention sinks — would be served wrong tokens silently if its attention ran on those
-kernels, so it is refused by name until the kernels implement the feature.
+paged_kv's attention serves every layer kind of `paged_kv.config.LayerKind` — full
+attention, a sliding window, chunked local attention — with learned attention sinks and
+soft-capped logits on any of them. `layer_kinds` maps a config's ``layer_types`` (or its
+``sliding_window`` / ``attention_chunk_size`` when it has none) to those kinds. A model
+whose layers ask for more — linear (recurrent, Mamba) layers, cross-attention,
+bidirectional attention, a layer type this module does not know — would be served wrong
+tokens, so it is refused by name (`require_supported`).
 
 Only the config is read (no weights), so the command line refuses a checkpoint before it
-loads one; `loaded_model_features` adds what only the loaded modules show.
+loads one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
-__all__ = ["UnsupportedModelError", "loaded_model_features", "require_supported",
-           "unsupported_features", "window_features"]
+from ..config import LayerKind
 
-# model types whose attention adds learned per-head sink logits to the softmax, where the
-# config has no field that says so (their modules carry a ``sinks`` parameter)
-SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+__all__ = ["UnsupportedModelError", "layer_kinds", "require_supported",
+           "unsupported_features", "window_of"]
+
+# transformers' `layer_types` names of the layer kinds paged_kv serves, by LayerKind.attention
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding",
+               "chunked_attention": "chunked"}
+# the legacy spellings transformers still reads (configuration_utils._LEGACY_LAYER_TYPE_REMAP)
+LEGACY_LAYER_TYPES = {"attention": "full_attention"}
 
 
 class UnsupportedModelError(ValueError):
-    """A model asks for attention paged_kv's kernels do not implement (it would be served
-    wrong tokens): the message names the model type and each setting."""
+    """A model asks for attention paged_kv does not implement (it would be served wrong
+    tokens): the message names the model type and each unsupported setting or layer type,
+    and `features` lists those settings."""
+
+    def __init__(self, message: str, features: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.features = list(features)
 
 
-def window_features(config: object) -> list[str]:
-    """The settings that make some layer attend to less than the whole past.
+def layer_kinds(config: object) -> tuple[LayerKind, ...]:
+    """Each layer's `LayerKind`, as the model's attention reads the past.
+
+    ``layer_types`` decides per layer (``"full_attention"``, ``"sliding_attention"`` with
+    ``sliding_window``, ``"chunked_attention"`` with ``attention_chunk_size``; Qwen2's
+    ``use_sliding_window`` / ``max_window_layers``, Gemma 3's ``sliding_window_pattern`` and
+    gpt-oss's alternation are already spelled out there by transformers). A config without
+    ``layer_types`` (Mistral) applies its ``sliding_window`` or ``attention_chunk_size`` to
+    every layer. A window or chunk at least ``max_position_embeddings`` long never cuts a
+    sequence, so that layer is full attention.
 
     Parameters
     ----------
     config : transformers.PreTrainedConfig
-        A (text) config.
+        A model config (its decoder text config is read).
 
     Returns
     -------
-    list of str
-        ``"setting=value"`` strings, e.g. ``"sliding_window=32 on 'sliding_attention'
-        layers"``; empty when every layer is full attention. A window or chunk at least
-        ``max_position_embeddings`` long never cuts anything and is not listed.
+    tuple of LayerKind
+        One per layer (``num_hidden_layers`` of them).
+
+    Raises
+    ------
+    UnsupportedModelError
+        A layer type paged_kv does not serve (linear attention / Mamba, an unknown type), a
+        window layer without a window, or ``layer_types`` of the wrong length; the message
+        names the model type and the layer type.
     """
-    limit = getattr(config, "max_position_embeddings", None)
-    window = getattr(config, "sliding_window", None)
+    text = _text_config(config)
+    num_layers = text.num_hidden_layers
+    types = _layer_types(text)
+    if types is None:  # no per-layer kinds: a window or chunk applies to every layer
+        window, chunk = window_of(text), _bites(text, getattr(text, "attention_chunk_size", None))
+        if window and chunk:
+            _refuse(text, [f"both sliding_window={window} and attention_chunk_size={chunk} "
+                           "on every layer"])
+        kind = (LayerKind.sliding(window) if window else LayerKind.chunked(chunk) if chunk
+                else LayerKind.full())
+        return (kind,) * num_layers
+    if len(types) != num_layers:
+        _refuse(text, [f"layer_types has {len(types)} entries for {num_layers} layers"])
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        _refuse(text, [f"layer_types has {sum(t == kind for t in types)} {kind!r} layers"
+                       for kind in unknown])
+    return tuple(_kind_of_type(text, kind) for kind in types)
+
+
+def window_of(config: object) -> int:
+    """The sliding window the config's window layers read, 0 when none cuts a sequence
+    (no ``sliding_window``, ``use_sliding_window=False``, or one at least
+    ``max_position_embeddings`` long)."""
     if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    chunk = getattr(config, "attention_chunk_size", None)
-
-    def bites(span: int | None) -> bool:
-        return span is not None and (limit is None or span < limit)
-
-    kinds = getattr(config, "layer_types", None)
-    if kinds is None:  # no per-layer kinds: a window or chunk applies to every layer
-        found = [f"sliding_window={window} on every layer"] if bites(window) else []
-        return found + ([f"attention_chunk_size={chunk} on every layer"] if bites(chunk)
-                        else [])
-    found = []
-    for kind in sorted(set(kinds) - {"full_attention"}):
-        count = sum(k == kind for k in kinds)
-        if "sliding" in kind:
-            if bites(window):
-                found.append(f"sliding_window={window} on {count} {kind!r} layers")
-        elif "chunk" in kind:
-            if bites(chunk):
-                found.append(f"attention_chunk_size={chunk} on {count} {kind!r} layers")
-        else:
-            found.append(f"layer_types has {count} {kind!r} layers")
-    return found
+        return 0
+    return _bites(config, getattr(config, "sliding_window", None))
 
 
 def unsupported_features(config: object) -> list[str]:
-    """Every setting of `config` that paged_kv's attention kernels do not implement:
-    `window_features`, attention-logit soft-capping and learned attention sinks.
+    """Every setting of `config` paged_kv does not serve: layer types other than full,
+    sliding and chunked attention, cross-attention, bidirectional attention.
 
     Parameters
     ----------
@@ -82,46 +108,82 @@ def unsupported_features(config: object) -> list[str]:
     Returns
     -------
     list of str
-        ``"setting=value"`` strings; empty when the kernels compute what the model asks.
+        ``"setting=value"`` strings; empty when paged_kv computes what the model asks.
     """
     text = _text_config(config)
-    found = window_features(text)
-    for name, value in sorted(_fields(text)):
-        # the final-logit cap is applied by the model's head, outside attention
-        if "softcap" in name and ("attn" in name or "attention" in name) and value:
-            found.append(f"{name}={value}")
-    plan = getattr(text, "base_model_tp_plan", None) or {}
-    if getattr(text, "model_type", None) in SINK_MODEL_TYPES \
-            or any(str(key).endswith("sinks") for key in plan):
-        found.append("attention sinks (learned per-head sink logits)")
-    return found
-
-
-def loaded_model_features(model: object) -> list[str]:
-    """What only the loaded modules show: parameters named ``sinks`` (learned attention
-    sinks that no config field announces)."""
-    names = [n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] == "sinks"]
-    return [f"attention sinks ({len(names)} layers with a 'sinks' parameter)"] if names else []
+    found = []
+    for holder in (config, text) if text is not config else (config,):  # composite, text
+        if getattr(holder, "is_encoder_decoder", False):
+            found.append("is_encoder_decoder=True (cross-attention to an encoder)")
+        if getattr(holder, "add_cross_attention", False):
+            found.append("add_cross_attention=True (cross-attention layers)")
+    if getattr(text, "cross_attention_layers", None):  # Mllama's text model
+        found.append(f"cross_attention_layers={list(text.cross_attention_layers)}")
+    if getattr(text, "use_bidirectional_attention", False):
+        found.append("use_bidirectional_attention=True (not causal)")
+    blocks = getattr(text, "layers_block_type", None)  # Jamba-style hybrid layer lists
+    if isinstance(blocks, list | tuple):
+        found += [f"layers_block_type has {sum(b == kind for b in blocks)} {kind!r} layers"
+                  for kind in sorted(set(map(str, blocks)) - {"attention"})]
+    try:
+        layer_kinds(text)
+    except UnsupportedModelError as exc:
+        found += exc.features
+    return list(dict.fromkeys(found))
 
 
 def require_supported(config: object, who: str, features: Iterable[str] | None = None) -> None:
     """Raise `UnsupportedModelError` naming the model type and every setting in `features`
     (default `unsupported_features(config)`); return when there is none."""
     found = list(unsupported_features(config) if features is None else features)
-    if not found:
-        return
+    if found:
+        raise UnsupportedModelError(_message(config, found, who), found)
+
+
+def _kind_of_type(text: object, layer_type: str) -> LayerKind:
+    attention = LAYER_TYPES[layer_type]
+    if attention == "full":
+        return LayerKind.full()
+    name = "sliding_window" if attention == "sliding" else "attention_chunk_size"
+    raw = getattr(text, name, None)
+    if raw is None or (attention == "sliding"
+                       and getattr(text, "use_sliding_window", True) is False):
+        # transformers' own mask builder fails on such a layer: never guess a span for it
+        _refuse(text, [f"{layer_type!r} layers with no {name}"])
+    span = window_of(text) if attention == "sliding" else _bites(text, raw)
+    return LayerKind(attention, span) if span else LayerKind.full()
+
+
+def _layer_types(text: object) -> list[str] | None:
+    """``layer_types`` when the model's attention reads it: a config class with no such
+    field or property (Mistral) keeps a stray ``layer_types`` as an attribute its modeling
+    code never reads (Mistral applies ``sliding_window`` to every layer)."""
+    types = getattr(text, "layer_types", None)
+    if types is None or (dataclasses.is_dataclass(text)
+                         and not hasattr(type(text), "layer_types")
+                         and "layer_types" not in {f.name for f in dataclasses.fields(text)}):
+        return None
+    return [LEGACY_LAYER_TYPES.get(str(kind), str(kind)) for kind in types]
+
+
+def _bites(config: object, span: int | None) -> int:
+    """`span` when it cuts some sequence the model can take, else 0."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(span) if span and (limit is None or span < limit) else 0
+
+
+def _refuse(text: object, found: list[str]) -> None:
+    raise UnsupportedModelError(_message(text, found, "paged_kv"), found)
+
+
+def _message(config: object, found: list[str], who: str) -> str:
     model_type = getattr(config, "model_type", None) or type(config).__name__
-    raise UnsupportedModelError(
-        f"{who}: model type {model_type!r} is not supported: it uses {'; '.join(found)}, "
-        "which paged_kv's attention kernels do not implement (they attend to every cached "
-        "token, with no window, soft-cap or sink), so it would be served wrong tokens")
+    return (f"{who}: model type {model_type!r} is not supported: it uses "
+            f"{'; '.join(found)}, which paged_kv's attention does not implement (it serves "
+            "full, sliding-window and chunked causal self-attention layers), so it would be "
+            "served wrong tokens")
 
 
 def _text_config(config: object) -> object:
     getter = getattr(config, "get_text_config", None)
     return getter(decoder=True) if getter is not None else config
-
-
-def _fields(config: object) -> Iterable[tuple[str, object]]:
-    to_dict = getattr(config, "to_dict", None)
-    return (to_dict() if to_dict is not None else vars(config)).items()

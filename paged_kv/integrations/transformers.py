@@ -33,10 +33,10 @@ except ImportError as exc:  # optional dependency: say which extra brings it
 from .._checks import check_tensor
 from ..accounting import CacheStats
 from ..cache import PagedKVCache
-from ..config import CacheConfig
+from ..config import CacheConfig, LayerKind
 from ..errors import OutOfBlocksError
 from ..step.batch import StepBatch
-from .hf_support import require_supported, window_features
+from .hf_support import layer_kinds, require_supported
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -54,7 +54,9 @@ class PagedCache(Cache):
     config : transformers.PreTrainedConfig
         The model's config; its (decoder) text config gives ``num_hidden_layers``,
         ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size //
-        num_attention_heads``). Every layer must be full attention.
+        num_attention_heads``) and each layer's kind (`hf_support.layer_kinds`: full,
+        sliding-window or chunked attention; the model masks windows and chunks itself
+        over the whole past `update` returns, and the pool keeps what those masks read).
     num_blocks : int
         Blocks in the pool, the reserved null block included.
     block_size : int
@@ -72,7 +74,9 @@ class PagedCache(Cache):
     Raises
     ------
     ValueError
-        A layer is not full attention, or a pool setting is invalid (from `CacheConfig`).
+        A layer paged_kv does not serve (linear / Mamba, cross-attention; an
+        `UnsupportedModelError` naming the model type and layer type), or a pool setting is
+        invalid (from `CacheConfig`).
 
     Examples
     --------
@@ -97,7 +101,7 @@ class PagedCache(Cache):
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  kv_cache_dtype: str = "auto") -> None:
         text_config = config.get_text_config(decoder=True)
-        _require_full_attention(text_config)
+        require_supported(text_config, "PagedCache (use DynamicCache for this model)")
         num_heads = text_config.num_attention_heads
         head_dim = (getattr(text_config, "head_dim", None)
                     or text_config.hidden_size // num_heads)
@@ -110,7 +114,7 @@ class PagedCache(Cache):
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
             device=device, enable_prefix_caching=False,  # token ids never reach a cache
-            kv_cache_dtype=kv_cache_dtype))
+            kv_cache_dtype=kv_cache_dtype, layer_kinds=_pool_kinds(text_config)))
         self._seq_ids: list[int] = []        # one sequence per batch row, in row order
         self._next_seq_id = 0
         self._batch: StepBatch | None = None  # the open step, shared by every layer
@@ -381,12 +385,14 @@ class _PagedLayer(CacheLayerMixin):
     batch_select_indices = batch_repeat_interleave = offload = prefetch = _shared_rows
 
 
-def _require_full_attention(text_config: object) -> None:
-    """Raise `UnsupportedModelError` (a ValueError) unless every layer attends to the whole
-    past. Soft-capped logits and attention sinks are fine here: the model's own attention
-    function runs on the K/V `update` returns."""
-    require_supported(text_config, "PagedCache (use DynamicCache for this model)",
-                      window_features(text_config))
+def _pool_kinds(text_config: object) -> tuple[LayerKind, ...]:
+    """The model's layer kinds as the pool keeps them: a chunked layer of ``C`` as a window
+    of ``C``. transformers aligns a left-padded row's chunks to its first real token
+    (``(kv - pad) // C == (q - pad) // C``), not to slot 0 as the pool's chunks are, so a
+    chunked pool would give back keys such a row still reads; every key a chunk shows its
+    query lies within the last ``C`` positions, whatever the padding."""
+    return tuple(LayerKind.sliding(kind.chunk) if kind.chunk else kind
+                 for kind in layer_kinds(text_config))
 
 
 __all__ = ["PagedCache"]

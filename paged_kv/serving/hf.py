@@ -15,13 +15,8 @@ from pathlib import Path
 import torch
 
 from ..cache import PagedKVCache
-from ..config import CacheConfig
-from ..integrations.hf_support import (
-    UnsupportedModelError,
-    loaded_model_features,
-    require_supported,
-    unsupported_features,
-)
+from ..config import CacheConfig, LayerKind
+from ..integrations.hf_support import UnsupportedModelError, layer_kinds, require_supported
 from ..page_table import StepBatch
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -32,31 +27,47 @@ def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         scaling: float | None = None, dropout: float = 0.0,
                         **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``query (1, Hq, N, D)``, ``key/value (1, Hkv, N, D)``
-    -> ``(1, N, Hq, D)``, through ``paged_kv_cache`` and ``paged_kv_batch`` in `kwargs`."""
-    _refuse_unimplemented(module, kwargs)
+    -> ``(1, N, Hq, D)``, through ``paged_kv_cache`` and ``paged_kv_batch`` in `kwargs`.
+
+    The layer's window or chunk is the cache's `LayerKind` for it (the attention mask
+    transformers built is not read); the sinks (gpt-oss's ``s_aux``) and the soft-cap (Gemma
+    2's ``softcap``) are what the model passes, as its own attention functions take them.
+    """
     cache: PagedKVCache = kwargs["paged_kv_cache"]
     batch: StepBatch = kwargs["paged_kv_batch"]
     layer = module.layer_idx
+    _check_window(module, layer, cache.config.kind_of(layer), kwargs.get("sliding_window"))
+    kwargs["paged_kv_layers"].add(layer)
     cache.write(layer, key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(),
                 batch)
-    out = cache.attention(layer, query[0].transpose(0, 1).contiguous(), batch, scale=scaling)
+    out = cache.attention(layer, query[0].transpose(0, 1).contiguous(), batch, scale=scaling,
+                          sinks=_sinks(module, kwargs), softcap=kwargs.get("softcap") or 0.0)
     return out[None], None
 
 
-def _refuse_unimplemented(module: torch.nn.Module, kwargs: dict) -> None:
-    """The last guard against wrong tokens: a layer that asks the attention function for a
-    window, a soft-cap or sinks the kernels do not compute (a model the config check did not
-    know) fails its step instead of attending to everything."""
-    window = kwargs.get("sliding_window")
+def _sinks(module: torch.nn.Module, kwargs: dict) -> torch.Tensor | None:
+    """The layer's learned sink logits ``[num_q_heads]``: what the model passes (gpt-oss:
+    ``s_aux``), else a ``sinks`` parameter of the module (which gpt-oss's eager attention
+    reads directly)."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
+def _check_window(module: torch.nn.Module, layer: int, kind: LayerKind,
+                  asked: int | None) -> None:
+    """The last guard against wrong tokens: the window a layer asks the attention function
+    for (``sliding_window``) must be the window the cache serves that layer with. A window
+    at least ``max_position_embeddings`` long never cuts a sequence and counts as none."""
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-    asked = [f"{name}={kwargs[name]!r}" for name in ("softcap", "s_aux", "sinks")
-             if kwargs.get(name) is not None]
-    if window is not None and (limit is None or window < limit):
-        asked.append(f"sliding_window={window}")
-    if asked:
+    window = asked if asked and (limit is None or asked < limit) else 0
+    if window != kind.window:
         raise UnsupportedModelError(
-            f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} asks the "
-            f"paged attention for {', '.join(asked)}, which its kernels do not implement")
+            f"layer {layer} of {type(module).__name__} asks the paged attention for "
+            f"sliding_window={asked!r}, but the cache serves that layer as {kind} "
+            f"(window {kind.window}): its config and its modules disagree on the layer's kind")
 
 
 def _register() -> None:
@@ -89,15 +100,16 @@ class HFCausalLM(torch.nn.Module):
     Raises
     ------
     UnsupportedModelError
-        A ValueError: the model asks for attention the paged kernels do not implement — a
-        sliding window, chunked or linear layers, soft-capped attention logits, learned
-        sinks — and would be served wrong tokens (see `paged_kv.integrations.hf_support`).
+        A ValueError: the model has layers paged_kv does not serve — linear (recurrent)
+        layers, cross-attention, an unknown layer type — and would be served wrong tokens
+        (see `paged_kv.integrations.hf_support`). Full, sliding-window and chunked layers,
+        attention sinks and soft-capped logits are served.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        require_supported(model.config, type(self).__name__,
-                          unsupported_features(model.config) + loaded_model_features(model))
+        require_supported(model.config, type(self).__name__)
+        self.layer_kinds = layer_kinds(model.config)
         _register()
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         self.model = model.eval()
@@ -119,9 +131,8 @@ class HFCausalLM(torch.nn.Module):
         FileNotFoundError
             `path` is not a local directory.
         UnsupportedModelError
-            A ValueError: the config asks for attention the kernels do not implement (a
-            window, chunked or linear layers, soft-capped logits, sinks), checked before
-            any weight is read.
+            A ValueError: the config has layers paged_kv does not serve (linear layers,
+            cross-attention, an unknown layer type), checked before any weight is read.
         """
         from transformers import AutoModelForCausalLM
 
@@ -137,10 +148,11 @@ class HFCausalLM(torch.nn.Module):
 
     def cache_config(self, num_blocks: int = 1024, block_size: int = 16,
                      **overrides) -> CacheConfig:
-        """The `CacheConfig` whose K/V shape matches the model."""
+        """The `CacheConfig` whose K/V shape and layer kinds (`layer_kinds`) match the model."""
         num_layers, num_kv_heads, head_dim = self.kv_shape
         fields = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      block_size=block_size, num_blocks=num_blocks, dtype=self.model.dtype)
+                      block_size=block_size, num_blocks=num_blocks, dtype=self.model.dtype,
+                      layer_kinds=self.layer_kinds)
         fields.update(overrides)
         return CacheConfig(**fields)
 
@@ -150,15 +162,25 @@ class HFCausalLM(torch.nn.Module):
         """One step: ``[N]`` tokens and positions -> ``[len(logits_indices), vocab]`` logits."""
         if logits_indices is None:
             logits_indices = torch.arange(token_ids.shape[0])
+        attended: set[int] = set()
         output = self.model(input_ids=token_ids[None], position_ids=positions[None],
                             use_cache=False, logits_to_keep=logits_indices,
-                            paged_kv_cache=cache, paged_kv_batch=batch)
+                            paged_kv_cache=cache, paged_kv_batch=batch,
+                            paged_kv_layers=attended)
+        if len(attended) != cache.config.num_layers:
+            # a layer that never reached the attention function (a recurrent or convolution
+            # layer) kept no state of the past: its logits would be wrong tokens
+            missing = sorted(set(range(cache.config.num_layers)) - attended)
+            raise UnsupportedModelError(
+                f"{self.name}: layers {missing} did not attend through the paged cache (not "
+                "attention layers, or attention that does not dispatch through "
+                "config._attn_implementation), so the model cannot be served from it")
         return output.logits[0].float()
 
 
 def check_checkpoint(path: str | Path) -> None:
-    """Refuse a local checkpoint whose config asks for attention the paged kernels do not
-    implement, reading only its ``config.json`` (no weights).
+    """Refuse a local checkpoint whose config has layers paged_kv does not serve, reading
+    only its ``config.json`` (no weights).
 
     Raises
     ------

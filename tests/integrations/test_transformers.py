@@ -15,9 +15,11 @@ transformers = pytest.importorskip("transformers")
 
 from paged_kv import OutOfBlocksError  # noqa: E402
 from paged_kv.cache import snapshot  # noqa: E402
+from paged_kv.config import LayerKind  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
 from ..conftest import assert_same_snapshot  # noqa: E402
+from ..serving.test_hybrid_models import FAMILIES, hybrid_configs  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_NEW_TOKENS = 20
@@ -245,19 +247,56 @@ def test_bad_update_leaves_the_cache_unchanged(model):
         assert_same_snapshot(before, snapshot(cache.kv_cache), f"{tuple(states.shape)}")
 
 
-def test_rejects_models_with_windowed_layers():
-    config = transformers.MistralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, sliding_window=8)
-    with pytest.raises(ValueError, match=r"'mistral'.*sliding_window=8 on every layer"):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_layers_match_dynamic_cache(family):
+    """Window, chunked and sink layers (window 16): the model masks them itself over the
+    K/V `PagedCache` returns (every layer's whole past, from position 0), so greedy tokens,
+    one row or a left-padded batch, equal `DynamicCache`'s. The pool keeps each layer's
+    kind, a chunk of 16 as a window of 16: a left-padded row's chunks start at its first
+    real token, not at slot 0 where the pool's chunks would, so a chunked pool would give
+    back keys the row still reads (the 3-row llama4 case failed so)."""
+    config, kinds = hybrid_configs()[family]
+    kinds = tuple(LayerKind.sliding(k.chunk) if k.chunk else k for k in kinds)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    for input_ids, attention_mask in [(prompt(40), None), left_padded_batch()]:
+        want = model.generate(input_ids, attention_mask=attention_mask, cache=dynamic(model),
+                              **GREEDY)
+        cache = PagedCache(model.config, num_blocks=128, block_size=6, dtype=torch.float32)
+        assert cache.kv_cache.config.layer_kinds == kinds
+        got = model.generate(input_ids, attention_mask=attention_mask, cache=cache, **GREEDY)
+        assert torch.equal(got, want), f"{family}, {input_ids.shape[0]} rows"
+        cache.kv_cache.check()
+
+
+@pytest.mark.parametrize("family", ["mistral", "llama4"])
+@pytest.mark.parametrize("extra", [dict(num_beams=3), dict(prompt_lookup_num_tokens=3)],
+                         ids=["beams", "prompt-lookup"])
+def test_beams_and_rolled_back_drafts_on_hybrid_layers_match_dynamic_cache(family, extra):
+    """Forked rows (beam search) and `crop` (rejected drafts) on window and chunked layers:
+    a 48-token prompt, past the window, then 20 tokens."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hybrid_configs()[family][0]).eval().float()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10] * 8])  # repetitive: drafts come from it
+    want = model.generate(input_ids, cache=dynamic(model), **GREEDY, **extra)
+    cache = PagedCache(model.config, num_blocks=256, block_size=6, dtype=torch.float32)
+    assert torch.equal(model.generate(input_ids, cache=cache, **GREEDY, **extra), want)
+    cache.kv_cache.check()
+
+
+def test_refuses_models_with_linear_layers():
+    config = transformers.Qwen3NextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=128)
+    with pytest.raises(ValueError, match=r"'qwen3_next'.*3 'linear_attention' layers"):
         PagedCache(config, num_blocks=8)
 
 
 @pytest.mark.parametrize("family", ["gemma2 softcap", "gpt-oss sinks"])
 def test_softcap_and_sinks_on_full_layers_match_dynamic_cache(family):
     """`PagedCache` hands the model its K/V and the model's own attention applies the
-    soft-cap or the sinks, so these are served (the paged kernels' `HFCausalLM` refuses
-    them): greedy tokens equal `DynamicCache`'s."""
+    soft-cap or the sinks: greedy tokens equal `DynamicCache`'s."""
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   layer_types=["full_attention"] * 2, initializer_range=0.3)
