@@ -187,7 +187,8 @@ class Engine:
 
     def _validate(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> list[int]:
         return check_request(prompt_token_ids, params, self.model.config,
-                             self.scheduler.max_num_seqs, self.cache.config)
+                             self.scheduler.max_num_seqs, self.cache.config,
+                             self.scheduler.max_num_batched_tokens)
 
     def generate(self, prompts: abc.Sequence[abc.Sequence[int]],
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None,

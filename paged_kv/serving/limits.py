@@ -25,7 +25,8 @@ def check_limits(cache_config: CacheConfig, preemption: str, max_num_seqs: int,
 
 
 def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model_config: Any,
-                  max_num_seqs: int, cache_config: CacheConfig) -> list[int]:
+                  max_num_seqs: int, cache_config: CacheConfig,
+                  max_num_batched_tokens: int | None = None) -> list[int]:
     """The prompt as a list, or the error for a request that can never run.
 
     Parameters
@@ -38,6 +39,9 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
         The engine's limit (a request's `n` samples run at once).
     cache_config : CacheConfig
         The pool, which must hold the longest sequence the request can reach.
+    max_num_batched_tokens : int, optional
+        The most tokens a step computes: a window layer holds its window and one step's
+        tokens (default: the whole prompt in one step).
 
     Raises
     ------
@@ -66,8 +70,10 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = "
                          f"{total} exceeds the model's max_position "
                          f"({model_config.max_position})")
-    # a window group holds its window and a step's tokens; a prompt may come in one step
-    needed = cache_config.blocks_for_sequence(total - 1, len(prompt))
+    # a window group holds its window and a step's tokens
+    step = len(prompt) if max_num_batched_tokens is None else min(len(prompt),
+                                                                  max_num_batched_tokens)
+    needed = cache_config.blocks_for_sequence(total - 1, step)
     if needed > cache_config.num_usable_blocks:
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs "
                          f"{needed} blocks, more than the pool's "
@@ -95,17 +101,19 @@ class EngineLimits:
     max_num_seqs: int
     cache_config: CacheConfig
     kv_events: dict | None = None
+    max_num_batched_tokens: int | None = None
 
     @classmethod
     def of(cls, engine: Any) -> EngineLimits:
         """The limits of an `Engine`."""
         events = None if engine.events is None else engine.events.info()
-        return cls(engine.model.config, engine.max_num_seqs, engine.cache.config, events)
+        return cls(engine.model.config, engine.max_num_seqs, engine.cache.config, events,
+                   engine.scheduler.max_num_batched_tokens)
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise what `Engine.add_request` would for this request (see `check_request`)."""
         check_request(prompt_token_ids, params, self.model_config, self.max_num_seqs,
-                      self.cache_config)
+                      self.cache_config, self.max_num_batched_tokens)
 
     def room(self, prompt_len: int) -> int:
         """Tokens a prompt of `prompt_len` may still grow by: the context and the pool's limit
