@@ -225,13 +225,22 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
             super().swap_in(seq_id)  # raises the uniform cache's error
         if self._swap is None:
             super().swap_out(seq_id)  # raises: no host pool
+        rows = np.array([self._tables.row_of[seq_id]])
+        # what no later query reads leaves before the swap-out, as it would before the
+        # next step: a prefill's blocks are not carried to the host and back (nor counted
+        # against the request limit the swap-in is sized by)
+        releases = [group.releasable(rows) if out else (rows[:0], rows[:0])
+                    for group in self._groups]
         blocks = sum(int(np.count_nonzero(group.tables.blocks(seq_id)))
-                     for group in self._groups)
+                     - int(np.count_nonzero(group.blocks_between(*release)))
+                     for group, release in zip(self._groups, releases, strict=True))
         pool = self._swap.allocator if out else self._allocator
         if not pool.can_allocate(blocks):
             raise OutOfBlocksError(blocks, pool.num_obtainable_blocks, f"{what} host pool"
                                    if out else what)
-        for group in self._groups:
+        for group, (moving, upto) in zip(self._groups, releases, strict=True):
+            if moving.size:
+                self._given_back += group.release(self._allocator, moving, upto)
             (group.swap.swap_out if out else group.swap.swap_in)(seq_id)
         self._changed()
 
@@ -253,19 +262,24 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
 
     def stats(self) -> CacheStats:
         """`PagedKVCache.stats`, with live blocks by layer kind and the blocks window rows
-        gave back; empty slots are counted in every group's rows."""
+        gave back; empty slots are counted in every group's resident rows, and a swapped
+        sequence's host blocks in every group (not the leading group's alone)."""
         base, block_size = super().stats(), self.config.block_size
-        empty, by_kind = 0, {}
+        empty, by_kind, swapped = 0, {}, 0
         for group in self._groups:
             tables = group.tables
             rows = tables.rows()
+            out, rows = rows[tables.swapped[rows]], rows[~tables.swapped[rows]]
+            swapped += sum(int(np.count_nonzero(tables.block_ids[row, :tables.num_blocks[row]]))
+                           for row in out.tolist())
             empty += sum(empty_slots_per_block(tables.block_ids[rows], tables.num_blocks[rows],
                                                tables.num_tokens[rows], block_size).values())
             held = int(tables.num_blocks[rows].sum() - group.released_of(rows).sum())
             by_kind[str(group.kind)] = by_kind.get(str(group.kind), 0) + held
         return dataclasses.replace(
             base, num_empty_slots=empty, num_live_tokens=base.num_live_blocks * block_size
-            - empty, blocks_by_kind=tuple(by_kind.items()), num_given_back=self._given_back,
+            - empty, num_swapped_blocks=swapped, blocks_by_kind=tuple(by_kind.items()),
+            num_given_back=self._given_back,
             bytes_given_back=self._given_back * self.config.bytes_per_block)
 
     def check(self) -> None:

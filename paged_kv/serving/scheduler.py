@@ -2,8 +2,10 @@
 
 Each sequence's computed tokens catch up with its tokens: a step gives every running
 sequence ``min(len(tokens) - num_computed, budget left)`` new tokens, then swapped-in and
-waiting ones get what is left. When blocks run out, the most recently admitted running
-sequence is preempted: freed and requeued (recompute), or moved to the host pool (swap).
+waiting ones get what is left (a sequence recomputed in a pool its window layers could
+not hold in one step: at most its prompt's length a step). When blocks run out, the most
+recently admitted running sequence is preempted: freed and requeued (recompute), or moved
+to the host pool (swap).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Scheduler:
             for seq in self.running:
                 if left <= 0:
                     break
-                plan.append((seq, min(len(seq.token_ids) - seq.num_computed, left)))
+                plan.append((seq, min(self._step_tokens(seq), left)))
                 left -= plan[-1][1]
             needs = self._blocks_needed(plan)
             if needs <= self._available(0):
@@ -94,10 +96,12 @@ class Scheduler:
         the budget left."""
         while self.swapped and budget > 0 and self._num_slots() < self.max_num_seqs:
             seq = self.swapped[0]
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
-            # its blocks come back fresh (unshared), then grow by this step's tokens
+            num_new = min(self._step_tokens(seq), budget)
+            # its blocks come back fresh (unshared), then grow by this step's tokens. The
+            # swap-in takes them now, before the step's window give-backs (which make a
+            # negative reservation) return any block: those cannot be counted on here
             need = self.cache.config.blocks_for_sequence(seq.num_computed + num_new, num_new)
-            if need > self._available(self._reserved):
+            if need > self._available(max(self._reserved, 0)):
                 break
             self.cache.swap_in(seq.seq_id)
             self.swapped.popleft()
@@ -107,6 +111,24 @@ class Scheduler:
             step[seq] = num_new
             budget -= num_new
         return budget
+
+    def _step_tokens(self, seq: Sequence) -> int:
+        """The tokens `seq` may take in its next step, before the budget: all it has not
+        computed, except where a window layer would then hold more blocks than the request
+        was accepted for. A window group holds its window plus a step's tokens, and the
+        request limit (`CacheConfig.blocks_for_sequence`) counted steps of at most its
+        prompt's length; a sequence recomputed after a preemption has more tokens than
+        that, and in one step could need more blocks than the whole pool (it then waited
+        forever). Such a sequence catches up in steps of its prompt's length instead."""
+        left = len(seq.token_ids) - seq.num_computed
+        prompt_len = len(seq.request.prompt_token_ids)
+        if left <= prompt_len:  # decodes and first prefills: what the limit counted
+            return left
+        config = self.cache.config
+        longest = prompt_len + seq.request.params.max_tokens - 1
+        if config.blocks_for_sequence(longest, left) <= config.num_usable_blocks:
+            return left  # the pool holds it in one step (always, for full attention)
+        return prompt_len
 
     def _num_slots(self) -> int:
         """Running sequences plus the samples still to be forked off them."""
@@ -125,7 +147,7 @@ class Scheduler:
             if self._num_slots() + slots > self.max_num_seqs:
                 return
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
-            admission = self._plan_admission(seq, budget, reuse)
+            admission = self._plan_admission(seq, min(self._step_tokens(seq), budget), reuse)
             if reuse and self.tiers is not None and not seq.tiered \
                     and self._start_fetch(seq, admission):
                 self.waiting.popleft()  # loading while the others step

@@ -1,15 +1,18 @@
 """Self-verifying block values: a fixed header, then the block's bytes.
 
 Header (little-endian, 72 bytes: `HEADER`): magic ``PKVB`` (4), format version (2),
-checksum kind (2), the full chained key (32), the fingerprint's digest (16), the payload
-length (8), the payload's checksum (8: xxh3-64 when ``xxhash`` is installed, else CRC-32;
-the kind says which). A value verifies only when every field matches what the reader asked
-for and the payload's checksum is right: a truncated (even empty, or shorter than the
-header), torn, foreign or colliding value is a miss, and `decode` never raises for one.
+checksum kind (2), the full chained key (32; a hybrid layout's key of another layer group
+than the first, the chained key and the group's number, by its sha256: `header_key`), the
+fingerprint's digest (16), the payload length (8), the payload's checksum (8: xxh3-64 when
+``xxhash`` is installed, else CRC-32; the kind says which). A value verifies only when
+every field matches what the reader asked for and the payload's checksum is right: a
+truncated (even empty, or shorter than the header), torn, foreign or colliding value is a
+miss, and `decode` never raises for one.
 
-The store key is the fingerprint's namespace and the chained key in hex: the same in every
-process and on every machine (sha256, never Python's ``hash``), and the tenant's salt is
-inside the chain, so two tenants' blocks never share a key.
+The store key is the fingerprint's namespace and the chained key in hex (then a hybrid
+layout's group number): the same in every process and on every machine (sha256, never
+Python's ``hash``), and the tenant's salt is inside the chain, so two tenants' blocks never
+share a key, nor two layer groups' blocks of the same tokens.
 """
 
 from __future__ import annotations
@@ -74,9 +77,27 @@ class Fingerprint:
         return self.digest.hex()
 
 
+CHAIN_BYTES = 32  # a chained key (sha256); a layer group's key appends its number
+
+
 def store_key(namespace: str, key: bytes) -> str:
-    """The store's key of the block chained to `key` (a sha256) under `namespace`."""
-    return f"{namespace}:{key.hex()[:KEY_HEX_CHARS]}"
+    """The store's key of the block chained to `key` (a sha256, or a layer group's key:
+    `paged_kv.hybrid.rules.group_key`) under `namespace`. The group's number follows the
+    chain's hex, so the groups' blocks of one prompt never share a store key.
+
+    Examples
+    --------
+    >>> chain = bytes(range(32))
+    >>> store_key("ns", chain + b"\\x02")[-6:], store_key("ns", chain)[-4:]
+    ('1e1f02', '1e1f')
+    """
+    return f"{namespace}:{key[:CHAIN_BYTES].hex()[:KEY_HEX_CHARS]}{key[CHAIN_BYTES:].hex()}"
+
+
+def header_key(key: bytes) -> bytes:
+    """The 32 bytes the header carries for `key`: a chained key itself, a layer group's
+    key (longer) by its sha256, so a value verifies only as the very group's block."""
+    return key if len(key) == CHAIN_BYTES else hashlib.sha256(key).digest()
 
 
 def checksum(payload: bytes | memoryview) -> tuple[int, int]:
@@ -92,14 +113,15 @@ def encode(key: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
     Parameters
     ----------
     key : bytes
-        The block's full chained key (32 bytes).
+        The block's full chained key (32 bytes), or a layer group's key (`header_key`).
     digest : bytes
         `Fingerprint.digest` of the writer.
     payload : bytes
         The block's bytes (`paged_kv.offload.read_blocks`: all layers, K and V, scales).
     """
     kind, value = checksum(payload)
-    return b"".join((HEADER.pack(MAGIC, VERSION, kind, key, digest, len(payload), value),
+    return b"".join((HEADER.pack(MAGIC, VERSION, kind, header_key(key), digest, len(payload),
+                                 value),
                      payload))  # one copy of the payload
 
 
@@ -114,8 +136,8 @@ def decode(value: bytes | None, key: bytes, digest: bytes, payload_len: int,
         return None
     magic, version, kind, stored_key, stored_digest, length, value_sum = HEADER.unpack_from(
         value)
-    if (magic, version, stored_key, stored_digest, length) != (MAGIC, VERSION, key, digest,
-                                                               payload_len):
+    if (magic, version, stored_key, stored_digest, length) != (MAGIC, VERSION, header_key(key),
+                                                               digest, payload_len):
         return None
     payload = memoryview(value)[HEADER.size:]
     if kind == CHECK_XXH3:

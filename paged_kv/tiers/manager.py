@@ -146,8 +146,9 @@ class TierManager:
             size = self.cache.config.block_size
             loaded = self.cache.load_cached(fetch.keys[:n], fetch.token_ids[:n * size],
                                             fetch.payload[:n], fetch.parent)
-            for source in fetch.sources[:loaded]:
-                self._hit_tokens[source] += size
+            for key, source in zip(fetch.keys[:loaded], fetch.sources[:loaded], strict=True):
+                if len(key) == codec.CHAIN_BYTES:  # another layer group's block: same tokens
+                    self._hit_tokens[source] += size
             self._loaded_blocks += loaded
         self._observed(fetch, loaded)
         return loaded
