@@ -7,8 +7,9 @@ measured in the same run, written to a report with plots.
     baselines.py  the same-run baselines: a Python-object block manager, the seeds' caches
     scale.py      the sizes of every workload for the quick and the full run
     workloads/    one ``run`` each: allocator, kernels, step_cost, memory, serving,
-                  quantised, peers, tensor_parallel by default; service, tiers, replicas
-                  only when named (they start servers, redis-server and writer processes)
+                  quantised, peers, tensor_parallel by default; service, tiers, replicas,
+                  hybrid only when named (they start servers, redis-server and writer
+                  processes, or prefill long prompts for minutes)
     netdelay.py   the tiers workload's loopback helpers: a private redis-server, and a TCP
                   proxy that adds latency and counts round trips
     timing.py     repeats -> median / min / max, and `Figure` (value, baseline, ratio)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised", "peers",
              "tensor_parallel")
-# only when named: they start `paged-kv serve`, redis-server and writer processes
-OPTIONAL_WORKLOADS = ("service", "tiers", "replicas")
+# only when named: they start `paged-kv serve`, redis-server and writer processes, or (hybrid)
+# prefill 8K-token prompts for minutes
+OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -32,8 +33,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                             "instead of generating one")
     bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
                        default=list(WORKLOADS),
-                       help="which workloads to run ('service', 'tiers' and 'replicas' run only "
-                            "when named)")
+                       help="which workloads to run ('service', 'tiers', 'replicas' and "
+                            "'hybrid' run only when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "
@@ -109,6 +110,7 @@ def _run_all(args: argparse.Namespace) -> int:
 def _run_workload(key: str, scale, trace, device):
     from .workloads import (
         allocator,
+        hybrid,
         kernels,
         memory,
         peers,
@@ -135,6 +137,8 @@ def _run_workload(key: str, scale, trace, device):
         return tiers.run(scale)
     if key == "replicas":
         return replicas.run(scale)
+    if key == "hybrid":
+        return hybrid.run(scale)
     if key == "tensor_parallel":
         return tensor_parallel.run(scale)
     if key == "quantised":

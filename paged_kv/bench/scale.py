@@ -33,6 +33,11 @@ class Scale:
     peers_vocab: int = 4096
     peers_repeats: int = 3
     peers_defaults: bool = True        # also run generate_batch at its defaults
+    hybrid_context: int = 8192         # hybrid: prompt tokens of the long sequences
+    hybrid_window_divisor: int = 1     # hybrid: windows divided by this (shorter contexts
+                                       # keep the full run's ratios)
+    hybrid_generate_prompt: int = 1024  # hybrid: prompt tokens against transformers' generate
+    hybrid_decode_steps: int = 16      # hybrid: decode steps per timed repeat
 
 
 QUICK = Scale(name="quick", repeats=3, trace_requests=300, decode_steps=30, kernel_seqs=8,
@@ -40,7 +45,8 @@ QUICK = Scale(name="quick", repeats=3, trace_requests=300, decode_steps=30, kern
               step_kv_heads=4, step_head_dim=128, sharing_requests=16, serving_requests=64,
               serving_scale=8, serving_layers=1, serving_hidden=128, serving_repeats=2,
               peers_requests=8, peers_new_tokens=8, peers_hidden=64, peers_layers=2,
-              peers_vocab=512, peers_repeats=1, peers_defaults=False)
+              peers_vocab=512, peers_repeats=1, peers_defaults=False, hybrid_context=2048,
+              hybrid_window_divisor=4, hybrid_generate_prompt=256, hybrid_decode_steps=8)
 
 FULL = Scale(name="full", repeats=5, trace_requests=2000, decode_steps=100, kernel_seqs=16,
              kernel_tokens=1024, step_lengths=(128, 256, 512, 1024, 2048, 4096), step_layers=2,
