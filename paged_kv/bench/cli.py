@@ -108,44 +108,13 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run_workload(key: str, scale, trace, device):
-    from .workloads import (
-        allocator,
-        hybrid,
-        kernels,
-        memory,
-        peers,
-        quantised,
-        replicas,
-        service,
-        serving,
-        step_cost,
-        tensor_parallel,
-        tiers,
-    )
+    import importlib
 
-    if key == "allocator":
-        return allocator.run(scale, trace)
-    if key == "kernels":
-        return kernels.run(scale, device)
-    if key == "step_cost":
-        return step_cost.run(scale)
-    if key == "memory":
-        return memory.run(scale, trace)
-    if key == "service":
-        return service.run(scale)
-    if key == "tiers":
-        return tiers.run(scale)
-    if key == "replicas":
-        return replicas.run(scale)
-    if key == "hybrid":
-        return hybrid.run(scale)
-    if key == "tensor_parallel":
-        return tensor_parallel.run(scale)
-    if key == "quantised":
-        return quantised.run(scale, trace, device)
-    if key == "peers":
-        result = peers.run(scale)
-        if result is None:
-            print(peers.SKIP_REASON, file=sys.stderr, flush=True)
-        return result
-    return serving.run(scale, trace)
+    # each workload's run() arguments after `scale` (imported only when run)
+    extra = {"allocator": (trace,), "kernels": (device,), "memory": (trace,),
+             "quantised": (trace, device), "serving": (trace,)}
+    module = importlib.import_module(f".workloads.{key}", __package__)
+    result = module.run(scale, *extra.get(key, ()))
+    if key == "peers" and result is None:
+        print(module.SKIP_REASON, file=sys.stderr, flush=True)
+    return result
