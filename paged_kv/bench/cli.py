@@ -123,29 +123,16 @@ def _run_workload(key: str, scale, trace, device):
         tiers,
     )
 
-    if key == "allocator":
-        return allocator.run(scale, trace)
-    if key == "kernels":
-        return kernels.run(scale, device)
-    if key == "step_cost":
-        return step_cost.run(scale)
-    if key == "memory":
-        return memory.run(scale, trace)
-    if key == "service":
-        return service.run(scale)
-    if key == "tiers":
-        return tiers.run(scale)
-    if key == "replicas":
-        return replicas.run(scale)
-    if key == "hybrid":
-        return hybrid.run(scale)
-    if key == "tensor_parallel":
-        return tensor_parallel.run(scale)
-    if key == "quantised":
-        return quantised.run(scale, trace, device)
-    if key == "peers":
-        result = peers.run(scale)
-        if result is None:
-            print(peers.SKIP_REASON, file=sys.stderr, flush=True)
-        return result
-    return serving.run(scale, trace)
+    # the workloads that read the trace or the device get them; the others only the scale
+    runs = {"allocator": lambda: allocator.run(scale, trace),
+            "kernels": lambda: kernels.run(scale, device),
+            "memory": lambda: memory.run(scale, trace),
+            "serving": lambda: serving.run(scale, trace),
+            "quantised": lambda: quantised.run(scale, trace, device)}
+    scale_only = {"step_cost": step_cost, "service": service, "tiers": tiers,
+                  "replicas": replicas, "hybrid": hybrid, "tensor_parallel": tensor_parallel,
+                  "peers": peers}
+    result = runs[key]() if key in runs else scale_only[key].run(scale)
+    if result is None and key == "peers":
+        print(peers.SKIP_REASON, file=sys.stderr, flush=True)
+    return result
