@@ -108,31 +108,13 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run_workload(key: str, scale, trace, device):
-    from .workloads import (
-        allocator,
-        hybrid,
-        kernels,
-        memory,
-        peers,
-        quantised,
-        replicas,
-        service,
-        serving,
-        step_cost,
-        tensor_parallel,
-        tiers,
-    )
+    import importlib
 
-    # the workloads that read the trace or the device get them; the others only the scale
-    runs = {"allocator": lambda: allocator.run(scale, trace),
-            "kernels": lambda: kernels.run(scale, device),
-            "memory": lambda: memory.run(scale, trace),
-            "serving": lambda: serving.run(scale, trace),
-            "quantised": lambda: quantised.run(scale, trace, device)}
-    scale_only = {"step_cost": step_cost, "service": service, "tiers": tiers,
-                  "replicas": replicas, "hybrid": hybrid, "tensor_parallel": tensor_parallel,
-                  "peers": peers}
-    result = runs[key]() if key in runs else scale_only[key].run(scale)
-    if result is None and key == "peers":
-        print(peers.SKIP_REASON, file=sys.stderr, flush=True)
+    # each workload's run() arguments after `scale` (imported only when run)
+    extra = {"allocator": (trace,), "kernels": (device,), "memory": (trace,),
+             "quantised": (trace, device), "serving": (trace,)}
+    module = importlib.import_module(f".workloads.{key}", __package__)
+    result = module.run(scale, *extra.get(key, ()))
+    if key == "peers" and result is None:
+        print(module.SKIP_REASON, file=sys.stderr, flush=True)
     return result
