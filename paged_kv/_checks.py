@@ -69,3 +69,14 @@ def require_layer(config, what: str, layer: object) -> None:
         raise TypeError(f"{what}: layer must be an int, got {type(layer).__name__}")
     if not 0 <= layer < config.num_layers:
         raise ValueError(f"{what}: layer {layer} out of range [0, {config.num_layers})")
+
+
+def require_truncatable(tables, seq_id: object, num_tokens: object) -> None:
+    """`truncate`'s checks: a resident sequence, and `num_tokens` an int in its length."""
+    require_resident(tables, "truncate()", seq_id)
+    current = tables.num_tokens_of(seq_id)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
+        raise TypeError(f"truncate(): num_tokens must be an int, got {num_tokens!r}")
+    if not 0 <= num_tokens <= current:
+        raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
+                         f"{seq_id!r}, got {num_tokens}")

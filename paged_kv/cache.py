@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from ._checks import require_known, require_new, require_resident
+from ._checks import require_known, require_new, require_resident, require_truncatable
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
 from .config import CacheConfig
@@ -259,13 +259,7 @@ class PagedKVCache(LayerAccess):
         planned it): those blocks first leave the prefix index, so neither a later prompt
         nor a lower tier ever finds them.
         """
-        require_resident(self._tables, "truncate()", seq_id)
-        current = self._tables.num_tokens_of(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
-            raise TypeError(f"truncate(): num_tokens must be an int, got {num_tokens!r}")
-        if not 0 <= num_tokens <= current:
-            raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
-                             f"{seq_id!r}, got {num_tokens}")
+        require_truncatable(self._tables, seq_id, num_tokens)
         if unwritten:
             forget_unwritten(self._allocator, self._tables, seq_id, int(num_tokens),
                              self.config.block_size)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from .._checks import require_new, require_resident
+from .._checks import require_new, require_resident, require_truncatable
 from ..accounting import CacheStats, empty_slots_per_block
 from ..allocator import BlockAllocator
 from ..cache import PagedKVCache
@@ -174,13 +174,7 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
         self._changed()
 
     def truncate(self, seq_id: SeqId, num_tokens: int, *, unwritten: bool = False) -> None:
-        require_resident(self._tables, "truncate()", seq_id)
-        current = self._tables.num_tokens_of(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
-            raise TypeError(f"truncate(): num_tokens must be an int, got {num_tokens!r}")
-        if not 0 <= num_tokens <= current:
-            raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
-                             f"{seq_id!r}, got {num_tokens}")
+        require_truncatable(self._tables, seq_id, num_tokens)
         row = self._tables.row_of[seq_id]
         for group in self._groups:
             if group.released[row] > skipped_blocks(group.kind, int(num_tokens),
