@@ -20,7 +20,7 @@ from ..config import LayerKind
 from ..keys import TOKEN_BYTES
 from ..step.commit import admission_batch
 from ..step.plan import Admission
-from .groups import LayerGroup
+from .groups import LayerGroup, filled_blocks
 from .rules import accepted_hit, group_key, skipped_blocks
 
 
@@ -172,8 +172,10 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
         if prepare:
             batches.append(admission_batch(leader_plan.seq_id, ids, end, count, new,
                                            block_size, device))
-    if prepare and leader.planner.indexing:
-        for group in groups[1:]:  # its prompt's blocks that filled, under the leader's keys
-            group.mirror(allocator, leader.tables, np.array([row]),
-                         np.array([leader_plan.num_hit]))
+    if prepare and leader.planner.indexing and len(groups) > 1:
+        # its prompt's blocks that filled, under the leader's keys
+        filled = filled_blocks(allocator, leader.tables, np.array([row]),
+                               np.array([leader_plan.num_hit]))
+        for group in groups[1:]:
+            group.mirror(allocator, filled)
     return tuple(batches) if prepare else ()

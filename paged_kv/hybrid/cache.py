@@ -35,7 +35,7 @@ from ..step.parse import Step, decode_columns, parse_step
 from ..step.plan import fits
 from ..step.prefix import forget_unwritten
 from .admission import HybridAdmission, commit_groups, plan_groups
-from .groups import LayerGroup
+from .groups import LayerGroup, filled_blocks
 from .rules import skipped_blocks
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)
@@ -126,9 +126,10 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
                 self._given_back += group.release(allocator, moving, upto)
         batches = tuple(group.committer.commit(plan) for group, plan in zip(
             self._groups, plans, strict=True))
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and len(self._groups) > 1:
+            filled = filled_blocks(allocator, self._tables, rows, old_lens)
             for group in self._groups[1:]:
-                group.mirror(allocator, self._tables, rows, old_lens)
+                group.mirror(allocator, filled)
         self._changed()
         return dataclasses.replace(batches[0], groups=batches)
 

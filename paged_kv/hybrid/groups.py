@@ -110,22 +110,33 @@ class LayerGroup:
         allocator.free(ids)  # two forked rows may give back one block: one owner each
         return int(ids.size)
 
-    def mirror(self, allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,
-               old_lens: np.ndarray) -> None:
-        """Index this group's blocks that filled since `old_lens` under the keys the
-        leading group gave its blocks at the same columns (`group_key`): one hash per
-        block of the prompt, for every group."""
-        block_size = leader.block_size
-        first, end = old_lens // block_size, leader.num_tokens[rows] // block_size
-        for i in np.flatnonzero(end > first).tolist():
-            row = int(rows[i])
-            for column in range(int(first[i]), int(end[i])):
-                key = allocator.block_hash(int(leader.block_ids[row, column]))
-                if key is None:  # not indexed (ids unknown, or caching off)
-                    break
-                parent = (allocator.block_hash(int(leader.block_ids[row, column - 1]))
-                          if column else leader.root(row))
-                tokens = leader.token_ids[row, column * block_size:(column + 1) * block_size]
-                allocator.register(int(self.tables.block_ids[row, column]),
-                                   group_key(key, self.index), encode_tokens(tokens),
-                                   group_key(parent or b"", self.index))
+    def mirror(self, allocator: BlockAllocator,
+               filled: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
+        """Index this group's blocks at the columns `filled_blocks` found under the keys
+        the leading group gave its blocks there (`group_key`): one hash per block of the
+        prompt, for every group."""
+        for row, column, key, parent, tokens in filled:
+            allocator.register(int(self.tables.block_ids[row, column]),
+                               group_key(key, self.index), tokens,
+                               group_key(parent, self.index))
+
+
+def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,
+                  old_lens: np.ndarray) -> list[tuple[int, int, bytes, bytes, bytes]]:
+    """The leading group's blocks of `rows` that filled since `old_lens` and are indexed:
+    ``(row, column, key, parent key, token bytes)`` each, found once a step for every other
+    group to `LayerGroup.mirror`."""
+    block_size, filled = leader.block_size, []
+    first, end = old_lens // block_size, leader.num_tokens[rows] // block_size
+    for i in np.flatnonzero(end > first).tolist():
+        row, start = int(rows[i]), int(first[i])
+        parent = (allocator.block_hash(int(leader.block_ids[row, start - 1]))
+                  if start else leader.root(row))
+        for column in range(start, int(end[i])):
+            key = allocator.block_hash(int(leader.block_ids[row, column]))
+            if key is None:  # not indexed (ids unknown, or caching off)
+                break
+            tokens = leader.token_ids[row, column * block_size:(column + 1) * block_size]
+            filled.append((row, column, key, parent or b"", encode_tokens(tokens)))
+            parent = key
+    return filled

@@ -223,7 +223,7 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             ) -> torch.Tensor:
     """``query (B, Hq, n, D)``, the last n positions of each sequence -> ``(B, Hq, n, D)``."""
     num_queries = query.shape[2]
-    gathered_lens, key_pos = seq_lens, None
+    gathered_lens = seq_lens
     if kind is not None and kind.is_local:
         # only the blocks a query can see: O(window) per decode step, not O(seq_len)
         block_tables, gathered_lens, first_key = visible_tables(
