@@ -7,6 +7,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from .tenants.policy import check_priority, check_retention
+
 
 def check_tensor(name: str, tensor: object, shape: Sequence[int | None], *,
                  dtype: torch.dtype | Sequence[torch.dtype] | None = None,
@@ -80,3 +82,12 @@ def require_truncatable(tables, seq_id: object, num_tokens: object) -> None:
     if not 0 <= num_tokens <= current:
         raise ValueError(f"truncate(): num_tokens must be in [0, {current}] for "
                          f"{seq_id!r}, got {num_tokens}")
+
+
+def check_retain(what: str, priority: object, retention_seconds: object) -> dict:
+    """`priority` and `retention_seconds` as `BlockAllocator.free` takes them (None: the
+    tenant's defaults); ValueError naming the argument of `what` that is out of range."""
+    return {"priority": None if priority is None
+            else check_priority(f"{what}: priority", priority),
+            "retention_seconds": None if retention_seconds is None
+            else check_retention(f"{what}: retention_seconds", retention_seconds)}

@@ -15,7 +15,6 @@ tail is evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 from collections.abc import Iterable
 
@@ -23,7 +22,8 @@ import numpy as np
 
 from ._checks import read_only
 from .errors import OutOfBlocksError, ensure
-from .keys import BlockEvent, chain_pieces, hash_pieces, split_blocks
+from .keys import BlockEvent, chain_pieces, hash_pieces, match_chain, split_blocks
+from .tenants import GhostList, TenantLedger, TenantPolicy, default_capacity
 
 NULL_BLOCK = 0
 
@@ -39,6 +39,12 @@ class BlockAllocator:
         Keep freed full blocks indexed (cached) instead of freeing them.
     max_events : int
         Events kept until `take_events` drains them; older ones are dropped.
+    tenants : TenantPolicy, optional
+        Quotas, reservations and soft retention of the cached blocks by tenant (see
+        `paged_kv.tenants.TenantLedger`); None: one global LRU, as without tenants.
+    ghost_capacity : int, optional
+        Evicted keys (and parents of indexed blocks) remembered to name a miss's cause
+        (`ghost`); None: `paged_kv.tenants.default_capacity`, 0: none.
 
     Examples
     --------
@@ -50,7 +56,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
-                 max_events: int = 65536) -> None:
+                 max_events: int = 65536, tenants: TenantPolicy | None = None,
+                 ghost_capacity: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
@@ -72,6 +79,9 @@ class BlockAllocator:
         # the arguments of its BlockEvent (lists this class made and never changes again),
         # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
         self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
+        self._ledger = TenantLedger(tenants, num_blocks) if tenants is not None else None
+        self._ghost = GhostList(default_capacity(num_blocks) if ghost_capacity is None
+                                else ghost_capacity)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -102,8 +112,20 @@ class BlockAllocator:
 
     @property
     def num_obtainable_blocks(self) -> int:
-        """Blocks `allocate` can hand out now: free plus evictable cached."""
-        return len(self._free) + len(self._cached)
+        """Blocks `allocate` can hand out now: free plus evictable cached (those that
+        tenants' reservations keep left out)."""
+        protected = self._ledger.num_protected if self._ledger is not None else 0
+        return len(self._free) + len(self._cached) - protected
+
+    @property
+    def tenants(self) -> TenantLedger | None:
+        """The cached blocks by tenant (read it), or None without a tenant policy."""
+        return self._ledger
+
+    @property
+    def ghost(self) -> GhostList:
+        """Recently evicted keys and seen parents: `GhostList.miss` names a miss's cause."""
+        return self._ghost
 
     @property
     def num_live_blocks(self) -> int:
@@ -160,32 +182,14 @@ class BlockAllocator:
         keys : list of bytes
             The keys known now: those given, then those hashed on the way.
         """
-        hits: list[int] = []
-        keys = list(keys)
-        if not num_blocks:
-            return hits, keys
-        get, tokens_of = self._index.get, self._tokens_of
-        width = len(token_ids) // num_blocks
-        known = range(0, min(len(keys), num_blocks) * width, width)
-        for start, key in zip(known, keys, strict=False):  # given keys: nothing to hash
-            block_id = get(key)
-            if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
-                return hits, keys
-            hits.append(block_id)
-        parent_key, sha256 = keys[-1] if keys else parent_key, hashlib.sha256
-        for start in range(len(keys) * width, num_blocks * width, width):  # lazily
-            piece = token_ids[start:start + width]
-            parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
-            keys.append(parent_key)
-            block_id = get(parent_key)
-            if block_id is None or tokens_of[block_id] != piece:
-                break
-            hits.append(block_id)
-        return hits, keys
+        return match_chain(self._index.get, self._tokens_of, token_ids, num_blocks, keys,
+                           parent_key)
 
     # -- mutators -------------------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> np.ndarray:
-        """Take `num_blocks` blocks (refcount 1), evicting cached blocks LRU first if needed.
+    def allocate(self, num_blocks: int, requester: bytes | None = None) -> np.ndarray:
+        """Take `num_blocks` blocks (refcount 1), evicting cached blocks LRU first if needed
+        (for `requester`, the salted root of the tenant asking: None for a step that mixes
+        tenants; with a tenant policy it decides whose blocks may go, see `tenants`).
 
         Returns
         -------
@@ -197,7 +201,7 @@ class BlockAllocator:
         OutOfBlocksError
             Fewer than `num_blocks` obtainable; nothing changed.
         """
-        if num_blocks > len(self._free) + len(self._cached):
+        if num_blocks > self.num_obtainable_blocks:
             raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
         free = self._free
         start = max(len(free) - num_blocks, 0)
@@ -205,16 +209,29 @@ class BlockAllocator:
         taken.reverse()
         del free[start:]
         if len(taken) < num_blocks:
-            taken += self._evict(num_blocks - len(taken))
+            taken += self._evict(num_blocks - len(taken), requester)
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1  # a free block is neither protected nor indexed already
         self._events.append(("allocated", taken))
         return ids
 
-    def _evict(self, count: int) -> list[int]:
-        """Take the `count` least recently freed cached blocks out of the index."""
-        popitem = self._cached.popitem
-        evicted = [popitem(False)[0] for _ in range(count)]
+    def _evict(self, count: int, requester: bytes | None) -> list[int]:
+        """Take the `count` least recently freed cached blocks (with tenants: the ledger's
+        victims for `requester`) out of the index."""
+        if self._ledger is None:
+            popitem = self._cached.popitem
+            evicted = [popitem(False)[0] for _ in range(count)]
+            self._ghost.evicted(self._unindex(evicted), "device", "global")
+            return evicted
+        asking = self._ledger.tenant_id(requester) if requester is not None else None
+        evicted = self._ledger.victims(count, asking)
+        for block_id in evicted:
+            del self._cached[block_id]
+        self._ledger.blame(self._ghost, "device", evicted, self._unindex(evicted), asking)
+        return evicted
+
+    def _unindex(self, evicted: list[int]) -> list[bytes]:
+        """Take evicted (no longer cached) blocks out of the index; returns their keys."""
         gone = list(map(self._key_of.__getitem__, evicted))
         index = self._index
         for key in gone:
@@ -223,7 +240,7 @@ class BlockAllocator:
         self._indexed[ids] = False
         self._protected[ids] = False
         self._events.append(("evicted", evicted, gone))
-        return evicted
+        return gone
 
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
@@ -234,16 +251,22 @@ class BlockAllocator:
         for block_id in revived:
             del cached[block_id]
         if revived:
+            if self._ledger is not None:
+                self._ledger.removed(revived)
             self._events.append(("hit", revived))
         self._refcount[ids] += 1
         self._protected[ids] = True  # now shared, or a revived cached block (indexed)
 
-    def free(self, block_ids: Iterable[int] | np.ndarray, *, unique: bool = False) -> None:
+    def free(self, block_ids: Iterable[int] | np.ndarray, *, unique: bool = False,
+             priority: int | None = None, retention_seconds: float | None = None) -> None:
         """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry;
         ``unique=True`` promises there is none, which saves a slower scatter).
 
         Blocks left with no owner become cached when indexed, free otherwise; they are
-        released tail first, so the tail is evicted first and the prefix outlives it.
+        released tail first, so the tail is evicted first and the prefix outlives it. With
+        a tenant policy, `priority` and `retention_seconds` (None: the tenant's defaults)
+        retain the newly cached blocks' head, and a tenant past its quota loses its oldest
+        cached blocks at once.
         """
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
@@ -273,6 +296,31 @@ class BlockAllocator:
             self._events.append(("cached", cached))
         if freed:
             self._events.append(("freed", freed))
+        if cached and self._ledger is not None:
+            self._drop(self._ledger.cached(cached, priority, retention_seconds), "own_quota")
+
+    def _drop(self, block_ids: list[int], pressure: str) -> None:
+        """Evict cached `block_ids` (the ledger's choice) to the free list."""
+        if block_ids:
+            for block_id in block_ids:
+                del self._cached[block_id]
+            self._ghost.evicted(self._unindex(block_ids), "device", pressure)
+            self._free.extend(block_ids)
+            self._events.append(("freed", list(block_ids)))
+
+    def flush_tenant(self, root: bytes, *, retention_only: bool = False) -> int:
+        """Evict every cached block of the tenant whose salted root is `root` (an admin
+        flush; its live blocks stay), or with `retention_only` end the soft retention of
+        the blocks it retains (they become its oldest ordinary ones); returns how many.
+        Without a tenant policy nothing is retained and nothing is done (0)."""
+        if self._ledger is None:
+            return 0
+        tenant = self._ledger.tenant_id(root)
+        if retention_only:
+            return self._ledger.unretain(tenant)
+        dropped = self._ledger.flush(tenant)
+        self._drop(dropped, "flush")
+        return len(dropped)
 
     def register(self, block_id: int, key: bytes, token_ids: bytes,
                  parent_key: bytes = b"") -> bool:
@@ -339,6 +387,9 @@ class BlockAllocator:
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))
+        if self._ledger is not None:
+            self._ledger.tag(block_ids, keys, parents, index)
+        self._ghost.seen(parents)
         self._key_of.update(zip(block_ids, keys, strict=True))
         self._tokens_of.update(zip(block_ids, pieces, strict=True))
         ids = np.array(block_ids, dtype=np.int64)
@@ -359,6 +410,8 @@ class BlockAllocator:
             if block_id in self._cached:
                 del self._cached[block_id]
                 self._free.append(block_id)
+                if self._ledger is not None:
+                    self._ledger.removed([block_id])
         if ids:
             self._indexed[ids] = False
             self._protected[ids] = self._refcount[ids] > 1
@@ -371,6 +424,8 @@ class BlockAllocator:
         self._cached.clear()
         self._free.extend(reversed(dropped))
         self._index.clear()
+        if self._ledger is not None:
+            self._ledger.clear()
         self._indexed[:] = False
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
@@ -392,7 +447,8 @@ class BlockAllocator:
         return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
                 tuple(sorted(self._index.items())),
                 tuple(self._tokens_of[b] for b in np.flatnonzero(self._indexed).tolist()),
-                tuple(self._prefix_tokens))
+                tuple(self._prefix_tokens),
+                self._ledger.snapshot() if self._ledger is not None else None)
 
     def check_invariants(self, owners: np.ndarray | None = None) -> None:
         """Raise `InvariantError` if the block states do not partition the pool.
@@ -419,6 +475,8 @@ class BlockAllocator:
                "the indexed flags disagree with the index")
         ensure(np.array_equal(self._protected, (self._refcount > 1) | self._indexed),
                "the write-protected flags disagree with refcounts and the index")
+        if self._ledger is not None:
+            self._ledger.check(set(cached))
         if owners is not None:
             bad = np.flatnonzero(owners != self._refcount)
             ensure(bad.size == 0,

@@ -21,7 +21,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from ._checks import require_known, require_new, require_resident, require_truncatable
+from ._checks import (
+    check_retain,
+    require_known,
+    require_new,
+    require_resident,
+    require_truncatable,
+)
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
 from .config import CacheConfig
@@ -87,7 +93,8 @@ class PagedKVCache(LayerAccess):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
         self.config = config
         self._allocator = BlockAllocator(config.num_blocks,
-                                         enable_prefix_caching=config.enable_prefix_caching)
+                                         enable_prefix_caching=config.enable_prefix_caching,
+                                         tenants=config.tenants)
         self._tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
         self._pool = KVPool(config)
         self._swap = (SwapSpace(config.num_host_blocks, self._tables, self._allocator,
@@ -273,19 +280,39 @@ class PagedKVCache(LayerAccess):
         self._allocator.free(self._tables.truncate(seq_id, int(num_tokens), chain), unique=True)
         self._after_mutation()
 
-    def free(self, seq_id: SeqId) -> None:
-        """Release `seq_id`: full indexed blocks become cached (evictable), the rest free."""
+    def free(self, seq_id: SeqId, *, priority: int | None = None,
+             retention_seconds: float | None = None) -> None:
+        """Release `seq_id`: full indexed blocks become cached (evictable), the rest free.
+
+        With a tenant policy (`CacheConfig.tenants`), `priority` (0-99) and
+        `retention_seconds` retain the cached blocks softly: they are evicted after every
+        ordinary cached block until the retention ends, within the tenant's retention
+        budget (None: the tenant's defaults; see `paged_kv.tenants`).
+        """
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
+        retain = check_retain("free()", priority, retention_seconds)
         if self._swap is not None and self._swap.is_swapped(seq_id):
             self._swap.drop(seq_id, self._tables.remove(seq_id))
         else:
-            self._allocator.free(self._tables.remove(seq_id), unique=True)
+            self._allocator.free(self._tables.remove(seq_id), unique=True, **retain)
         self._after_mutation()
 
-    def reset_prefix_cache(self) -> int:
-        """Free every cached block and empty the prefix index; returns blocks dropped."""
-        dropped = self._allocator.reset_prefix_cache()
+    def reset_prefix_cache(self, tenant: str | None = None, *,
+                           retention_only: bool = False) -> int:
+        """Free every cached block and empty the prefix index; returns blocks dropped.
+
+        With `tenant` (a salt the tenant policy names), only that tenant's cached blocks
+        are evicted (an admin flush), or with `retention_only` only their soft retention
+        ends (returns how many were retained); live blocks always stay.
+        """
+        if tenant is None:
+            if retention_only:
+                raise ValueError("reset_prefix_cache(): retention_only needs a tenant")
+            dropped = self._allocator.reset_prefix_cache()
+        else:
+            dropped = self._allocator.flush_tenant(root_hash(tenant),
+                                                   retention_only=retention_only)
         self._after_mutation()
         return dropped
 

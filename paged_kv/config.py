@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from .tenants.policy import TenantPolicy
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # page element type of each 8-bit format, by torch attribute name (float8 types are optional)
 KV_CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -117,6 +119,9 @@ class CacheConfig:
     layer_kinds : tuple of LayerKind
         One per layer: full attention, a sliding window or chunked local attention (see
         `LayerKind`); empty (the default) means every layer is full attention.
+    tenants : TenantPolicy, optional
+        How tenants (prefix-cache salts) share the cached blocks: quotas, reservations,
+        soft retention (see `paged_kv.tenants`); None (the default): one global LRU.
 
     Examples
     --------
@@ -143,6 +148,7 @@ class CacheConfig:
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
     layer_kinds: tuple[LayerKind, ...] = ()
+    tenants: TenantPolicy | None = None
 
     def __post_init__(self) -> None:
         minimums = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1,
@@ -172,6 +178,11 @@ class CacheConfig:
                              f"torch.{KV_CACHE_DTYPES[self.kv_cache_dtype]}, which torch "
                              f"{torch.__version__} lacks; use 'int8' or upgrade torch")
         self._check_layer_kinds()
+        if self.tenants is not None:
+            if not isinstance(self.tenants, TenantPolicy):
+                raise ValueError(f"CacheConfig.tenants: expected a TenantPolicy or None, "
+                                 f"got {type(self.tenants).__name__}")
+            self.tenants.check(self.num_blocks)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"CacheConfig.enable_prefix_caching: expected a bool, "

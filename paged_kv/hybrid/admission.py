@@ -163,7 +163,8 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
     tokens = None if leader_plan.tokens is None else leader_plan.tokens[:end]
     for group, hits in zip(groups[1:], plan.group_hits, strict=True):
         assert group.tables.add(leader_plan.seq_id) == row, "layer groups' rows diverged"
-        new = allocator.allocate(num_new) if num_new else np.empty(0, dtype=np.int64)
+        new = (allocator.allocate(num_new, leader_plan.root) if num_new
+               else np.empty(0, dtype=np.int64))
         ids = np.concatenate((np.array(hits, dtype=np.int64), new))
         if ids.size:
             group.tables.extend_row(row, 0, end, ids, tokens)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from .._checks import require_new, require_resident, require_truncatable
+from .._checks import check_retain, require_new, require_resident, require_truncatable
 from ..accounting import CacheStats, empty_slots_per_block
 from ..allocator import BlockAllocator
 from ..cache import PagedKVCache
@@ -63,7 +63,8 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
         self.config = config
         self._allocator = BlockAllocator(config.num_blocks,
-                                         enable_prefix_caching=config.enable_prefix_caching)
+                                         enable_prefix_caching=config.enable_prefix_caching,
+                                         tenants=config.tenants)
         self._pool = KVPool(dataclasses.replace(config, num_layers=config.group_size,
                                                 layer_kinds=()))
         host = (BlockAllocator(config.num_host_blocks + 1, enable_prefix_caching=False)
@@ -190,9 +191,11 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
                                  unique=True)
         super().truncate(seq_id, num_tokens, unwritten=unwritten)
 
-    def free(self, seq_id: SeqId) -> None:
+    def free(self, seq_id: SeqId, *, priority: int | None = None,
+             retention_seconds: float | None = None) -> None:
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
+        retain = check_retain("free()", priority, retention_seconds)
         row = self._tables.row_of[seq_id]
         swapped = self._swap is not None and self._swap.is_swapped(seq_id)
         for group in self._groups:
@@ -201,7 +204,7 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
             if swapped:
                 group.swap.drop(seq_id, blocks)
             else:
-                self._allocator.free(blocks[blocks != 0], unique=True)
+                self._allocator.free(blocks[blocks != 0], unique=True, **retain)
         self._changed()
 
     def swap_out(self, seq_id: SeqId) -> None:

@@ -85,7 +85,7 @@ class StepCommitter:
             allocator.share(plan.hits if plan.hits[0] else [b for b in plan.hits if b])
         if plan.tokens is not None and plan.root is not None:
             allocator.count_prefix_lookup(len(plan.tokens), plan.num_hit)
-        ids = new_ids = allocator.allocate(num_new) if num_new else _NONE
+        ids = new_ids = allocator.allocate(num_new, plan.root) if num_new else _NONE
         if plan.hits:
             ids = np.array(plan.hits, dtype=np.int64)
             if num_new:

@@ -1,0 +1,310 @@
+"""`TenantLedger`: the allocator's cached blocks by tenant, and which to evict next.
+
+The allocator keeps owning block states; with a `TenantPolicy` it tells the ledger each
+block that becomes cached or stops being cached, and asks it for victims. Per tenant the
+ledger keeps its ordinary cached blocks oldest first (an ``OrderedDict`` of block -> tick,
+the tick a global counter, so the oldest block of the whole pool is the oldest front of
+the tenants' lists: picking a victim is one look per tenant) and its retained blocks
+(priority, start, end). Victims, in order:
+
+1. a tenant over its quota loses its own blocks first, as soon as they become cached
+   (pressure ``own_quota``), so no tenant ever holds more cached blocks than its quota;
+2. otherwise the oldest ordinary block of any tenant still above its reservation (its own
+   blocks too, for the tenant asking), then
+3. retained blocks, the lowest priority first, the priority decaying linearly to 0 over
+   the retention; a retention that ended makes its blocks ordinary (and oldest).
+
+`num_protected` (the blocks reservations keep from everyone) comes off what the allocator
+calls obtainable, so a plan never counts on a block it could not take.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import InvariantError, ensure
+from ..keys import root_hash
+from .ghost import GhostList
+from .policy import TenantPolicy
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's cached blocks in the pool now, beside its limits."""
+
+    tenant: str | None  # None: salts the policy does not name (and requests with none)
+    cached: int  # ordinary and retained
+    retained: int
+    quota: int | None
+    reservation: int
+
+
+class TenantLedger:
+    """Cached blocks by tenant under `policy`, for a pool of `num_blocks`.
+
+    Parameters
+    ----------
+    policy : TenantPolicy
+        Checked against the pool here (ValueError naming the field).
+    num_blocks : int
+        The pool's blocks, the null block included.
+    clock : callable
+        Seconds, for retention (``time.monotonic``).
+    """
+
+    def __init__(self, policy: TenantPolicy, num_blocks: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        policy.check(num_blocks)
+        self.policy = policy
+        self.names: list[str | None] = [None, *policy.tenants]
+        self._ids = {root_hash(name): i for i, name in enumerate(self.names) if name}
+        limits = [policy.default, *policy.tenants.values()]
+        self._quota = [num_blocks if t.quota is None else t.quota for t in limits]
+        self._reserve = [t.reservation for t in limits]
+        self._defaults = [(t.priority, t.retention_seconds) for t in limits]
+        self._budget = [(num_blocks - 1) // 4 if t.retention_budget is None
+                        else t.retention_budget for t in limits]
+        # the tenant of each indexed block, set when it is indexed (stale elsewhere)
+        self.tenant_of = np.zeros(num_blocks, dtype=np.int32)
+        self._lru: list[collections.OrderedDict[int, int]] = [
+            collections.OrderedDict() for _ in self.names]
+        self._retained: list[dict[int, tuple[int, float, float, int]]] = [
+            {} for _ in self.names]
+        self._count = [0] * len(self.names)
+        self._tick = 0
+        self._protected = 0  # sum over tenants of min(cached, reservation)
+        self._next_expiry = math.inf
+        self._clock = clock
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_protected(self) -> int:
+        """Cached blocks that reservations keep from every tenant's pressure."""
+        return self._protected
+
+    def tenant_id(self, root: bytes | None) -> int:
+        """The ledger's index of the tenant whose salted root is `root` (0: not named)."""
+        return self._ids.get(root, 0) if root is not None else 0
+
+    def usage(self) -> list[TenantUsage]:
+        """Each tenant's cached and retained blocks now, the unnamed first."""
+        return [TenantUsage(name, self._count[t], len(self._retained[t]),
+                            self.policy.limits(name).quota, self._reserve[t])
+                for t, name in enumerate(self.names)]
+
+    def retained_blocks(self, tenant: int) -> list[int]:
+        """The blocks `tenant` retains now."""
+        return list(self._retained[tenant])
+
+    # -- the allocator's notifications ----------------------------------------------------
+    def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
+            index: dict[bytes, int]) -> None:
+        """Record the tenant of blocks being indexed: a block's parent is its tenant's
+        salted root, or a block indexed before it (of the same tenant: the salt is in the
+        chain). A parent no longer indexed (a rare race with eviction) counts as unnamed."""
+        tenant_of, ids = self.tenant_of, self._ids
+        last_key, tenant = None, 0
+        for block_id, key, parent in zip(block_ids, keys, parents, strict=True):
+            if parent != last_key:
+                tenant = ids.get(parent)
+                if tenant is None:
+                    owner = index.get(parent)
+                    tenant = int(tenant_of[owner]) if owner is not None else 0
+            tenant_of[block_id] = tenant
+            last_key = key
+
+    def cached(self, block_ids: list[int], priority: int | None = None,
+               seconds: float | None = None) -> list[int]:
+        """`block_ids` (tail first) just became cached; retain their head within budget
+        (`priority`, `seconds`: the request's, else the tenant's defaults). Returns the
+        blocks to evict at once: those past their tenant's quota, its oldest first."""
+        by_tenant: dict[int, list[int]] = {}
+        for block_id in block_ids:
+            by_tenant.setdefault(int(self.tenant_of[block_id]), []).append(block_id)
+        over = []
+        for tenant, blocks in by_tenant.items():
+            default_priority, default_seconds = self._defaults[tenant]
+            wanted = (default_priority if priority is None else priority,
+                      default_seconds if seconds is None else seconds)
+            keep = self._retainable(tenant, len(blocks), *wanted)
+            lru = self._lru[tenant]
+            for block_id in blocks[: len(blocks) - keep]:
+                lru[block_id] = self._tick
+                self._tick += 1
+            if keep:  # the head: released last, the prefix other requests share
+                self._retain(tenant, blocks[len(blocks) - keep:], *wanted)
+            self._add(tenant, len(blocks))
+            while self._count[tenant] > self._quota[tenant]:
+                over.append(self.pop(tenant))
+        return over
+
+    def removed(self, block_ids: list[int]) -> None:
+        """`block_ids` (cached) stopped being cached: revived by a hit, or unindexed."""
+        for block_id in block_ids:
+            tenant = int(self.tenant_of[block_id])
+            if self._lru[tenant].pop(block_id, _MISSING) is _MISSING:
+                del self._retained[tenant][block_id]
+            self._add(tenant, -1)
+
+    def clear(self) -> None:
+        """Every cached block is gone (the prefix cache was reset)."""
+        for tenant in range(len(self.names)):
+            self._lru[tenant].clear()
+            self._retained[tenant].clear()
+            self._count[tenant] = 0
+        self._protected, self._next_expiry = 0, math.inf
+
+    # -- choosing victims -----------------------------------------------------------------
+    def victims(self, count: int, requester: int | None) -> list[int]:
+        """Take `count` cached blocks to evict for an allocation by tenant `requester`
+        (None: a step mixing tenants; every reservation holds). The caller made sure they
+        exist (`num_protected` is off its obtainable count)."""
+        self._expire()
+        lrus, counts, reserve = self._lru, self._count, self._reserve
+        taken = []
+        for _ in range(count):
+            best, oldest = None, math.inf
+            for tenant, lru in enumerate(lrus):
+                if lru and (tenant == requester or counts[tenant] > reserve[tenant]):
+                    tick = next(iter(lru.values()))
+                    if tick < oldest:
+                        best, oldest = tenant, tick
+            if best is None:
+                best = self._lowest_retainer(requester)
+            ensure(best is not None, "no evictable cached block for an allocation that "
+                   "was counted as obtainable")
+            taken.append(self.pop(best))
+        return taken
+
+    def blame(self, ghost: GhostList, tier: str, block_ids: list[int], keys: list[bytes],
+              asking: int | None) -> None:
+        """Remember evicted `block_ids` (indexed under `keys`) in `ghost`: evicted from
+        `tier` by tenant `asking`'s pressure (``own`` or ``tenant``), or ``global``."""
+        if asking is None:
+            ghost.evicted(keys, tier, "global")
+            return
+        own = [self.tenant_of[b] == asking for b in block_ids]
+        ghost.evicted([k for k, mine in zip(keys, own, strict=True) if mine], tier, "own")
+        ghost.evicted([k for k, mine in zip(keys, own, strict=True) if not mine], tier,
+                      "tenant", self.names[asking])
+
+    def pop(self, tenant: int) -> int:
+        """Take `tenant`'s next victim: its oldest ordinary block, else its retained block
+        of lowest decayed priority."""
+        lru = self._lru[tenant]
+        if lru:
+            block_id = lru.popitem(last=False)[0]
+        else:
+            retained = self._retained[tenant]
+            if not retained:
+                raise InvariantError(f"tenant {self.names[tenant]!r} has no cached block")
+            now = self._clock()
+            block_id = min(retained, key=lambda b: _rank(retained[b], now))
+            del retained[block_id]
+        self._add(tenant, -1)
+        return block_id
+
+    def flush(self, tenant: int) -> list[int]:
+        """Every cached block of `tenant`, for the allocator to evict (admin flush)."""
+        return [self.pop(tenant) for _ in range(self._count[tenant])]
+
+    def unretain(self, tenant: int) -> int:
+        """Make `tenant`'s retained blocks ordinary (and oldest); returns how many."""
+        retained = self._retained[tenant]
+        blocks = sorted(retained, key=lambda b: retained[b][3], reverse=True)
+        self._demote(tenant, blocks)
+        return len(blocks)
+
+    # -- internals ------------------------------------------------------------------------
+    def _add(self, tenant: int, delta: int) -> None:
+        count, reserve = self._count[tenant], self._reserve[tenant]
+        self._protected += min(count + delta, reserve) - min(count, reserve)
+        self._count[tenant] = count + delta
+
+    def _retainable(self, tenant: int, count: int, priority: int, seconds: float) -> int:
+        if priority <= 0 or seconds <= 0:
+            return 0
+        return min(count, max(self._budget[tenant] - len(self._retained[tenant]), 0))
+
+    def _retain(self, tenant: int, blocks: list[int], priority: int, seconds: float) -> None:
+        start = self._clock()
+        end = start + seconds
+        retained = self._retained[tenant]
+        for block_id in blocks:
+            retained[block_id] = (priority, start, end, self._tick)
+            self._tick += 1
+        self._next_expiry = min(self._next_expiry, end)
+
+    def _demote(self, tenant: int, blocks: list[int]) -> None:
+        """Move retained `blocks` (given newest first) to the front of the tenant's
+        ordinary list: their retention is what kept them, so they go before the others."""
+        lru, retained = self._lru[tenant], self._retained[tenant]
+        front = next(iter(lru.values())) if lru else self._tick
+        for block_id in blocks:  # newest first, each to the front: the oldest ends first
+            del retained[block_id]
+            front -= 1
+            lru[block_id] = front
+            lru.move_to_end(block_id, last=False)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        if now < self._next_expiry:
+            return
+        upcoming = math.inf
+        for tenant, retained in enumerate(self._retained):
+            ended = [b for b, entry in retained.items() if entry[2] <= now]
+            if ended:
+                self._demote(tenant, sorted(ended, key=lambda b: retained[b][3],
+                                            reverse=True))
+            upcoming = min([upcoming, *(entry[2] for entry in retained.values())])
+        self._next_expiry = upcoming
+
+    def _lowest_retainer(self, requester: int | None) -> int | None:
+        """The tenant holding the evictable retained block of lowest decayed priority."""
+        now, best, lowest = self._clock(), None, (math.inf, math.inf)
+        for tenant, retained in enumerate(self._retained):
+            if retained and (tenant == requester
+                             or self._count[tenant] > self._reserve[tenant]):
+                rank = min(_rank(entry, now) for entry in retained.values())
+                if rank < lowest:
+                    best, lowest = tenant, rank
+        return best
+
+    # -- checking -------------------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """Comparable copy of the ledger's state."""
+        return (tuple(tuple(lru.items()) for lru in self._lru),
+                tuple(tuple(sorted(r.items())) for r in self._retained),
+                tuple(self._count), self._protected)
+
+    def check(self, cached: set[int]) -> None:
+        """Raise `InvariantError` unless the ledger holds exactly the allocator's `cached`
+        blocks, each under its tenant, with counts and protection that add up."""
+        held = [set(lru) | set(retained) for lru, retained in zip(
+            self._lru, self._retained, strict=True)]
+        ensure(set().union(*held) == cached and sum(map(len, held)) == len(cached),
+               "the tenant ledger's cached blocks differ from the allocator's")
+        for tenant, blocks in enumerate(held):
+            ensure(len(blocks) == self._count[tenant], f"tenant {tenant}'s count is off")
+            ensure(all(self.tenant_of[b] == tenant for b in blocks),
+                   f"a block of tenant {tenant} is tagged with another")
+            ensure(self._count[tenant] <= self._quota[tenant],
+                   f"tenant {self.names[tenant]!r} holds more cached blocks than its quota")
+        ensure(self._protected == sum(map(min, self._count, self._reserve)),
+               "the protected count disagrees with the counts")
+
+
+def _rank(entry: tuple[int, float, float, int], now: float) -> tuple[float, int]:
+    """A retained block's eviction rank: its priority decayed linearly to 0 over its
+    retention, then its age (the older first)."""
+    priority, start, end, tick = entry
+    left = max(end - now, 0.0) / max(end - start, 1e-9)
+    return priority * left, tick
