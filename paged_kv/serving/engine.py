@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import check_retain
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..events import KVEventsConfig, open_publisher
@@ -133,7 +134,8 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,
-                    *, salt: str | None = None,
+                    *, salt: str | None = None, priority: int | None = None,
+                    retention_seconds: float | None = None,
                     on_output: Callable[[StepOutput], None] | None = None) -> int:
         """Queue a request; returns its id.
 
@@ -143,6 +145,10 @@ class Engine:
         params : SamplingParams, optional
         salt : str, optional
             Prefix-cache salt: only requests with the same salt share cached blocks.
+        priority, retention_seconds : optional
+            Soft retention of the request's cached blocks once it finishes (0-99, seconds;
+            None: its tenant's defaults), under the cache's tenant policy (see
+            `paged_kv.tenants`; without one nothing is retained).
         on_output : callable, optional
             Called on the engine's thread with a `StepOutput` for every token of every
             sample as it is generated, and once more per sample when it finishes.
@@ -156,14 +162,23 @@ class Engine:
         prompt = self._validate(prompt_token_ids, params)
         if salt is not None and not isinstance(salt, str):
             raise TypeError(f"salt: expected str or None, got {type(salt).__name__}")
+        retain = check_retain("add_request()", priority, retention_seconds)
         request = Request(self._next_id, prompt, params, time.perf_counter(), salt=salt,
-                          on_output=on_output)
+                          on_output=on_output, retain=retain)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
         return request.request_id
+
+    def flush_tenant(self, tenant: str, *, retention_only: bool = False) -> int:
+        """Evict `tenant`'s cached blocks from the pool (its running requests keep theirs),
+        or with `retention_only` end their soft retention; returns how many (an admin's
+        flush / unretain; `PagedKVCache.reset_prefix_cache`)."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant: expected a non-empty string, got {tenant!r}")
+        return self.cache.reset_prefix_cache(tenant, retention_only=retention_only)
 
     def check_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> None:
         """Raise what `add_request` would for this request, changing nothing (it reads only

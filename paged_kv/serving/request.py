@@ -40,6 +40,8 @@ class Request:
         default_factory=lambda: [None])  # the first prompt token has none
     salt: str | None = None  # the prefix-cache salt of every sample (tenant isolation)
     error: str | None = None  # why the engine failed it
+    # soft retention of its blocks once finished: `PagedKVCache.free`'s keyword arguments
+    retain: dict = dataclasses.field(default_factory=dict)
     on_output: Callable[[StepOutput], None] | None = None
 
     @property

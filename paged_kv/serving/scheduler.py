@@ -296,7 +296,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire `seq` with `reason` and free its blocks."""
         self.running.remove(seq)
-        self.cache.free(seq.seq_id)
+        self.cache.free(seq.seq_id, **seq.request.retain)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def abort_request(self, request: Request, error: str | None = None,
