@@ -201,8 +201,10 @@ class BlockAllocator:
         OutOfBlocksError
             Fewer than `num_blocks` obtainable; nothing changed.
         """
-        if num_blocks > self.num_obtainable_blocks:
-            raise OutOfBlocksError(num_blocks, self.num_obtainable_blocks, "allocate()")
+        obtainable = self.num_obtainable_blocks + (
+            self._ledger.reserved_for(requester) if self._ledger is not None else 0)
+        if num_blocks > obtainable:
+            raise OutOfBlocksError(num_blocks, obtainable, "allocate()")
         free = self._free
         start = max(len(free) - num_blocks, 0)
         taken = free[start:]

@@ -56,6 +56,10 @@ class HybridAdmission(NamedTuple):
         return self.leader.keys
 
     @property
+    def root(self) -> bytes | None:
+        return self.leader.root
+
+    @property
     def num_hit(self) -> int:
         return self.leader.num_hit
 

@@ -43,6 +43,10 @@ class RequestOutput:
     token_latencies: list[float]
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # why the engine failed it (finish reason "error")
+    # cached prompt tokens by where they came from (device, host, disk, remote), and why
+    # the first uncached block missed (`paged_kv.tenants.Miss.as_dict`; None: no miss)
+    cached_by_source: dict[str, int] | None = None
+    miss: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,11 @@ class Request:
     error: str | None = None  # why the engine failed it
     # soft retention of its blocks once finished: `PagedKVCache.free`'s keyword arguments
     retain: dict = dataclasses.field(default_factory=dict)
+    # its cache report (`misses.CacheReports`): what a tier fetch loaded and how it failed,
+    # then the cached tokens by source and the first miss's cause (`Miss.as_dict`)
+    fetch_report: tuple[dict[str, int], tuple[str, str] | None] | None = None
+    cached_by_source: dict[str, int] | None = None
+    miss: dict | None = None
     on_output: Callable[[StepOutput], None] | None = None
 
     @property
@@ -66,6 +71,8 @@ class Request:
             prompt_logprobs=(list(self.prompt_logprobs)
                              if self.params.prompt_logprobs is not None else None),
             error=self.error,
+            cached_by_source=self.cached_by_source,
+            miss=self.miss,
         )
 
 

@@ -21,6 +21,7 @@ from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
 from ..step.batch import StepBatch
 from ..step.plan import Admission, fits
+from .misses import CacheReports
 from .request import Request, Sequence, Status
 
 
@@ -39,6 +40,7 @@ class Scheduler:
         self.swapped: collections.deque[Sequence] = collections.deque()
         self.loading: list[Sequence] = []  # waiting for their prompts' blocks from the tiers
         self.tiers = tiers  # a tiers.TierManager, or None
+        self.reports = CacheReports(cache.config.block_size, cache.allocator.ghost, tiers)
         self.num_preemptions = 0
         self._reserved = 0  # blocks this step's scheduled sequences will take
 
@@ -60,6 +62,11 @@ class Scheduler:
 
     def _available(self, step_blocks: int) -> int:
         return self.cache.allocator.num_obtainable_blocks - step_blocks
+
+    def _own(self, admission: Admission) -> int:
+        """Cached blocks a tenant's reservation keeps from others but not from itself."""
+        ledger = self.cache.allocator.tenants
+        return ledger.reserved_for(admission.root) if ledger is not None else 0
 
     def _schedule_running(self, step: dict[Sequence, int]) -> tuple[bool, int]:
         """Running sequences in order, as far as the budget goes; preempt from the back
@@ -152,13 +159,14 @@ class Scheduler:
                     and self._start_fetch(seq, admission):
                 self.waiting.popleft()  # loading while the others step
                 continue
-            if not fits(admission, self._available(self._reserved)):
+            if not fits(admission, self._available(self._reserved) + self._own(admission)):
                 return
             hit = self.cache.add_sequence(seq.seq_id, admission.tokens if reuse else None,
                                           salt=seq.request.salt, keys=admission.keys)
             self.waiting.popleft()
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = hit
+                self.reports.admitted(seq, admission, hit)
             seq.num_computed, seq.status = hit, Status.RUNNING
             self.running.append(seq)
             step[seq] = admission.count
@@ -202,6 +210,8 @@ class Scheduler:
             else:
                 still.append(seq)
                 continue
+            seq.request.fetch_report = (dict(getattr(seq.fetch, "loaded", None) or {}),
+                                        getattr(seq.fetch, "failure", None))
             seq.fetch, seq.status = None, Status.WAITING
             back.append(seq)
         self.loading = still

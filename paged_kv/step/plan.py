@@ -194,6 +194,8 @@ class StepPlanner:
     def check(self, plan: StepPlan | Admission, what: str = "prepare()") -> None:
         """Raise `OutOfBlocksError` unless `plan` `fits` in the blocks obtainable now."""
         obtainable = self._allocator.num_obtainable_blocks
+        if isinstance(plan, Admission) and self._allocator.tenants is not None:
+            obtainable += self._allocator.tenants.reserved_for(plan.root)  # its own
         if not fits(plan, obtainable):
             raise OutOfBlocksError(plan.requested, obtainable - plan.revived, what)
 

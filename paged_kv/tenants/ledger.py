@@ -80,6 +80,7 @@ class TenantLedger:
             {} for _ in self.names]
         self._count = [0] * len(self.names)
         self._tick = 0
+        self._front = 0  # ticks below every other: demoted blocks, the oldest of the pool
         self._protected = 0  # sum over tenants of min(cached, reservation)
         self._next_expiry = math.inf
         self._clock = clock
@@ -89,6 +90,15 @@ class TenantLedger:
     def num_protected(self) -> int:
         """Cached blocks that reservations keep from every tenant's pressure."""
         return self._protected
+
+    def reserved_for(self, root: bytes | None) -> int:
+        """Of `num_protected`, the blocks the tenant of salted root `root` may still take
+        itself (its own reservation holds against others only; None: a step that mixes
+        tenants, for which every reservation holds)."""
+        if root is None:
+            return 0
+        tenant = self._ids.get(root, 0)
+        return min(self._count[tenant], self._reserve[tenant])
 
     def tenant_id(self, root: bytes | None) -> int:
         """The ledger's index of the tenant whose salted root is `root` (0: not named)."""
@@ -247,11 +257,10 @@ class TenantLedger:
         """Move retained `blocks` (given newest first) to the front of the tenant's
         ordinary list: their retention is what kept them, so they go before the others."""
         lru, retained = self._lru[tenant], self._retained[tenant]
-        front = next(iter(lru.values())) if lru else self._tick
         for block_id in blocks:  # newest first, each to the front: the oldest ends first
             del retained[block_id]
-            front -= 1
-            lru[block_id] = front
+            self._front -= 1
+            lru[block_id] = self._front
             lru.move_to_end(block_id, last=False)
 
     def _expire(self) -> None:
