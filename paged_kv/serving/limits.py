@@ -74,11 +74,22 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
     step = len(prompt) if max_num_batched_tokens is None else min(len(prompt),
                                                                   max_num_batched_tokens)
     needed = cache_config.blocks_for_sequence(total - 1, step)
-    if needed > cache_config.num_usable_blocks:
+    room, reserved = _room_blocks(cache_config)
+    if needed > room:
+        less = f" less the tenants' reservations ({reserved})" if reserved else ""
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs "
                          f"{needed} blocks, more than the pool's "
-                         f"{cache_config.num_usable_blocks}; raise num_blocks")
+                         f"{cache_config.num_usable_blocks}{less}; raise num_blocks")
     return prompt
+
+
+def _room_blocks(cache_config: CacheConfig) -> tuple[int, int]:
+    """The blocks one request may hold, and the reservations kept from it: other tenants'
+    reserved cached blocks are never evicted for it, so a request needing more than the
+    rest could wait for ever (its own reservation is left out too: conservative)."""
+    policy = cache_config.tenants
+    reserved = policy.reserved_blocks if policy is not None else 0
+    return cache_config.num_usable_blocks - reserved, reserved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,5 +131,5 @@ class EngineLimits:
         (at least 1)."""
         config = self.cache_config
         limit = min(self.model_config.max_position,
-                    config.num_usable_blocks * config.block_size + 1)
+                    _room_blocks(config)[0] * config.block_size + 1)
         return max(limit - prompt_len, 1)

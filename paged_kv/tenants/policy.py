@@ -101,6 +101,11 @@ class TenantPolicy:
         """The limits of `tenant` (the default's for a tenant not named, or None)."""
         return self.tenants.get(tenant, self.default) if tenant is not None else self.default
 
+    @property
+    def reserved_blocks(self) -> int:
+        """The blocks every reservation together keeps (the default's once)."""
+        return sum(t.reservation for t in [*self.tenants.values(), self.default])
+
     def check(self, num_blocks: int) -> None:
         """Raise ValueError naming the field out of range for a pool of `num_blocks`
         (null block included): a bad value, or quotas / reservations that sum past it."""
@@ -119,7 +124,7 @@ class TenantPolicy:
         if quotas > usable:
             raise ValueError(f"tenants: quota: the quotas sum to {quotas} blocks, past the "
                              f"pool's {usable}")
-        reserved = sum(t.reservation for t in everyone)
+        reserved = self.reserved_blocks
         if reserved > usable // 2:  # room left for every other tenant's requests
             raise ValueError(f"tenants: reservation: the reservations sum to {reserved} "
                              f"blocks, past half the pool ({usable // 2})")

@@ -204,3 +204,20 @@ def test_bad_retention_arguments_change_nothing(kwargs, field):
     with pytest.raises(ValueError, match=field):
         cache.free("a", **kwargs)
     assert cache.allocator.snapshot() == before and "a" in cache
+
+
+def test_a_request_larger_than_the_pool_less_the_reservations_is_refused():
+    from types import SimpleNamespace
+
+    from paged_kv.serving import SamplingParams
+    from paged_kv.serving.limits import check_request
+
+    model = SimpleNamespace(vocab_size=500, max_position=10_000)
+    plain = tiny_config(block_size=4, num_blocks=41, num_host_blocks=0)
+    held = tiny_config(block_size=4, num_blocks=41, num_host_blocks=0,
+                       tenants=TenantPolicy({"B": TenantLimits(reservation=10)}))
+    prompt, params = [1] * 100, SamplingParams(max_tokens=60)  # 40 blocks: the whole pool
+    check_request(prompt, params, model, 4, plain)
+    with pytest.raises(ValueError, match=r"reservations \(10\)"):
+        check_request(prompt, params, model, 4, held)
+    check_request(prompt, SamplingParams(max_tokens=20), model, 4, held)  # 30 blocks fit
