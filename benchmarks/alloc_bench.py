@@ -463,6 +463,49 @@ class PagedKvArraysNoCacheAdapter(PagedKvArraysAdapter):
     enable_caching = False
 
 
+NUM_TENANTS = 4
+
+
+class PagedKvSaltedAdapter(PagedKvArraysAdapter):
+    """The array API with each request salted by one of `NUM_TENANTS` tenants (request id
+    modulo), no tenant policy: the baseline of `paged_kv_tenants` (the same hits)."""
+
+    name = "paged_kv_salted"
+    policy = False
+
+    def __init__(self, mods, num_blocks, bs):
+        import torch
+
+        import paged_kv
+        from paged_kv.tenants import TenantLimits, TenantPolicy
+        tenants, extra = None, 0
+        if self.policy:
+            # each a quarter of the pool at most, a sixty-fourth kept from the others; the
+            # pool grows by the reservations, which the trace (sized for a pool any cached
+            # block of which may be evicted) cannot count on
+            limits = TenantLimits(quota=num_blocks // NUM_TENANTS,
+                                  reservation=num_blocks // (16 * NUM_TENANTS))
+            tenants = TenantPolicy({f"t{i}": limits for i in range(NUM_TENANTS)})
+            extra = tenants.reserved_blocks
+        cfg = paged_kv.CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=bs,
+                                   num_blocks=num_blocks + 1 + extra, dtype=torch.float32, device="cpu",
+                                   enable_prefix_caching=True, tenants=tenants)
+        self.cache = paged_kv.PagedKVCache(cfg)
+        self.bs = bs
+
+    def admit(self, rid, prompt, first_tok):
+        hit, _ = self.cache.admit(rid, prompt, salt=f"t{rid % NUM_TENANTS}")
+        return [rid, first_tok, hit // self.bs, self.cache.tables.row_of[rid]]
+
+
+class PagedKvTenantsAdapter(PagedKvSaltedAdapter):
+    """`paged_kv_salted` under a tenant policy (quota and reservation per tenant): the
+    ledger's bookkeeping on every cached block and every eviction."""
+
+    name = "paged_kv_tenants"
+    policy = True
+
+
 ADAPTERS = {
     "null": NullAdapter,
     "nanovllm": NanoAdapter,
@@ -474,6 +517,8 @@ ADAPTERS = {
     "paged_kv_nocache": PagedKvNoCacheAdapter,
     "paged_kv_arrays": PagedKvArraysAdapter,
     "paged_kv_arrays_nocache": PagedKvArraysNoCacheAdapter,
+    "paged_kv_salted": PagedKvSaltedAdapter,
+    "paged_kv_tenants": PagedKvTenantsAdapter,
 }
 
 

@@ -20,8 +20,10 @@ calls obtainable, so a plan never counts on a block it could not take.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -121,6 +123,18 @@ class TenantLedger:
         salted root, or a block indexed before it (of the same tenant: the salt is in the
         chain). A parent no longer indexed (a rare race with eviction) counts as unnamed."""
         tenant_of, ids = self.tenant_of, self._ids
+        if parents[1:] == keys[:-1]:  # the usual case: one chain, so one tenant
+            tenant = ids.get(parents[0])
+            if tenant is None:
+                owner = index.get(parents[0])
+                tenant = int(tenant_of[owner]) if owner is not None else 0
+            tenant_of[block_ids] = tenant
+            return
+        owners = list(map(index.get, parents))
+        if None not in owners and not set(owners).intersection(block_ids):
+            # a decode step's blocks: each chains from its sequence's block indexed before
+            tenant_of[block_ids] = tenant_of[owners]
+            return
         last_key, tenant = None, 0
         for block_id, key, parent in zip(block_ids, keys, parents, strict=True):
             if parent != last_key:
@@ -136,32 +150,41 @@ class TenantLedger:
         """`block_ids` (tail first) just became cached; retain their head within budget
         (`priority`, `seconds`: the request's, else the tenant's defaults). Returns the
         blocks to evict at once: those past their tenant's quota, its oldest first."""
-        by_tenant: dict[int, list[int]] = {}
-        for block_id in block_ids:
-            by_tenant.setdefault(int(self.tenant_of[block_id]), []).append(block_id)
+        tenants = self.tenant_of[block_ids].tolist()
+        first = tenants[0] if tenants else 0
+        if tenants.count(first) == len(tenants):  # the usual case: one request's blocks
+            by_tenant = {first: list(block_ids)} if tenants else {}
+        else:
+            by_tenant = {}
+            for block_id, tenant in zip(block_ids, tenants, strict=True):
+                by_tenant.setdefault(tenant, []).append(block_id)
         over = []
         for tenant, blocks in by_tenant.items():
             default_priority, default_seconds = self._defaults[tenant]
             wanted = (default_priority if priority is None else priority,
                       default_seconds if seconds is None else seconds)
             keep = self._retainable(tenant, len(blocks), *wanted)
-            lru = self._lru[tenant]
-            for block_id in blocks[: len(blocks) - keep]:
-                lru[block_id] = self._tick
-                self._tick += 1
+            ordinary = len(blocks) - keep
+            self._lru[tenant].update(zip(blocks[:ordinary],
+                                         range(self._tick, self._tick + ordinary), strict=True))
+            self._tick += ordinary
             if keep:  # the head: released last, the prefix other requests share
-                self._retain(tenant, blocks[len(blocks) - keep:], *wanted)
+                self._retain(tenant, blocks[ordinary:], *wanted)
             self._add(tenant, len(blocks))
-            while self._count[tenant] > self._quota[tenant]:
-                over.append(self.pop(tenant))
+            excess = self._count[tenant] - self._quota[tenant]
+            if excess > 0:
+                ordinary = min(excess, len(self._lru[tenant]))
+                over += self._run(tenant, ordinary, math.inf, False) if ordinary else []
+                over += [self.pop(tenant) for _ in range(excess - ordinary)]
         return over
 
     def removed(self, block_ids: list[int]) -> None:
         """`block_ids` (cached) stopped being cached: revived by a hit, or unindexed."""
-        for block_id in block_ids:
-            tenant = int(self.tenant_of[block_id])
-            if self._lru[tenant].pop(block_id, _MISSING) is _MISSING:
-                del self._retained[tenant][block_id]
+        lrus, retained = self._lru, self._retained
+        for block_id, tenant in zip(block_ids, self.tenant_of[block_ids].tolist(),
+                                    strict=True):
+            if lrus[tenant].pop(block_id, _MISSING) is _MISSING:
+                del retained[tenant][block_id]
             self._add(tenant, -1)
 
     def clear(self) -> None:
@@ -179,19 +202,25 @@ class TenantLedger:
         exist (`num_protected` is off its obtainable count)."""
         self._expire()
         lrus, counts, reserve = self._lru, self._count, self._reserve
-        taken = []
-        for _ in range(count):
-            best, oldest = None, math.inf
+        taken: list[int] = []
+        while len(taken) < count:
+            # the oldest front among the tenants that may lose a block, and the next oldest:
+            # the best tenant's blocks older than that one go in one run
+            best, oldest, runner_up = None, math.inf, math.inf
             for tenant, lru in enumerate(lrus):
                 if lru and (tenant == requester or counts[tenant] > reserve[tenant]):
                     tick = next(iter(lru.values()))
                     if tick < oldest:
-                        best, oldest = tenant, tick
+                        best, oldest, runner_up = tenant, tick, oldest
+                    elif tick < runner_up:
+                        runner_up = tick
             if best is None:
                 best = self._lowest_retainer(requester)
-            ensure(best is not None, "no evictable cached block for an allocation that "
-                   "was counted as obtainable")
-            taken.append(self.pop(best))
+                ensure(best is not None, "no evictable cached block for an allocation "
+                       "that was counted as obtainable")
+                taken.append(self.pop(best))
+                continue
+            taken += self._run(best, count - len(taken), runner_up, best != requester)
         return taken
 
     def blame(self, ghost: GhostList, tier: str, block_ids: list[int], keys: list[bytes],
@@ -201,7 +230,13 @@ class TenantLedger:
         if asking is None:
             ghost.evicted(keys, tier, "global")
             return
-        own = [self.tenant_of[b] == asking for b in block_ids]
+        own = (self.tenant_of[block_ids] == asking).tolist()
+        if all(own) or not any(own):  # the usual case: one kind of pressure
+            if own and own[0]:
+                ghost.evicted(keys, tier, "own")
+            else:
+                ghost.evicted(keys, tier, "tenant", self.names[asking])
+            return
         ghost.evicted([k for k, mine in zip(keys, own, strict=True) if mine], tier, "own")
         ghost.evicted([k for k, mine in zip(keys, own, strict=True) if not mine], tier,
                       "tenant", self.names[asking])
@@ -234,6 +269,20 @@ class TenantLedger:
         return len(blocks)
 
     # -- internals ------------------------------------------------------------------------
+    def _run(self, tenant: int, most: int, before: float, reserved: bool) -> list[int]:
+        """Up to `most` of `tenant`'s oldest ordinary blocks with ticks below `before`,
+        never taking it to its reservation when `reserved` (at least one block)."""
+        lru = self._lru[tenant]
+        if reserved:
+            most = min(most, self._count[tenant] - self._reserve[tenant])
+        # ticks rise along the list (demoted blocks take ticks below every other), so the
+        # run's length is one bisection of its first `most` ticks, all in C
+        ticks = list(itertools.islice(lru.values(), most))
+        popitem = lru.popitem
+        run = [popitem(False)[0] for _ in range(max(bisect.bisect_left(ticks, before), 1))]
+        self._add(tenant, -len(run))
+        return run
+
     def _add(self, tenant: int, delta: int) -> None:
         count, reserve = self._count[tenant], self._reserve[tenant]
         self._protected += min(count + delta, reserve) - min(count, reserve)

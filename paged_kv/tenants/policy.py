@@ -119,7 +119,6 @@ class TenantPolicy:
                                 f"{type(limits).__name__}")
             limits.check(f"tenants.{name}")
         self.default.check("default")
-        everyone = [*self.tenants.values(), self.default]
         quotas = sum(t.quota for t in self.tenants.values() if t.quota is not None)
         if quotas > usable:
             raise ValueError(f"tenants: quota: the quotas sum to {quotas} blocks, past the "
