@@ -44,7 +44,10 @@ class Generation:
         self._engine, self._tokenizer = engine, tokenizer
         self.prompt_token_ids, self.params, self.stops, self.salt = (
             prompt_token_ids, params, stops, salt)
-        self.retention = {"priority": priority, "retention_seconds": retention_seconds}
+        # passed only when asked, so an engine client without retention still serves
+        self.retention = {k: v for k, v in (("priority", priority),
+                                            ("retention_seconds", retention_seconds))
+                          if v is not None}
         self.choices = [Choice(i) for i in range(params.n)]
         self.output: RequestOutput | None = None
         self.request_id: int | None = None
