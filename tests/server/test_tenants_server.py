@@ -226,3 +226,23 @@ def test_without_api_keys_admin_endpoints_are_open():
         assert named.status_code == 400 and named.json()["error"]["param"] == "tenant"
         cold = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_cache_routes_are_counted_under_their_own_paths():
+    from ..conftest import prometheus_value
+    from .test_openai_semantics import make_client
+
+    with make_client(api_keys={"sk-t": "t"}, admin_keys=["sk-admin"]) as client:
+        admin = {"Authorization": "Bearer sk-admin"}
+        assert client.post("/v1/cache/flush", json={"tenant": "t"}, headers=admin
+                           ).status_code == 200
+        assert client.post("/v1/cache/unretain", json={"tenant": "t"},
+                           headers={"Authorization": "Bearer sk-t"}).status_code == 403
+        assert client.post("/v1/cache/warm", json={"prompt": "hi"},
+                           headers={"Authorization": "Bearer sk-t"}).status_code == 200
+        assert client.get("/v1/models", headers=admin).status_code == 200
+        text = client.get("/metrics").text
+    for path, status in (("/v1/cache/flush", 200), ("/v1/cache/unretain", 403),
+                         ("/v1/cache/warm", 200)):
+        labels = f'{{endpoint="{path}",status="{status}"}}'
+        assert prometheus_value(text, "paged_kv_http_requests_total", labels) == 1
