@@ -163,11 +163,11 @@ def _model_dir(text: str) -> str:
     return text
 
 
-def _api_keys(text: str) -> dict[str, str]:
-    from .server.serve import read_api_keys
+def _api_keys(text: str):
+    from .server.tenants_file import read_tenants_file
 
     try:
-        return read_api_keys(text)
+        return read_tenants_file(text)
     except (OSError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -263,9 +263,11 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
              "/metrics) over the engine; needs the serve extra")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_at_least(int, 0), default=8000)
-    serve.add_argument("--api-keys", metavar="FILE", dest="api_keys_map", type=_api_keys,
-                       default=None, help="'KEY TENANT' per line: require Bearer auth and "
-                                          "keep a prefix cache per tenant")
+    serve.add_argument("--api-keys", metavar="FILE", dest="tenants_file", type=_api_keys,
+                       default=None, help="'KEY TENANT' per line, or a TOML tenants file "
+                                          "(admin keys, quotas, reservations, retention; "
+                                          "docs/tenants.md): require Bearer auth and keep "
+                                          "a prefix cache per tenant")
     serve.add_argument("--max-waiting", type=_at_least(int, 0), default=256,
                        help="requests that would wait for a running slot beyond this get "
                             "429 with Retry-After (0: none waits)")

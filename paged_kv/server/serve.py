@@ -13,33 +13,23 @@ import uvicorn
 
 from .engine.engine_core import model_name
 from .http.graceful import GracefulServer
+from .tenants_file import TenantsFile, read_tenants_file
 
 logger = logging.getLogger("paged_kv.server")
 __all__ = ["read_api_keys", "serve"]
 
 
 def read_api_keys(path: str | Path) -> dict[str, str]:
-    """``{key: tenant}`` from a file of ``KEY TENANT`` lines (blank lines and ``#`` skipped).
+    """``{key: tenant}`` from a tenants file: ``KEY TENANT`` lines (blank lines and ``#``
+    skipped), or the TOML format of `tenants_file` (its tenants' keys; admin keys and
+    limits are left out).
 
     Raises
     ------
     ValueError
-        Naming the line that is not two fields, or a key given twice.
+        Naming the line that is not two fields, or a key given twice (or the TOML field).
     """
-    keys: dict[str, str] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split()
-        if len(fields) != 2:
-            raise ValueError(f"{path}:{number}: expected 'KEY TENANT', got {len(fields)} fields")
-        if fields[0] in keys:
-            raise ValueError(f"{path}:{number}: key given twice")
-        keys[fields[0]] = fields[1]
-    if not keys:
-        raise ValueError(f"{path}: no 'KEY TENANT' lines")
-    return keys
+    return read_tenants_file(path).keys
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -49,11 +39,13 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tokenizer, name = _tokenizer(args)
-    if args.api_keys_map is None:
+    tenants: TenantsFile | None = args.tenants_file
+    if tenants is None:
         logger.info("single tenant: no --api-keys file, so no auth and one shared prefix cache")
     else:
-        logger.info("%d API keys, %d tenants; prefix caches are per tenant",
-                    len(args.api_keys_map), len(set(args.api_keys_map.values())))
+        logger.info("%d API keys, %d admin keys, %d tenants%s; prefix caches are per tenant",
+                    len(tenants.keys), len(tenants.admin_keys), len(tenants.tenant_names),
+                    "" if tenants.policy is None else " with limits")
     with CoreProcess(args) as core:
         config = core.limits.cache_config
         logger.info("model %s; KV pool %d blocks of %d tokens (%.1f MiB); engine core pid %d",
@@ -81,7 +73,11 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
 
     client = CoreClient(core.address, b"api-%d" % index, core.limits, core.sentinel,
                         peers=peers)
-    app = create_app(client, tokenizer, model_name=name, api_keys=args.api_keys_map,
+    tenants: TenantsFile | None = args.tenants_file
+    app = create_app(client, tokenizer, model_name=name,
+                     api_keys=None if tenants is None else tenants.keys,
+                     admin_keys=() if tenants is None else tenants.admin_keys,
+                     tenant_names=() if tenants is None else tenants.tenant_names,
                      max_waiting=args.max_waiting,
                      input_limits=InputLimits(args.max_logprobs, args.max_request_bytes))
     # access_log off: warning level prints none, but uvicorn would still consult the logger

@@ -61,7 +61,7 @@ class CoreClient:
         self._address, self._identity, self._sentinel = address, identity, core_sentinel
         self._requests: dict[int, tuple[Callable[[StepOutput], None], int]] = {}
         self._fresh: set[int] = set()  # requests still waiting for their first output
-        self._metrics: dict[int, asyncio.Future[str]] = {}
+        self._metrics: dict[int, asyncio.Future] = {}  # metrics and other queries' answers
         self._ids = itertools.count()
         # the core's queue as it last told (an idle engine until it does: minus its slots),
         # and the `Add`s sent to it, of which it had taken `_received` by then
@@ -113,14 +113,16 @@ class CoreClient:
         return self._waiting + self._sent - self._received
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
-                  on_output: Callable[[StepOutput], None]) -> int:
+                  on_output: Callable[[StepOutput], None], *, priority: int | None = None,
+                  retention_seconds: float | None = None) -> int:
         """Send a request to the core; returns this server's id for it."""
         if not self.is_alive:
             raise EngineDeadError(self.dead or ("the engine core is draining (SIGTERM): send "
                                                 "new requests elsewhere" if self.draining
                                                 else "the engine core has stopped"))
         request_id = next(self._ids)
-        frame = messages.encode(messages.Add(request_id, prompt_token_ids, params, salt))
+        frame = messages.encode(messages.Add(request_id, prompt_token_ids, params, salt,
+                                             priority, retention_seconds))
         # counted while sent, uncounted if the send fails: a request that never reached
         # the core must leave no entry and no count behind (the count would never heal)
         self._requests[request_id] = (on_output, params.n)
@@ -153,6 +155,30 @@ class CoreClient:
             self._metrics.pop(token, None)
         return text + generate_latest(self.registry).decode()
 
+    async def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:
+        """`EngineCore.flush_tenant` in the core; raises its ValueError."""
+        return await self._ask(lambda token: messages.Flush(token, tenant, retention_only))
+
+    async def cached_tokens(self, prompt_token_ids: list[int], salt: str | None) -> int:
+        """`EngineCore.cached_tokens` in the core."""
+        return await self._ask(lambda token: messages.CachedQuery(token, prompt_token_ids,
+                                                                  salt))
+
+    async def _ask(self, make: Callable[[int], messages.ToCore]) -> int:
+        """Send the query `make(token)` builds and wait for its `messages.Reply`."""
+        if not self._connected:
+            raise EngineDeadError(self.dead or "the engine core has stopped")
+        token = next(self._ids)
+        future = self._metrics[token] = asyncio.get_running_loop().create_future()
+        await self._socket.send(messages.encode(make(token)))
+        try:
+            reply = await asyncio.wait_for(future, timeout=30)
+        finally:
+            self._metrics.pop(token, None)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply.value
+
     async def _read(self) -> None:
         while True:
             self._dispatch(messages.decode_from_core(await self._socket.recv()))
@@ -167,10 +193,11 @@ class CoreClient:
                     entry[0](out)
                     if out.output is not None:
                         del requests[request_id]
-        elif isinstance(message, messages.MetricsText):
+        elif isinstance(message, messages.MetricsText | messages.Reply):
             future = self._metrics.get(message.token)
             if future is not None and not future.done():
-                future.set_result(message.text)
+                future.set_result(message.text if isinstance(message, messages.MetricsText)
+                                  else message)
         elif isinstance(message, messages.Draining):
             logger.info("the engine core drains: new requests get 503")
             self.draining = True

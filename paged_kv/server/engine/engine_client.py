@@ -41,8 +41,17 @@ class EngineClient(Protocol):
         """Stop serving (with the app)."""
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
-                  on_output: Callable[[StepOutput], None]) -> int:
-        """Queue a request; `on_output` runs on the calling event loop per step output."""
+                  on_output: Callable[[StepOutput], None], *, priority: int | None = None,
+                  retention_seconds: float | None = None) -> int:
+        """Queue a request; `on_output` runs on the calling event loop per step output;
+        `priority` and `retention_seconds`: its blocks' soft retention once finished."""
+
+    async def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:
+        """An admin's flush (or unretain) of a tenant's cached blocks; how many (ValueError
+        for a tenant the engine refuses)."""
+
+    async def cached_tokens(self, prompt_token_ids: list[int], salt: str | None) -> int:
+        """Tokens of the prompt's full blocks cached for `salt` now (changes nothing)."""
 
     def abort(self, request_id: int) -> None:
         """Free a request's blocks (does not wait), while the engine drains too; nothing

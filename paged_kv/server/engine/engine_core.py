@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -25,23 +26,29 @@ from ...events import KVEventsConfig
 from ...serving import Engine, EngineDeadError, StepOutput
 from ...serving.limits import EngineLimits
 from ...serving.sizing import pool_config
+from ...tenants import TenantPolicy
 from ...tiers import TierConfig
 from . import messages
 
 logger = logging.getLogger("paged_kv.server.core")
 _IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
+_PROBE = ("paged-kv", "cached-tokens probe")  # a sequence id no request has (never added)
 
 
 def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
                  memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None,
-                 kv_events: KVEventsConfig | None = None) -> Engine:
+                 kv_events: KVEventsConfig | None = None,
+                 tenants: TenantPolicy | None = None) -> Engine:
     """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
-    memory (the host pool as much again for swap): `sizing.pool_config`."""
+    memory (the host pool as much again for swap): `sizing.pool_config`; `tenants` (the
+    tenants file's policy) is checked against that pool (ValueError naming the field)."""
     cache_config, _ = pool_config(model, block_size=block_size, memory_mib=memory_mib,
                                   memory_fraction=memory_fraction, preemption=preemption,
                                   kv_cache_dtype=kv_cache_dtype)
+    if tenants is not None:
+        cache_config = dataclasses.replace(cache_config, tenants=tenants)
     return Engine(model, cache_config, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
                   tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
@@ -70,7 +77,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                         kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         kv_tiers=TierConfig.from_args(args),
-                        kv_events=events_config(args, model_name(args)))
+                        kv_events=events_config(args, model_name(args)),
+                        tenants=getattr(getattr(args, "tenants_file", None), "policy", None))
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -172,6 +180,27 @@ class EngineCore:
             self.fail_all(f"the engine step failed: {exc!r}")
         return True
 
+    def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:
+        """An admin's flush of `tenant`'s cached blocks, or with `retention_only` the end of
+        their soft retention (`Engine.flush_tenant`); returns how many blocks. None: the one
+        tenant of a server without API keys, so every cached block (nothing is retained
+        without a tenant policy)."""
+        if tenant is None:
+            return 0 if retention_only else self.engine.cache.reset_prefix_cache()
+        return self.engine.flush_tenant(tenant, retention_only=retention_only)
+
+    def cached_tokens(self, prompt_token_ids: list[int], salt: str | None) -> int:
+        """Tokens of the prompt's full blocks that the prefix cache holds for `salt` now (a
+        warm-up's answer). Planned, not admitted: nothing changes. One token is appended
+        so that the prompt's last full block is looked up too (an admission leaves the
+        last prompt token to compute)."""
+        cache = self.engine.cache
+        full = len(prompt_token_ids) // cache.config.block_size * cache.config.block_size
+        if not full:
+            return 0
+        plan = cache.plan_admission(_PROBE, [*prompt_token_ids, 0], salt=salt)
+        return min(plan.num_hit, full)
+
     def fail_all(self, message: str) -> None:
         """Fail every request in the engine with `message` (its clients get an error)."""
         for request_id in self.engine.unfinished_request_ids():
@@ -250,6 +279,8 @@ class EngineCoreProc(EngineCore):
                 engine_id = self._ids.get((front, message.request_id))
                 if engine_id is not None:
                     self.engine.abort(engine_id)
+            elif isinstance(message, messages.Flush | messages.CachedQuery):
+                self._reply(front, message)
             elif isinstance(message, messages.MetricsQuery):
                 text = self.engine.metrics_text()
                 self._socket.send_multipart(
@@ -265,6 +296,7 @@ class EngineCoreProc(EngineCore):
                 raise ValueError("the engine core is shutting down")
             engine_id = self.engine.add_request(
                 message.prompt_token_ids, message.params, salt=message.salt,
+                priority=message.priority, retention_seconds=message.retention_seconds,
                 on_output=partial(self._collect, front, message.request_id))
         except (TypeError, ValueError) as exc:  # the API server checked; this is a race
             self._pending.setdefault(front, []).extend(
@@ -272,6 +304,17 @@ class EngineCoreProc(EngineCore):
                     message.request_id, message.params.n, str(exc)))
             return
         self._ids[front, message.request_id] = engine_id
+
+    def _reply(self, front: bytes, message: messages.Flush | messages.CachedQuery) -> None:
+        try:
+            if isinstance(message, messages.Flush):
+                value = self.flush_tenant(message.tenant, message.retention_only)
+            else:
+                value = self.cached_tokens(message.prompt_token_ids, message.salt)
+            reply = messages.Reply(message.token, value)
+        except (TypeError, ValueError) as exc:
+            reply = messages.Reply(message.token, 0, str(exc))
+        self._socket.send_multipart([front, messages.encode(reply)])
 
     def _collect(self, front: bytes, request_id: int, out: StepOutput) -> None:
         self._pending.setdefault(front, []).append((request_id, out))

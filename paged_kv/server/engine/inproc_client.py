@@ -84,7 +84,8 @@ class InprocClient:
         return self.engine.metrics.registry
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
-                  on_output: Callable[[StepOutput], None]) -> int:
+                  on_output: Callable[[StepOutput], None], *, priority: int | None = None,
+                  retention_seconds: float | None = None) -> int:
         """Queue a request; `on_output` runs on the calling event loop for each step output.
         Returns the request's id (raises what `Engine.add_request` raises)."""
         event_loop = asyncio.get_running_loop()
@@ -93,8 +94,19 @@ class InprocClient:
             self.post(event_loop, on_output, out)
 
         future = self.submit(lambda: self.engine.add_request(
-            prompt_token_ids, params, salt=salt, on_output=forward))
+            prompt_token_ids, params, salt=salt, priority=priority,
+            retention_seconds=retention_seconds, on_output=forward))
         return await asyncio.wrap_future(future)
+
+    async def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:
+        """`EngineCore.flush_tenant`, between steps."""
+        return await asyncio.wrap_future(self.submit(
+            lambda: self.core.flush_tenant(tenant, retention_only)))
+
+    async def cached_tokens(self, prompt_token_ids: list[int], salt: str | None) -> int:
+        """`EngineCore.cached_tokens`, between steps."""
+        return await asyncio.wrap_future(self.submit(
+            lambda: self.core.cached_tokens(prompt_token_ids, salt)))
 
     def abort(self, request_id: int) -> None:
         """Free a request's blocks before the next step (does not wait; nothing once the

@@ -20,6 +20,8 @@ class Add(msgspec.Struct, array_like=True, tag=0):
     prompt_token_ids: list[int]
     params: SamplingParams
     salt: str | None
+    priority: int | None = None  # soft retention (None: the tenant's defaults)
+    retention_seconds: float | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, tag=1):
@@ -36,6 +38,24 @@ class MetricsQuery(msgspec.Struct, array_like=True, tag=2):
 
 class Hello(msgspec.Struct, array_like=True, tag=3):
     """An API server announcing itself (so the core can answer it before any request)."""
+
+
+class Flush(msgspec.Struct, array_like=True, tag=4):
+    """An admin's flush of a tenant's cached blocks, or with ``retention_only`` the end of
+    their soft retention (answered by `Reply`: how many blocks)."""
+
+    token: int
+    tenant: str | None
+    retention_only: bool
+
+
+class CachedQuery(msgspec.Struct, array_like=True, tag=5):
+    """How many tokens of the prompt's full blocks the prefix cache holds for ``salt``
+    now (answered by `Reply`; changes nothing: a warm-up's answer)."""
+
+    token: int
+    prompt_token_ids: list[int]
+    salt: str | None
 
 
 class Outputs(msgspec.Struct, array_like=True, tag=10):
@@ -58,6 +78,15 @@ class MetricsText(msgspec.Struct, array_like=True, tag=11):
     text: str
 
 
+class Reply(msgspec.Struct, array_like=True, tag=14):
+    """The answer to the `Flush` or `CachedQuery` of the same token: a count, or the
+    ValueError message the engine raised."""
+
+    token: int
+    value: int
+    error: str | None = None
+
+
 class Bye(msgspec.Struct, array_like=True, tag=12):
     """The core is stopping cleanly (drained on SIGTERM): the API servers stop too, exit 0."""
 
@@ -67,8 +96,8 @@ class Draining(msgspec.Struct, array_like=True, tag=13):
     answers new requests (and /health) 503, which routers retry elsewhere, not 500."""
 
 
-ToCore = Add | Abort | MetricsQuery | Hello
-FromCore = Outputs | MetricsText | Bye | Draining
+ToCore = Add | Abort | MetricsQuery | Hello | Flush | CachedQuery
+FromCore = Outputs | MetricsText | Bye | Draining | Reply
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode

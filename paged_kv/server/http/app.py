@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -19,6 +19,7 @@ from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine_client import EngineClient
+from .admin import router as admin_router
 from .protocol import DEFAULT_LIMITS, InputLimits, error_response
 from .routes import router
 from .service import ApiError, OpenAIService
@@ -26,12 +27,16 @@ from .service import ApiError, OpenAIService
 
 def create_app(engine: EngineClient, tokenizer, *, model_name: str,
                api_keys: dict[str, str] | None = None, max_waiting: int = 256,
-               input_limits: InputLimits = DEFAULT_LIMITS) -> FastAPI:
+               input_limits: InputLimits = DEFAULT_LIMITS, admin_keys: Iterable[str] = (),
+               tenant_names: Iterable[str] = ()) -> FastAPI:
     """The server's app over a started-or-not `InprocClient` or `CoreClient` (started and
     stopped with the app); the arguments are `OpenAIService`'s. With `api_keys`, every /v1
-    request needs ``Authorization: Bearer KEY``, checked before its body is read."""
+    request needs ``Authorization: Bearer KEY`` (a tenant's, or one of `admin_keys`),
+    checked before its body is read. The admin and warm-up routes (`admin.router`) are
+    served by FastAPI, not the fast path."""
     service = OpenAIService(engine, tokenizer, model_name=model_name, api_keys=api_keys,
-                            max_waiting=max_waiting, input_limits=input_limits)
+                            max_waiting=max_waiting, input_limits=input_limits,
+                            admin_keys=admin_keys, tenant_names=tenant_names)
     app = FastAPI(title="paged_kv", lifespan=_lifespan(engine))
     app.state.service, app.state.created = service, int(time.time())
     app.add_exception_handler(ApiError, _api_error)
@@ -41,14 +46,16 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     app.add_middleware(_FastPath, routes=fast_routes(router))
     app.add_middleware(_Authenticate, service=service)  # runs after counting
     app.add_middleware(_CountRequests, counter=service.requests,
-                       paths=frozenset(route.path for route in router.routes))
+                       paths=frozenset(route.path for r in (router, admin_router)
+                                       for route in r.routes))
     app.include_router(router)
+    app.include_router(admin_router)
     return app
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    kind = {401: "authentication_error", 503: "server_error"}.get(exc.status,
-                                                                   "invalid_request_error")
+    kind = {401: "authentication_error", 403: "permission_error",
+            503: "server_error"}.get(exc.status, "invalid_request_error")
     return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers,
                           type_=kind)
 
@@ -125,11 +132,12 @@ class _Authenticate:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             headers = dict(scope["headers"])
             try:
-                tenant = self.service.tenant(headers.get(b"authorization", b"").decode())
+                tenant, admin = self.service.authenticate(
+                    headers.get(b"authorization", b"").decode())
             except ApiError as exc:
                 response = error_response(exc.status, exc.message, type_="authentication_error")
                 return await response(scope, receive, send)
-            scope.setdefault("state", {})["tenant"] = tenant
+            scope.setdefault("state", {}).update(tenant=tenant, admin=admin)
         await self.app(scope, receive, send)
 
 

@@ -39,10 +39,15 @@ class Generation:
     """
 
     def __init__(self, engine: EngineClient, tokenizer, prompt_token_ids: list[int],
-                 params: SamplingParams, stops: list[str], salt: str | None) -> None:
+                 params: SamplingParams, stops: list[str], salt: str | None, *,
+                 priority: int | None = None, retention_seconds: float | None = None) -> None:
         self._engine, self._tokenizer = engine, tokenizer
         self.prompt_token_ids, self.params, self.stops, self.salt = (
             prompt_token_ids, params, stops, salt)
+        # passed only when asked, so an engine client without retention still serves
+        self.retention = {k: v for k, v in (("priority", priority),
+                                            ("retention_seconds", retention_seconds))
+                          if v is not None}
         self.choices = [Choice(i) for i in range(params.n)]
         self.output: RequestOutput | None = None
         self.request_id: int | None = None
@@ -53,7 +58,7 @@ class Generation:
     async def start(self) -> None:
         """Queue the request in the engine (raises what `Engine.add_request` raises)."""
         self.request_id = await self._engine.add(self.prompt_token_ids, self.params, self.salt,
-                                               self._queue.put_nowait)
+                                               self._queue.put_nowait, **self.retention)
 
     @property
     def is_finished(self) -> bool:
@@ -117,10 +122,16 @@ class Generation:
         return ""
 
     def usage(self) -> dict:
-        """OpenAI's usage, with the prompt tokens the prefix cache served."""
+        """OpenAI's usage, with the prompt tokens the prefix cache served, where they came
+        from (``cached_tokens_by_source``: device, host, disk, remote) and why the first
+        uncached full block missed (``miss``: `paged_kv.tenants.Miss.as_dict`, null when
+        every full block hit)."""
         completion = sum(len(c.token_ids) for c in self.choices)
-        cached = self.output.prefix_hit_tokens if self.output else 0
+        output = self.output
+        cached = output.prefix_hit_tokens if output else 0
         prompt = len(self.prompt_token_ids)
+        details = {"cached_tokens": cached,
+                   "cached_tokens_by_source": dict((output and output.cached_by_source) or {}),
+                   "miss": output.miss if output else None}
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "total_tokens": prompt + completion, "prompt_tokens_details": details}

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+MAX_PRIORITY = 99  # paged_kv.tenants.MAX_PRIORITY (a request's retention priority)
 MAX_INT = 2**63 - 1  # the largest integer msgpack (msgspec) sends as a signed int
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a million-token prompt as text; far past any context
@@ -86,6 +87,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     prompt_logprobs: NumLogprobs | None = None
+    # soft retention of the request's cached blocks once it finishes (SGLang / TensorRT-LLM
+    # style; paged_kv.tenants): None takes the tenant's defaults
+    priority: Annotated[int, Field(strict=True, ge=0, le=MAX_PRIORITY)] | None = None
+    retention_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     # refused unless neutral (see _UNSUPPORTED)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Iterable
 
 from prometheus_client import Counter, Histogram
 
@@ -57,13 +58,21 @@ class OpenAIService:
         Requests that would wait for a running slot beyond this get 429.
     input_limits : InputLimits
         What one request may ask (log-probabilities, body size).
+    admin_keys : iterable of str
+        Keys that authenticate as admin (any tenant's flush and warm-up; no tenant salt of
+        their own). Without `api_keys` everyone is admin (one tenant, no auth).
+    tenant_names : iterable of str
+        Tenants an admin may name besides those of `api_keys` (the policy's).
     """
 
     def __init__(self, engine: EngineClient, tokenizer, *, model_name: str,
                  api_keys: dict[str, str] | None = None, max_waiting: int = 256,
-                 input_limits: InputLimits = DEFAULT_LIMITS) -> None:
+                 input_limits: InputLimits = DEFAULT_LIMITS, admin_keys: Iterable[str] = (),
+                 tenant_names: Iterable[str] = ()) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_keys, self.max_waiting = api_keys, max_waiting
+        self.admin_keys = frozenset(admin_keys)
+        self.tenant_names = frozenset({*tenant_names, *(api_keys or {}).values()})
         self.input_limits = input_limits
         registry = engine.registry
         self.requests = Counter("paged_kv_http_requests", "HTTP requests by endpoint and status",
@@ -81,6 +90,16 @@ class OpenAIService:
             return bearer_tenant(self.api_keys, authorization)
         except PermissionError as exc:
             raise ApiError(401, str(exc)) from None
+
+    def authenticate(self, authorization: str) -> tuple[str | None, bool]:
+        """``(tenant, is_admin)`` of an ``Authorization`` header: an admin key has no tenant;
+        without api keys everyone is admin of the one tenant (None); 401 otherwise."""
+        if self.api_keys is None:
+            return None, True
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() == "bearer" and key.strip() in self.admin_keys:
+            return None, True
+        return self.tenant(authorization), False
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         """The prompt's token ids; 400 for text the tokenizer refuses."""
@@ -156,7 +175,8 @@ class OpenAIService:
             raise ApiError(503, f"engine dead: {self.engine.dead}")
         params = self.sampling(body, prompt, kind)
         generation = Generation(self.engine, self.tokenizer, prompt, params, body.stop_strings,
-                                salt)
+                                salt, priority=body.priority,
+                                retention_seconds=body.retention_seconds)
         try:
             await generation.start()
         except (TypeError, ValueError) as exc:  # what check_request could not foresee

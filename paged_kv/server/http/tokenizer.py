@@ -48,12 +48,14 @@ class ByteTokenizer:
         return bytes(t if t < 256 else _PRINTABLE[(t - 261) % len(_PRINTABLE)]
                      for t in token_ids if t not in _SPECIALS).decode(errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """``<|bos|>`` then each message as ``<|role|>content\\n``, then ``<|assistant|>``."""
+    def apply_chat_template(self, messages: Sequence[dict], *,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """``<|bos|>`` then each message as ``<|role|>content\\n``, then ``<|assistant|>``
+        (without `add_generation_prompt`: no ``<|assistant|>``, a warm-up's prompt)."""
         ids = [self.bos_token_id]
         for message in messages:
             ids += [_ROLES[message["role"]], *self.encode(message["content"] + "\n")]
-        return [*ids, _ROLES["assistant"]]
+        return [*ids, _ROLES["assistant"]] if add_generation_prompt else ids
 
 
 class HFTokenizer:
@@ -79,8 +81,10 @@ class HFTokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True,
                                       clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """The chat template's prompt for `messages`, ending where the assistant speaks.
+    def apply_chat_template(self, messages: Sequence[dict], *,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """The chat template's prompt for `messages`, ending where the assistant speaks
+        (without `add_generation_prompt`: at the end of the last message, a warm-up's).
 
         Raises
         ------
@@ -95,8 +99,8 @@ class HFTokenizer:
             raise ValueError("this model's tokenizer has no chat template; "
                              "use /v1/completions")
         try:
-            text = self._tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                       add_generation_prompt=True)
+            text = self._tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
         except TemplateError as exc:
             raise ChatTemplateRefused(f"the model's chat template refused them: {exc}") \
                 from None
