@@ -19,6 +19,7 @@ from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine_client import EngineClient
+from .dashboard import router as dashboard_router
 from .protocol import DEFAULT_LIMITS, InputLimits, error_response
 from .routes import router
 from .service import ApiError, OpenAIService
@@ -43,6 +44,7 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     app.add_middleware(_CountRequests, counter=service.requests,
                        paths=frozenset(route.path for route in router.routes))
     app.include_router(router)
+    app.include_router(dashboard_router)  # GET /dashboard: the live page of the pool
     return app
 
 
