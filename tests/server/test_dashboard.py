@@ -154,6 +154,13 @@ def test_the_page_shows_what_metrics_shows_and_follows_a_request(browser, open_s
     assert page.locator("#misses tr[data-reason=cold]").count() == 1
     assert all(u.startswith(url) for u in page.requested), page.requested
     assert page.locator("#auth").is_hidden(), "no API keys: no key asked"
+    lines = page.locator("#chart-hit .scatterlayer")  # the hit rates move with the traffic
+    drawn = lines.inner_html()
+    for seed in range(3):  # a few seconds of traffic, so the kept picture has a history
+        _complete(url, make_prompt(40, 10 + seed))
+        _complete(url, prompt)
+        page.wait_for_timeout(1000)
+    assert lines.inner_html() != drawn, "the time series is redrawn as it grows"
     _screenshot(page)
     page.close()
 
