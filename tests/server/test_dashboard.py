@@ -153,6 +153,10 @@ def test_the_page_shows_what_metrics_shows_and_follows_a_request(browser, open_s
     assert page.locator(".js-plotly-plot").count() == 6, "every chart drawn"
     assert page.locator("#misses tr[data-reason=cold]").count() == 1
     assert all(u.startswith(url) for u in page.requested), page.requested
+    polled = httpx.get(f"{url}/metrics", timeout=30).text
+    assert prometheus_value(polled, "paged_kv_http_requests_total",
+                            '{endpoint="/dashboard/state",status="200"}') > 1, \
+        "the page's polls are counted under their own path, not as 'other'"
     assert page.locator("#auth").is_hidden(), "no API keys: no key asked"
     lines = page.locator("#chart-hit .scatterlayer")  # the hit rates move with the traffic
     drawn = lines.inner_html()

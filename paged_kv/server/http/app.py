@@ -42,7 +42,8 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     app.add_middleware(_FastPath, routes=fast_routes(router))
     app.add_middleware(_Authenticate, service=service)  # runs after counting
     app.add_middleware(_CountRequests, counter=service.requests,
-                       paths=frozenset(route.path for route in router.routes))
+                       paths=frozenset(route.path for declared in (router, dashboard_router)
+                                       for route in declared.routes))
     app.include_router(router)
     app.include_router(dashboard_router)  # GET /dashboard: the live page of the pool
     return app
