@@ -220,3 +220,38 @@ def test_the_page_is_in_the_package():
     """Fault: the page left out of the installed package (package-data)."""
     assert (Path(__file__).parents[2] / "paged_kv/server/http/static/dashboard.html").is_file()
     assert "[tool.setuptools.package-data]" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_an_admin_key_sees_every_tenant_and_a_bad_key_nothing(monkeypatch):
+    """Fault: an admin key filtered to a tenant, a tenant key shown another's row, a
+    missing plotly answered with a 500 rather than a 404 naming the package."""
+    from starlette.testclient import TestClient
+
+    from paged_kv.server import ByteTokenizer, InprocClient
+    from paged_kv.server.http import dashboard
+    from paged_kv.server.http.app import create_app
+    from paged_kv.serving import Engine, TinyLlama, TinyLlamaConfig
+
+    model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
+                                      vocab_size=300, num_heads=4, num_kv_heads=2,
+                                      head_dim=16, max_position=512))
+    engine = Engine(model, model.cache_config(num_blocks=64, block_size=8))
+    app = create_app(InprocClient(engine), ByteTokenizer(), model_name="tiny",
+                     api_keys={"key-a": "alice", "key-b": "bob"})
+    app.state.service.admin_keys = {"root"}  # as the tenants file's admin_keys will set it
+    with TestClient(app) as client:
+        for key in ("key-a", "key-b"):
+            assert client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                               json={"prompt": list(range(20)), "max_tokens": 1}).is_success
+        state = lambda key: client.get(  # noqa: E731
+            "/dashboard/state", headers={"Authorization": f"Bearer {key}"})
+        assert state("nope").status_code == 401
+        whole = state("root").json()
+        assert whole["scope"] == "all" and set(whole["tenants"]) == {"alice", "bob"}
+        own = state("key-b").json()
+        assert own["scope"] == "tenant" and set(own["tenants"]) == {"bob"}
+        assert own["misses"] == {"cold": 1} and whole["misses"] == {"cold": 2}
+        monkeypatch.setattr(dashboard, "plotly_bundle", lambda: None)
+        missing = client.get("/dashboard/plotly.min.js")
+        assert missing.status_code == 404 and "plotly" in missing.json()["error"]["message"]
+        assert "chart-pool" in client.get("/dashboard").text
