@@ -24,6 +24,7 @@ from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_generator, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
+from .tenant_stats import tenant_blocks
 from .threads import ThreadGovernor, intra_op_threads
 
 logger = logging.getLogger(__name__)
@@ -386,8 +387,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A read-only snapshot of the queues and the cache's counters (no per-sequence
-        work: cheap enough for every step)."""
+        work: cheap enough for every step). With tenants (a policy, or salted requests
+        running) the live blocks by tenant add one pass over the running sequences' block
+        ids (`tenant_stats.tenant_blocks`)."""
         scheduler, allocator = self.scheduler, self.cache.allocator
+        reports = scheduler.reports
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
@@ -397,7 +401,10 @@ class Engine:
             prefix_query_tokens=allocator.prefix_query_tokens,
             prefix_hit_tokens=allocator.prefix_hit_tokens,
             num_loading=len(scheduler.loading),
-            tiers=None if self.tiers is None else self.tiers.stats())
+            tiers=None if self.tiers is None else self.tiers.stats(),
+            tenant_blocks=tenant_blocks(scheduler.running, self.cache),
+            prefix_misses=dict(reports.misses),
+            tenant_prefix_tokens={t: (q, h) for t, (q, h) in reports.tokens.items()})
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""

@@ -69,6 +69,7 @@ class EngineMetrics:
         self._seen = (0, 0, 0)
         self._pending, self._observed_at = 0, 0.0  # tokens not yet counted; last observe
         self._tier_metrics: _TierMetrics | None = None
+        self.tenants = _TenantMetrics(r)
         # label children resolved once: observe() runs several times a second
         self._block_gauges = tuple(self.blocks.labels(state=state)
                                    for state in ("live", "cached", "free"))
@@ -100,6 +101,7 @@ class EngineMetrics:
             if self._tier_metrics is None:
                 self._tier_metrics = _TierMetrics(self.registry)
             self._tier_metrics.observe(stats.tiers)
+        self.tenants.observe(stats)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting + stats.num_swapped)
         self.generated.inc(num_generated)
@@ -151,3 +153,48 @@ class _TierMetrics:
         for seconds in stats.recent_fetch_seconds[-new:] if new > 0 else ():
             self.fetch_seconds.observe(seconds)
         self._seen[("", "fetches")] = stats.fetches
+
+
+class _TenantMetrics:
+    """Blocks by tenant and state, prefix misses by reason and tenant, prefix tokens by
+    tenant. Tenant ``""``: requests without a salt (and, under a policy, salts it does not
+    name). Labels are tenants, so their number is the server's tenants (its API keys') or,
+    in a library, the salts its caller uses."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.blocks = Gauge("paged_kv_tenant_blocks", "KV blocks by tenant and state: live "
+                            "(running requests'), cached (evictable, retained included; "
+                            "with a tenant policy), retained (with a tenant policy)",
+                            ["tenant", "state"], registry=registry)
+        self.misses = Counter("paged_kv_prefix_misses", "Requests whose first uncached "
+                              "prompt block missed, by reason and tenant",
+                              ["reason", "tenant"], registry=registry)
+        self.queries = Counter("paged_kv_tenant_prefix_query_tokens", "Prompt tokens looked "
+                               "up in the prefix cache, by tenant (at first admission)",
+                               ["tenant"], registry=registry)
+        self.hits = Counter("paged_kv_tenant_prefix_hit_tokens", "Prompt tokens found in "
+                            "the prefix cache, by tenant (at first admission)",
+                            ["tenant"], registry=registry)
+        self._shown: set[tuple[str, str]] = set()  # gauge labels set before
+        self._seen: dict[tuple, int] = {}  # counter totals already counted
+
+    def _advance(self, counter, key: tuple, total: int) -> None:
+        seen = self._seen.get(key, 0)
+        if total != seen:
+            counter.inc(total - seen)
+            self._seen[key] = total
+
+    def observe(self, stats: EngineStats) -> None:
+        now = {(tenant, state): count for tenant, state, count in stats.tenant_blocks}
+        # a tenant whose sequences all finished reads 0, not its last count
+        for tenant, state in self._shown - now.keys():
+            self.blocks.labels(tenant=tenant, state=state).set(0)
+        for (tenant, state), count in now.items():
+            self.blocks.labels(tenant=tenant, state=state).set(count)
+        self._shown |= now.keys()
+        for (reason, tenant), total in stats.prefix_misses.items():
+            self._advance(self.misses.labels(reason=reason, tenant=tenant),
+                          ("miss", reason, tenant), total)
+        for tenant, (queried, hit) in stats.tenant_prefix_tokens.items():
+            self._advance(self.queries.labels(tenant=tenant), ("query", tenant), queried)
+            self._advance(self.hits.labels(tenant=tenant), ("hit", tenant), hit)

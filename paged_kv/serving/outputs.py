@@ -83,3 +83,10 @@ class EngineStats:
     prefix_hit_tokens: int  # from the device pool and every tier below it
     num_loading: int = 0  # waiting for their prompts' blocks from a lower tier
     tiers: Any = None  # tiers.TiersStats when the engine has tiers
+    # (tenant, state, blocks), state live / cached / retained (`tenant_stats.tenant_blocks`);
+    # tenant "" is requests without a salt, and with a policy the salts it does not name
+    tenant_blocks: tuple[tuple[str, str, int], ...] = ()
+    # (reason, tenant) -> first uncached blocks that missed for that reason (CacheReports)
+    prefix_misses: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    # tenant -> (prompt tokens looked up, found cached), counted at first admission
+    tenant_prefix_tokens: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine_client import EngineClient
 from .admin import router as admin_router
+from .dashboard import router as dashboard_router
 from .protocol import DEFAULT_LIMITS, InputLimits, error_response
 from .routes import router
 from .service import ApiError, OpenAIService
@@ -46,10 +47,12 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     app.add_middleware(_FastPath, routes=fast_routes(router))
     app.add_middleware(_Authenticate, service=service)  # runs after counting
     app.add_middleware(_CountRequests, counter=service.requests,
-                       paths=frozenset(route.path for r in (router, admin_router)
-                                       for route in r.routes))
+                       paths=frozenset(route.path for declared in (router, admin_router,
+                                                                   dashboard_router)
+                                       for route in declared.routes))
     app.include_router(router)
     app.include_router(admin_router)
+    app.include_router(dashboard_router)  # GET /dashboard: the live page of the pool
     return app
 
 
