@@ -51,6 +51,16 @@ class Fetch:
         self.payload: torch.Tensor | None = None  # [n, block_nbytes], the run fetched
         self.sources: list[str] = []  # the tier of each fetched block
         self.found: list[list[bool]] = []  # per store: whether its lookup found each key
+        # the report, once landed or given up: blocks loaded per tier, and why the run
+        # stopped short: ("tier_timeout", tier) past the deadline, ("verify_failed", tier)
+        self.loaded: dict[str, int] = {}
+        self.failure: tuple[str, str] | None = None
+        self.tier: str | None = None  # the tier being asked now (a timeout names it)
+
+    def timed_out(self) -> None:
+        """Record that the fetch passed its deadline (at the tier being asked)."""
+        if self.failure is None and self.tier is not None:
+            self.failure = ("tier_timeout", self.tier)
 
     @property
     def expired(self) -> bool:
@@ -115,6 +125,9 @@ class TierFetcher:
             try:
                 if not (fetch.cancelled or fetch.expired):
                     self._fetch(fetch)
+                elif fetch.expired:  # waited behind other fetches past its deadline
+                    fetch.tier = fetch.tier or next((s.name for s in self.stores), None)
+                    fetch.timed_out()
             except Exception:
                 logger.exception("paged_kv tiers: a fetch failed; the request recomputes")
                 fetch.payload, fetch.sources = None, []
@@ -127,6 +140,7 @@ class TierFetcher:
         names = [codec.store_key(self._namespace, key) for key in fetch.keys]
         held = []
         for store in self.stores:  # one lookup per tier for the whole run
+            fetch.tier = store.name
             start = time.monotonic()
             found = store.contains(names)
             self._rate(store.name, time.monotonic() - start, 0)
@@ -144,8 +158,11 @@ class TierFetcher:
             return
         rows: list[torch.Tensor] = []
         for start in range(0, len(sources), FETCH_BATCH):
-            if fetch.cancelled or fetch.expired:
+            if fetch.cancelled or fetch.expired:  # the tier asked last was the slow one
+                if fetch.expired:
+                    fetch.timed_out()
                 break
+            fetch.tier = self.stores[sources[start]].name
             got = self._get_batch(fetch, names, sources, start)
             rows += got
             if len(got) < len(sources[start:start + FETCH_BATCH]):
@@ -174,6 +191,7 @@ class TierFetcher:
                 store = self.stores[sources[i]]
                 if values[i] is not None:  # present but wrong: never served, never again
                     self.verify_failures[store.name] += 1
+                    fetch.failure = ("verify_failed", store.name)
                     store.delete([names[i]])
                 else:
                     self.misses[store.name] += 1
