@@ -56,6 +56,7 @@ class Fetch:
         self.loaded: dict[str, int] = {}
         self.failure: tuple[str, str] | None = None
         self.tier: str | None = None  # the tier being asked now (a timeout names it)
+        self.prefix = ""  # the tenant's key prefix in stores that name tenants (Redis)
 
     def timed_out(self) -> None:
         """Record that the fetch passed its deadline (at the tier being asked)."""
@@ -137,18 +138,21 @@ class TierFetcher:
                 fetch.done = True
 
     def _fetch(self, fetch: Fetch) -> None:
-        names = [codec.store_key(self._namespace, key) for key in fetch.keys]
+        plain = [codec.store_key(self._namespace, key) for key in fetch.keys]
+        prefixed = [fetch.prefix + name for name in plain] if fetch.prefix else plain
+        names = [prefixed if store.tenant_keys else plain for store in self.stores]
         held = []
-        for store in self.stores:  # one lookup per tier for the whole run
+        # one lookup per tier for the whole run
+        for store, store_names in zip(self.stores, names, strict=True):
             fetch.tier = store.name
             start = time.monotonic()
-            found = store.contains(names)
+            found = store.contains(store_names)
             self._rate(store.name, time.monotonic() - start, 0)
             self.misses[store.name] += found.count(False)
             held.append(found)
         fetch.found = held
         sources = []
-        for i in range(len(names)):  # each block from the first tier that holds it
+        for i in range(len(plain)):  # each block from the first tier that holds it
             tier = next((t for t, found in enumerate(held) if found[i]), None)
             if tier is None:
                 break
@@ -171,16 +175,17 @@ class TierFetcher:
             fetch.payload = torch.stack(rows)
             fetch.sources = [self.stores[t].name for t in sources[:len(rows)]]
 
-    def _get_batch(self, fetch: Fetch, names: list[str], sources: list[int],
+    def _get_batch(self, fetch: Fetch, names: list[list[str]], sources: list[int],
                    start: int) -> list[torch.Tensor]:
-        """Blocks ``start ..`` of the run (one get per tier involved), verified, up to the
-        first that fails."""
+        """Blocks ``start ..`` of the run (one get per tier involved; `names`: each
+        tier's names of the run's keys), verified, up to the first that fails."""
         batch = range(start, min(start + FETCH_BATCH, len(sources)))
         values: dict[int, bytes | None] = {}
         for tier in sorted({sources[i] for i in batch}):
             store, wanted = self.stores[tier], [i for i in batch if sources[i] == tier]
             began = time.monotonic()
-            for i, value in zip(wanted, store.get([names[i] for i in wanted]), strict=True):
+            got = store.get([names[tier][i] for i in wanted])
+            for i, value in zip(wanted, got, strict=True):
                 values[i] = value
             nbytes = len(wanted) * self._nbytes
             self._rate(store.name, time.monotonic() - began, nbytes)
@@ -192,7 +197,7 @@ class TierFetcher:
                 if values[i] is not None:  # present but wrong: never served, never again
                     self.verify_failures[store.name] += 1
                     fetch.failure = ("verify_failed", store.name)
-                    store.delete([names[i]])
+                    store.delete([names[sources[i]][i]])
                 else:
                     self.misses[store.name] += 1
                 break

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..cache import PagedKVCache
+from ..keys import root_hash
 from ..offload import stored_blocks
 from ..tenants.policy import TenantPolicy
 from . import codec
@@ -34,10 +35,11 @@ from .base import Store, TierConfig
 from .fetcher import Fetch, TierFetcher
 from .identity import model_fingerprint
 from .memory import HostStore
-from .shares import TierGhosts, capacity_blocks, open_shares
+from .shares import TierGhosts, capacity_blocks, open_shares, tenant_prefix
 from .writer import HeldKeys, TierChange, TierWriter
 
 MIB = 1 << 20
+MAX_TENANT_KEYS = 1 << 18  # bounds the key -> tenant map that names a fetch's tenant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,11 @@ class TierManager:
             self.stores, value_bytes, names, policy, cache.config.num_blocks)
         self._ghosts = TierGhosts({s.name: capacity_blocks(s, value_bytes)
                                    for s in self.stores})
+        # a fetch's tenant, from its parent (a salted root, or a block stored here before):
+        # its keys' prefix in a store that names tenants
+        self._names = names
+        self._roots = {root_hash(name): i for i, name in enumerate(names) if name}
+        self._key_tenant: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._writer = TierWriter(self.stores, self._held, self._namespace, self._digest,
                                   config.queue_blocks, self.shares, self._ghosts.evicted)
         self._fetcher = TierFetcher(self.stores, self._namespace, self._digest, self._nbytes,
@@ -114,15 +121,28 @@ class TierManager:
         to hold out of the pool and queue them for the tiers; a batch that does not fit the
         queue is dropped and counted."""
         block_ids, keys = stored_blocks(self.cache.allocator, events)
+        every = self._tenants(block_ids, keys)
         new = self._held.claim_missing(keys)
         if not new:
             return
         data = self.cache.pool.read_blocks(block_ids[new])  # before the slot can be reused
-        tenants = None
-        if self.shares is not None:  # the ledger tagged each block's tenant when indexed
-            tenant_of = getattr(self._ledger, "tenant_of", None)
-            tenants = [0 if tenant_of is None else int(tenant_of[block_ids[i]]) for i in new]
+        tenants = None if every is None else [every[i] for i in new]
         self._writer.submit([keys[i] for i in new], data, tenants)
+
+    def _tenants(self, block_ids: np.ndarray, keys: list[bytes]) -> list[int] | None:
+        """The ledger's tenant of each stored block (tagged when it was indexed), kept
+        for the fetches that chain from them; None without per-tenant accounting."""
+        if self.shares is None:
+            return None
+        tenant_of = getattr(self._ledger, "tenant_of", None)
+        tenants = [0] * len(keys) if tenant_of is None else tenant_of[block_ids].tolist()
+        known = self._key_tenant
+        for key, tenant in zip(keys, tenants, strict=True):
+            known[key] = tenant
+            known.move_to_end(key)
+        while len(known) > MAX_TENANT_KEYS:
+            known.popitem(last=False)
+        return tenants
 
     def watch(self, on_change: TierChange) -> None:
         """Call ``on_change(medium, stored keys, removed keys)`` on the writer thread after
@@ -155,6 +175,9 @@ class TierManager:
             estimate = self.recompute_seconds(len(token_ids))
             deadline_s = 1.0 if estimate is None else max(0.02, 0.75 * estimate)
         fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s, parent)
+        if self.shares is not None:
+            tenant = self._roots.get(parent, self._key_tenant.get(parent, 0))
+            fetch.prefix = tenant_prefix(self._names[tenant])
         self._fetcher.submit(fetch)
         return fetch
 
@@ -202,7 +225,7 @@ class TierManager:
             gone = [key for i, key in enumerate(missed) if i not in lacking]
             if self.shares is not None:
                 gone = list(dict.fromkeys(gone + self.shares[store.name].forget(missed)))
-            self._ghosts.evicted(store.name, [(key, "global", None) for key in gone])
+            self._ghosts.evicted(store.name, [(key, "global", None, 0) for key in gone])
 
     def fell_back(self, fetch: Fetch) -> None:
         """The engine gave up waiting for `fetch` (its deadline passed): its report names

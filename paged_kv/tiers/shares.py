@@ -11,12 +11,16 @@ such a block is not written). A tier's limits are
 (its byte cap, Redis' ``maxmemory`` LRU) stays the last resort, for what the accounting does
 not know: blocks an earlier run left on disk, keys another replica wrote to Redis. A Redis
 tier's capacity is not known here, so only a tenant's explicit ``remote`` limits apply to it.
+In Redis a named tenant's keys carry its prefix (`tenant_prefix`), so an operator can read
+or flush one tenant's blocks (``SCAN MATCH pkv:<tenant>/*``).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
+import re
 import threading
 
 from ..tenants import GhostList
@@ -24,8 +28,24 @@ from ..tenants.ghost import default_capacity
 from ..tenants.policy import TenantPolicy, TierLimits
 from .base import Store
 
-# (chained key, pressure, tenant whose pressure evicted it or None)
-Eviction = tuple[bytes, str, str | None]
+# (chained key, pressure, tenant whose pressure evicted it or None, the evicted block's
+# tenant: the ledger's index, 0 when not known)
+Eviction = tuple[bytes, str, str | None, int]
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def tenant_prefix(name: str | None) -> str:
+    """The prefix of tenant `name`'s keys in a store that names tenants (`Store.tenant_keys`):
+    ``name/`` for a short plain name, else a digest of it; "" for the unnamed.
+
+    >>> tenant_prefix("acme"), tenant_prefix(None), len(tenant_prefix("a b"))
+    ('acme/', '', 18)
+    """
+    if not name:
+        return ""
+    if _SAFE_NAME.fullmatch(name):
+        return name + "/"
+    return "#" + hashlib.sha256(name.encode()).hexdigest()[:16] + "/"
 
 
 class TierShares:
@@ -54,6 +74,7 @@ class TierShares:
         self._lru = [collections.OrderedDict() for _ in names]  # key -> tick, oldest first
         self._tenant: dict[bytes, int] = {}
         self._tick = 0
+        self._untracked = 0  # blocks the store holds that the accounting does not know
         self._lock = threading.Lock()  # the writer admits, the engine's thread touches
 
     def admit(self, keys: list[bytes], tenants: list[int], held: int,
@@ -64,13 +85,13 @@ class TierShares:
         keep: dict[bytes, int] = {}
         victims: list[Eviction] = []
         with self._lock:
-            untracked = max(held - len(self._tenant), 0)
+            self._untracked = max(held - len(self._tenant), 0)
             for i, (key, tenant) in enumerate(zip(keys, tenants, strict=True)):
                 if key in self._tenant:
                     self._touch(key)
                     keep[key] = i
                     continue
-                victim = self._room_for(tenant, untracked)
+                victim = self._room_for(tenant)
                 if victim is False:
                     continue  # no room without breaking a reservation: not written
                 if victim is not None:
@@ -80,14 +101,17 @@ class TierShares:
                 keep[key] = i
         return sorted(keep.values()), victims
 
-    def _room_for(self, tenant: int, untracked: int) -> Eviction | bool | None:
+    def _room_for(self, tenant: int) -> Eviction | bool | None:
         """The eviction that admits one block of `tenant` (None: none needed; False: no
         block may go). Called under the lock."""
         if self._quota[tenant] == 0:
             return False
         if len(self._lru[tenant]) >= self._quota[tenant]:
-            return self._pop(tenant), "own", None
-        if self.capacity is None or len(self._tenant) + untracked < self.capacity:
+            return self._pop(tenant), "own", None, tenant
+        if self.capacity is None or len(self._tenant) + self._untracked < self.capacity:
+            return None
+        if self._untracked:  # an earlier run's block (the oldest): the store's LRU takes it
+            self._untracked -= 1
             return None
         best, oldest = None, math.inf
         for other, lru in enumerate(self._lru):
@@ -96,9 +120,10 @@ class TierShares:
                 if tick < oldest:
                     best, oldest = other, tick
         if best is None:
-            return None if untracked else False  # the store's own LRU takes an untracked one
+            return False
         own = best == tenant
-        return self._pop(best), "own" if own else "tenant", None if own else self.names[tenant]
+        return (self._pop(best), "own" if own else "tenant",
+                None if own else self.names[tenant], best)
 
     def touch(self, keys: list[bytes]) -> None:
         """`keys` were just read from the tier: most recently used now."""
@@ -157,7 +182,7 @@ class TierGhosts:
         """Remember `evictions` from `tier`."""
         ghost = self._ghosts[tier]
         with self._lock:
-            for key, pressure, by in evictions:
+            for key, pressure, by, _ in evictions:
                 ghost.evicted([key], tier, pressure, by)
 
     def entry(self, key: bytes) -> tuple[str, str, str | None] | None:

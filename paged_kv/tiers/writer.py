@@ -22,7 +22,7 @@ import torch
 
 from . import codec
 from .base import Store
-from .shares import Eviction, TierShares
+from .shares import Eviction, TierShares, tenant_prefix
 
 # medium, stored keys, removed keys (see `TierWriter.watch`)
 TierChange = Callable[[str, list[bytes], list[bytes]], None]
@@ -182,14 +182,19 @@ class TierWriter:
                 victims = []
                 if shares is not None:
                     wanted, victims = self._make_room(store, shares, keys, tenants, wanted)
-                written = store.put([values[i] for i in wanted]) if wanted else 0
+                items = [values[i] for i in wanted]
+                if shares is not None and store.tenant_keys:
+                    items = [(self._prefix(shares, tenants[i]) + name, value)
+                             for i, (name, value) in zip(wanted, items, strict=True)]
+                written = store.put(items) if items else 0
             except Exception:
                 logger.exception("paged_kv tiers: a write to %s failed", store.name)
                 continue
             self.written_blocks[store.name] += written
             done = [keys[i] for i in wanted] if written == len(wanted) else []
             if shares is not None and written != len(wanted):  # keep the accounting true
-                shares.forget(self._absent(store, [keys[i] for i in wanted]))
+                shares.forget(self._absent(store, [name for name, _ in items],
+                                           [keys[i] for i in wanted]))
             self.held.add(store.name, done)  # only now: the store holds them
             self._report(store, done, victims)
 
@@ -200,13 +205,22 @@ class TierWriter:
         keep, victims = shares.admit([keys[i] for i in wanted],
                                      [tenants[i] for i in wanted], store.usage()[0])
         if victims:
-            store.delete([codec.store_key(self._namespace, key) for key, _, _ in victims])
-            self.held.discard(store.name, [key for key, _, _ in victims])
+            prefixed = store.tenant_keys
+            store.delete([(self._prefix(shares, owner) if prefixed else "")
+                          + codec.store_key(self._namespace, key)
+                          for key, _, _, owner in victims])
+            self.held.discard(store.name, [victim[0] for victim in victims])
         return [wanted[i] for i in keep], victims
 
-    def _absent(self, store: Store, keys: list[bytes]) -> list[bytes]:
-        """Those of `keys` that `store` does not hold (after a write that failed)."""
-        found = store.contains([codec.store_key(self._namespace, key) for key in keys])
+    @staticmethod
+    def _prefix(shares: TierShares, tenant: int) -> str:
+        return tenant_prefix(shares.names[tenant])
+
+    @staticmethod
+    def _absent(store: Store, names: list[str], keys: list[bytes]) -> list[bytes]:
+        """Those of `keys` (stored as `names`) that `store` does not hold (after a write
+        that failed)."""
+        found = store.contains(names)
         return [key for key, held in zip(keys, found, strict=True) if not held]
 
     def watch(self, on_change: TierChange) -> None:
@@ -230,11 +244,11 @@ class TierWriter:
             if len(hex_key) == 64:  # a full key (test modes cut them: not reported)
                 removed.append(bytes.fromhex(hex_key))
         if self._on_evict is not None:
-            chosen = {key for key, _, _ in victims}
-            own = [(key, "global", None) for key in removed if key not in chosen]
+            chosen = {victim[0] for victim in victims}
+            own = [(key, "global", None, 0) for key in removed if key not in chosen]
             if self.shares and store.name in self.shares and own:
-                self.shares[store.name].forget([key for key, _, _ in own])
-            self.held.discard(store.name, [key for key, _, _ in own])
+                self.shares[store.name].forget([victim[0] for victim in own])
+            self.held.discard(store.name, [victim[0] for victim in own])
             if victims or own:
                 self._on_evict(store.name, victims + own)
         if self._on_change is not None and store.medium and (stored or removed):

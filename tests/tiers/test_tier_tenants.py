@@ -19,7 +19,7 @@ import pytest
 from paged_kv.serving import Engine
 from paged_kv.tenants import TenantLimits, TenantPolicy, TierLimits
 from paged_kv.tiers import TierConfig, codec
-from paged_kv.tiers.shares import TierGhosts, TierShares
+from paged_kv.tiers.shares import TierGhosts, TierShares, tenant_prefix
 
 from .conftest import (
     BLOCK_SIZE,
@@ -74,14 +74,14 @@ def test_shares_evict_own_over_quota_and_never_below_a_reservation():
     keep, victims = shares.admit(keys[:2], [2, 2], held=0)  # b: 2 blocks, reserved
     assert keep == [0, 1] and victims == []
     keep, victims = shares.admit(keys[2:6], [1] * 4, held=2)  # a: the 4th is past quota
-    assert keep == [1, 2, 3] and victims == [(keys[2], "own", None)]  # its 1st not written
+    assert keep == [1, 2, 3] and victims == [(keys[2], "own", None, 1)]  # 1st not written
     keep, victims = shares.admit(keys[6:9], [0] * 3, held=5)  # unnamed: tier full at 6
     assert keep == [0, 1, 2]
     # b's two are older than everything, but at its reservation: a's oldest go instead
-    assert victims == [(keys[3], "tenant", None), (keys[4], "tenant", None)]
+    assert victims == [(keys[3], "tenant", None, 1), (keys[4], "tenant", None, 1)]
     assert shares.tenant_blocks() == {"": 3, "a": 1, "b": 2}
     _, victims = shares.admit(keys[9:10], [2], held=6)  # b past its reservation: its own
-    assert victims == [(keys[0], "own", None)]  # oldest goes
+    assert victims == [(keys[0], "own", None, 2)]  # oldest goes
     assert shares.tenant_blocks()["b"] == 2 and shares.forget(keys[:2]) == [keys[1]]
 
 
@@ -94,14 +94,25 @@ def test_a_block_that_needs_a_reserved_victim_is_not_written():
     assert shares.tenant_blocks() == {"": 0, "b": 2}
 
 
+def test_blocks_an_earlier_run_left_go_first_by_the_stores_own_lru():
+    policy = TenantPolicy({"b": TenantLimits(tiers={"disk": TierLimits(reservation=1)})})
+    shares = TierShares("disk", 3, [None, "b"], policy, num_blocks=64)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    # the store holds 2 blocks the accounting never saw: room is made from those first
+    assert shares.admit(keys[:1], [1], held=2) == ([0], [])
+    assert shares.admit(keys[1:3], [0, 0], held=3) == ([0, 1], [])
+    # now everything is known: the unnamed tenant's own oldest goes (b is at reservation)
+    assert shares.admit(keys[3:], [0], held=3) == ([0], [(keys[1], "own", None, 0)])
+
+
 def test_ghosts_name_the_deepest_tier_and_stay_bounded():
     ghosts = TierGhosts({"host": 4, "disk": None})
     key = b"k" * 32
-    ghosts.evicted("host", [(key, "tenant", "a")])
+    ghosts.evicted("host", [(key, "tenant", "a", 1)])
     assert ghosts.entry(key) == ("host", "tenant", "a")
-    ghosts.evicted("disk", [(key, "own", None)])
+    ghosts.evicted("disk", [(key, "own", None, 0)])
     assert ghosts.entry(key) == ("disk", "own", None)
-    ghosts.evicted("host", [(bytes([i]) * 32, "global", None) for i in range(100)])
+    ghosts.evicted("host", [(bytes([i]) * 32, "global", None, 0) for i in range(100)])
     assert len(ghosts) <= 16 + 1  # host: 4 x its 4 blocks; disk: the one key
 
 
@@ -119,6 +130,12 @@ def test_a_tenant_never_exceeds_its_tier_quota(request, tmp_path, engines, tier)
         fields = dict(remote_url=request.getfixturevalue("redis_server"))
     engine = engines(TierConfig(fetch_deadline_s=5.0, **fields), policy)
     [store] = engine.tiers.stores
+
+    def names(prompts: list[list[int]], tenant: str) -> list[str]:
+        """The store's names of `tenant`'s blocks: Redis' carry the tenant's prefix."""
+        prefix = tenant_prefix(tenant) if tier == "remote" else ""
+        return [prefix + k for p in prompts for k in store_keys(engine, p, tenant)]
+
     prompts = random_prompts(12, PROMPT_LEN, seed=91)
     b_prompts = random_prompts(2, PROMPT_LEN, seed=92)
     serve_prompts(engine, b_prompts, salt="b")
@@ -126,18 +143,40 @@ def test_a_tenant_never_exceeds_its_tier_quota(request, tmp_path, engines, tier)
     for start in range(0, len(prompts), 2):
         serve_prompts(engine, prompts[start:start + 2], salt="a")
         assert engine.tiers.flush(timeout=10)
-        held = store.contains([k for p in prompts for k in store_keys(engine, p, "a")])
+        held = store.contains(names(prompts, "a"))
         counted = tier_stats(engine)[tier].tenant_blocks
         assert sum(held) <= quota + 1 and counted["a"] <= quota + 1, (held, counted)
         assert counted["a"] == sum(held)  # the accounting is what the store holds
         peak = max(peak, sum(held))
     assert peak == quota  # it got there: the bound is the quota, not an empty tier
     # b has no quota: its blocks all stayed
-    assert all(store.contains([k for p in b_prompts for k in store_keys(engine, p, "b")]))
+    assert all(store.contains(names(b_prompts, "b")))
     assert tier_stats(engine)[tier].tenant_blocks["b"] == 8
     own = engine.tiers.evicted_entry(chained_keys(prompts[0], "a")[0])
     assert own == (tier, "own", None)
+    # what the tier holds comes back: device dropped, a's last prompt fetched from the tier
+    engine.cache.reset_prefix_cache()
+    [out] = serve_prompts(engine, [prompts[-1]], salt="a")
+    assert out.cached_by_source == {"device": 0, tier: full_block_tokens(prompts[-1])}
     engine.check()
+
+
+def test_redis_keys_carry_their_tenants_prefix(redis_server, engines):
+    policy = TenantPolicy({"acme": TenantLimits()})
+    engine = engines(TierConfig(remote_url=redis_server, fetch_deadline_s=5.0), policy)
+    [store] = engine.tiers.stores
+    [named], [unnamed] = random_prompts(1, PROMPT_LEN, seed=61), random_prompts(
+        1, PROMPT_LEN, seed=62)
+    serve_prompts(engine, [named], salt="acme")
+    serve_prompts(engine, [unnamed], salt="other")  # not named by the policy: no prefix
+    assert engine.tiers.flush(timeout=10)
+    acme, other = store_keys(engine, named, "acme"), store_keys(engine, unnamed, "other")
+    assert all(store.contains(["acme/" + k for k in acme])) and not any(store.contains(acme))
+    assert all(store.contains(other))
+    engine.cache.reset_prefix_cache()  # both come back from Redis under their names
+    outs = serve_prompts(engine, [named], salt="acme") + serve_prompts(engine, [unnamed],
+                                                                       salt="other")
+    assert [o.cached_by_source for o in outs] == [{"device": 0, "remote": 64}] * 2
 
 
 # -- a noisy neighbour through the host tier ------------------------------------------------
