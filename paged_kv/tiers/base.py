@@ -23,7 +23,11 @@ class Store(abc.ABC):
     medium: str | None = None
     # keys evicted or deleted since the writer last reported them; None until the writer
     # watches a store with a medium (`TierWriter.watch`), so nothing piles up unwatched
+    # (a writer that remembers evictions for the tiers' ghost drains it after each write)
     removed: collections.deque[str] | None = None
+    # whether a block's key carries its tenant's prefix (`shares.tenant_prefix`) when the
+    # tiers account per tenant: a shared store, where an operator reads usage by prefix
+    tenant_keys: bool = False
 
     @property
     def available(self) -> bool:

@@ -51,6 +51,17 @@ class Fetch:
         self.payload: torch.Tensor | None = None  # [n, block_nbytes], the run fetched
         self.sources: list[str] = []  # the tier of each fetched block
         self.found: list[list[bool]] = []  # per store: whether its lookup found each key
+        # the report, once landed or given up: blocks loaded per tier, and why the run
+        # stopped short: ("tier_timeout", tier) past the deadline, ("verify_failed", tier)
+        self.loaded: dict[str, int] = {}
+        self.failure: tuple[str, str] | None = None
+        self.tier: str | None = None  # the tier being asked now (a timeout names it)
+        self.prefix = ""  # the tenant's key prefix in stores that name tenants (Redis)
+
+    def timed_out(self) -> None:
+        """Record that the fetch passed its deadline (at the tier being asked)."""
+        if self.failure is None and self.tier is not None:
+            self.failure = ("tier_timeout", self.tier)
 
     @property
     def expired(self) -> bool:
@@ -115,6 +126,9 @@ class TierFetcher:
             try:
                 if not (fetch.cancelled or fetch.expired):
                     self._fetch(fetch)
+                elif fetch.expired:  # waited behind other fetches past its deadline
+                    fetch.tier = fetch.tier or next((s.name for s in self.stores), None)
+                    fetch.timed_out()
             except Exception:
                 logger.exception("paged_kv tiers: a fetch failed; the request recomputes")
                 fetch.payload, fetch.sources = None, []
@@ -124,17 +138,21 @@ class TierFetcher:
                 fetch.done = True
 
     def _fetch(self, fetch: Fetch) -> None:
-        names = [codec.store_key(self._namespace, key) for key in fetch.keys]
+        plain = [codec.store_key(self._namespace, key) for key in fetch.keys]
+        prefixed = [fetch.prefix + name for name in plain] if fetch.prefix else plain
+        names = [prefixed if store.tenant_keys else plain for store in self.stores]
         held = []
-        for store in self.stores:  # one lookup per tier for the whole run
+        # one lookup per tier for the whole run
+        for store, store_names in zip(self.stores, names, strict=True):
+            fetch.tier = store.name
             start = time.monotonic()
-            found = store.contains(names)
+            found = store.contains(store_names)
             self._rate(store.name, time.monotonic() - start, 0)
             self.misses[store.name] += found.count(False)
             held.append(found)
         fetch.found = held
         sources = []
-        for i in range(len(names)):  # each block from the first tier that holds it
+        for i in range(len(plain)):  # each block from the first tier that holds it
             tier = next((t for t, found in enumerate(held) if found[i]), None)
             if tier is None:
                 break
@@ -144,8 +162,11 @@ class TierFetcher:
             return
         rows: list[torch.Tensor] = []
         for start in range(0, len(sources), FETCH_BATCH):
-            if fetch.cancelled or fetch.expired:
+            if fetch.cancelled or fetch.expired:  # the tier asked last was the slow one
+                if fetch.expired:
+                    fetch.timed_out()
                 break
+            fetch.tier = self.stores[sources[start]].name
             got = self._get_batch(fetch, names, sources, start)
             rows += got
             if len(got) < len(sources[start:start + FETCH_BATCH]):
@@ -154,16 +175,17 @@ class TierFetcher:
             fetch.payload = torch.stack(rows)
             fetch.sources = [self.stores[t].name for t in sources[:len(rows)]]
 
-    def _get_batch(self, fetch: Fetch, names: list[str], sources: list[int],
+    def _get_batch(self, fetch: Fetch, names: list[list[str]], sources: list[int],
                    start: int) -> list[torch.Tensor]:
-        """Blocks ``start ..`` of the run (one get per tier involved), verified, up to the
-        first that fails."""
+        """Blocks ``start ..`` of the run (one get per tier involved; `names`: each
+        tier's names of the run's keys), verified, up to the first that fails."""
         batch = range(start, min(start + FETCH_BATCH, len(sources)))
         values: dict[int, bytes | None] = {}
         for tier in sorted({sources[i] for i in batch}):
             store, wanted = self.stores[tier], [i for i in batch if sources[i] == tier]
             began = time.monotonic()
-            for i, value in zip(wanted, store.get([names[i] for i in wanted]), strict=True):
+            got = store.get([names[tier][i] for i in wanted])
+            for i, value in zip(wanted, got, strict=True):
                 values[i] = value
             nbytes = len(wanted) * self._nbytes
             self._rate(store.name, time.monotonic() - began, nbytes)
@@ -174,7 +196,8 @@ class TierFetcher:
                 store = self.stores[sources[i]]
                 if values[i] is not None:  # present but wrong: never served, never again
                     self.verify_failures[store.name] += 1
-                    store.delete([names[i]])
+                    fetch.failure = ("verify_failed", store.name)
+                    store.delete([names[sources[i]][i]])
                 else:
                     self.misses[store.name] += 1
                 break

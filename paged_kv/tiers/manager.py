@@ -27,15 +27,19 @@ import numpy as np
 import torch
 
 from ..cache import PagedKVCache
+from ..keys import root_hash
 from ..offload import stored_blocks
+from ..tenants.policy import TenantPolicy
 from . import codec
 from .base import Store, TierConfig
 from .fetcher import Fetch, TierFetcher
 from .identity import model_fingerprint
 from .memory import HostStore
+from .shares import TierGhosts, capacity_blocks, open_shares, tenant_prefix
 from .writer import HeldKeys, TierChange, TierWriter
 
 MIB = 1 << 20
+MAX_TENANT_KEYS = 1 << 18  # bounds the key -> tenant map that names a fetch's tenant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,9 @@ class TierStats:
     misses: int  # blocks looked up here and not held
     verify_failures: int  # values that failed verification: deleted, never served
     written_blocks: int
+    # blocks held now by tenant ("": salts the policy does not name, blocks of unknown
+    # tenant, and every block without a tenant policy)
+    tenant_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,19 +82,36 @@ class TierManager:
     fingerprint : codec.Fingerprint
         Of the cache's blocks (`identity.model_fingerprint`): the stores' namespace, and
         what every value's header must carry.
+    tenants : TenantPolicy, optional
+        Per-tenant accounting in every tier (`shares.TierShares`); default the policy of
+        the cache's tenant ledger (``CacheConfig.tenants``), whose ``tenant_of`` names each
+        stored block's tenant. None and no ledger: each store's own LRU, as ever.
     """
 
     def __init__(self, config: TierConfig, cache: PagedKVCache,
-                 fingerprint: codec.Fingerprint) -> None:
+                 fingerprint: codec.Fingerprint, tenants: TenantPolicy | None = None) -> None:
         self.config, self.cache, self.fingerprint = config, cache, fingerprint
         self._digest, self._namespace = fingerprint.digest, fingerprint.namespace
         self._nbytes = cache.pool.block_nbytes
-        self.stores: list[Store] = _open_stores(config, codec.HEADER.size + self._nbytes)
+        value_bytes = codec.HEADER.size + self._nbytes
+        self.stores: list[Store] = _open_stores(config, value_bytes)
         self._hit_tokens: collections.Counter = collections.Counter()  # by store name
         self._loaded_blocks = self._deadline_fallbacks = 0
         self._held = HeldKeys([s.name for s in self.stores])
+        self._ledger = getattr(cache.allocator, "tenants", None)
+        policy = tenants if tenants is not None else getattr(self._ledger, "policy", None)
+        names = self._ledger.names if self._ledger is not None else [None]
+        self.shares = None if policy is None else open_shares(
+            self.stores, value_bytes, names, policy, cache.config.num_blocks)
+        self._ghosts = TierGhosts({s.name: capacity_blocks(s, value_bytes)
+                                   for s in self.stores})
+        # a fetch's tenant, from its parent (a salted root, or a block stored here before):
+        # its keys' prefix in a store that names tenants
+        self._names = names
+        self._roots = {root_hash(name): i for i, name in enumerate(names) if name}
+        self._key_tenant: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._writer = TierWriter(self.stores, self._held, self._namespace, self._digest,
-                                  config.queue_blocks)
+                                  config.queue_blocks, self.shares, self._ghosts.evicted)
         self._fetcher = TierFetcher(self.stores, self._namespace, self._digest, self._nbytes,
                                     cache.config.block_size)
 
@@ -97,11 +121,28 @@ class TierManager:
         to hold out of the pool and queue them for the tiers; a batch that does not fit the
         queue is dropped and counted."""
         block_ids, keys = stored_blocks(self.cache.allocator, events)
+        every = self._tenants(block_ids, keys)
         new = self._held.claim_missing(keys)
         if not new:
             return
         data = self.cache.pool.read_blocks(block_ids[new])  # before the slot can be reused
-        self._writer.submit([keys[i] for i in new], data)
+        tenants = None if every is None else [every[i] for i in new]
+        self._writer.submit([keys[i] for i in new], data, tenants)
+
+    def _tenants(self, block_ids: np.ndarray, keys: list[bytes]) -> list[int] | None:
+        """The ledger's tenant of each stored block (tagged when it was indexed), kept
+        for the fetches that chain from them; None without per-tenant accounting."""
+        if self.shares is None:
+            return None
+        tenant_of = getattr(self._ledger, "tenant_of", None)
+        tenants = [0] * len(keys) if tenant_of is None else tenant_of[block_ids].tolist()
+        known = self._key_tenant
+        for key, tenant in zip(keys, tenants, strict=True):
+            known[key] = tenant
+            known.move_to_end(key)
+        while len(known) > MAX_TENANT_KEYS:
+            known.popitem(last=False)
+        return tenants
 
     def watch(self, on_change: TierChange) -> None:
         """Call ``on_change(medium, stored keys, removed keys)`` on the writer thread after
@@ -134,6 +175,9 @@ class TierManager:
             estimate = self.recompute_seconds(len(token_ids))
             deadline_s = 1.0 if estimate is None else max(0.02, 0.75 * estimate)
         fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s, parent)
+        if self.shares is not None:
+            tenant = self._roots.get(parent, self._key_tenant.get(parent, 0))
+            fetch.prefix = tenant_prefix(self._names[tenant])
         self._fetcher.submit(fetch)
         return fetch
 
@@ -149,7 +193,13 @@ class TierManager:
             for key, source in zip(fetch.keys[:loaded], fetch.sources[:loaded], strict=True):
                 if len(key) == codec.CHAIN_BYTES:  # another layer group's block: same tokens
                     self._hit_tokens[source] += size
+                    fetch.loaded[source] = fetch.loaded.get(source, 0) + 1
+                if self.shares is not None:
+                    self.shares[source].touch([key])
             self._loaded_blocks += loaded
+        if self.shares is not None and fetch.failure is not None \
+                and fetch.failure[0] == "verify_failed":  # deleted by the fetcher
+            self.shares[fetch.failure[1]].forget(fetch.keys[len(fetch.sources):][:1])
         self._observed(fetch, loaded)
         return loaded
 
@@ -158,6 +208,7 @@ class TierManager:
         found them (so they are written only to the tiers that lack them); the rest are
         known nowhere any more (missing, failed, or gone since the lookup: when computed
         they are written to every tier again)."""
+        self._vanished(fetch)
         for store, found in zip(self.stores, fetch.found, strict=False):
             self._held.add(store.name, [key for key, held in zip(fetch.keys[:loaded], found,
                                                                  strict=False) if held])
@@ -165,11 +216,33 @@ class TierManager:
                 fetch.keys[:loaded], found, strict=False) if not held])
         self._held.forget(fetch.keys[loaded:])
 
+    def _vanished(self, fetch: Fetch) -> None:
+        """Blocks a tier was known to hold and its lookup missed: the store evicted them
+        by itself (Redis' LRU, another replica's flush), remembered as ``global``."""
+        for store, found in zip(self.stores, fetch.found, strict=False):
+            missed = [key for key, held in zip(fetch.keys, found, strict=False) if not held]
+            lacking = set(self._held.lacking(store.name, missed))
+            gone = [key for i, key in enumerate(missed) if i not in lacking]
+            if self.shares is not None:
+                gone = list(dict.fromkeys(gone + self.shares[store.name].forget(missed)))
+            self._ghosts.evicted(store.name, [(key, "global", None, 0) for key in gone])
+
     def fell_back(self, fetch: Fetch) -> None:
-        """The engine gave up waiting for `fetch` (its deadline passed)."""
+        """The engine gave up waiting for `fetch` (its deadline passed): its report names
+        the tier it was waiting on (``fetch.failure``)."""
         fetch.cancelled = True
+        fetch.tier = fetch.tier or next((s.name for s in self.stores), None)
+        fetch.timed_out()
         self._deadline_fallbacks += 1
         self._held.forget(fetch.keys)
+
+    def evicted_entry(self, key: bytes) -> tuple[str, str, str | None] | None:
+        """``(tier, pressure, by)`` for a block `key` that a tier evicted recently and no
+        tier is known to hold now: the deepest tier that evicted it, whose pressure
+        (``own``, ``tenant``, ``global``) and the tenant whose pressure did it (or None)."""
+        if self._held.anywhere(key):
+            return None
+        return self._ghosts.entry(key)
 
     # -- observation and lifetime -------------------------------------------------------
     def stats(self) -> TiersStats:
@@ -180,10 +253,19 @@ class TierManager:
             name = store.name
             tiers.append(TierStats(name, blocks, nbytes, self._hit_tokens[name],
                                    fetcher.misses[name], fetcher.verify_failures[name],
-                                   self._writer.written_blocks[name]))
+                                   self._writer.written_blocks[name],
+                                   self._tenant_blocks(name, blocks)))
         return TiersStats(tuple(tiers), self._writer.dropped_writes, self._deadline_fallbacks,
                           fetcher.skipped_fetches, self._loaded_blocks, fetcher.fetches,
                           tuple(fetcher.fetch_seconds))
+
+    def _tenant_blocks(self, tier: str, blocks: int) -> dict[str, int]:
+        """Blocks of `tier` by tenant; those the accounting does not know count as ""."""
+        if self.shares is None:
+            return {"": blocks}
+        by_tenant = self.shares[tier].tenant_blocks()
+        by_tenant[""] = by_tenant.get("", 0) + max(blocks - sum(by_tenant.values()), 0)
+        return by_tenant
 
     def close(self) -> None:
         """Stop the threads (queued writes are given a moment) and close the stores."""

@@ -90,6 +90,7 @@ class RedisStore(Store):
 
     name = "remote"
     medium = None  # shared by every replica and evicted by Redis itself: not published
+    tenant_keys = True  # with a tenant policy: ``pkv:<tenant>/<key>``, usage by prefix
 
     def __init__(self, url: str, timeout_s: float = 1.0, value_bytes: int | None = None,
                  ) -> None:
