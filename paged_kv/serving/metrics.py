@@ -127,6 +127,9 @@ class _TierMetrics:
                             registry=registry)
         self.bytes = Gauge("paged_kv_tier_bytes", "Bytes held by tier", ["tier"],
                            registry=registry)
+        self.tenant_blocks = Gauge("paged_kv_tier_tenant_blocks", "Blocks held by tier and "
+                                   "tenant (\"\": no salt, or one a policy does not name)",
+                                   ["tier", "tenant"], registry=registry)
         self.counters = {field: Counter(name, doc, ["tier"], registry=registry)
                          for field, (name, doc) in TIER_COUNTERS.items()}
         self.fetch_counters = {field: Counter(name, doc, registry=registry)
@@ -144,6 +147,8 @@ class _TierMetrics:
         for tier in stats.tiers:
             self.blocks.labels(tier=tier.tier).set(tier.blocks)
             self.bytes.labels(tier=tier.tier).set(tier.bytes)
+            for tenant, blocks in tier.tenant_blocks.items():
+                self.tenant_blocks.labels(tier=tier.tier, tenant=tenant).set(blocks)
             for field, counter in self.counters.items():
                 self._advance(counter.labels(tier=tier.tier), (tier.tier, field),
                               getattr(tier, field))

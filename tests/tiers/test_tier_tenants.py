@@ -215,6 +215,11 @@ def test_a_reservation_in_the_host_tier_keeps_a_quiet_tenants_hits(tier_model, e
     assert kept >= 0.9 * solo, (kept, tier_stats(engine))
     assert from_host >= 0.9 * (rounds - 1) * 64  # the device lost it: the tier kept it
     assert tier_stats(engine)["host"].tenant_blocks["b"] >= 4
+    # /metrics shows the same split (a scrape observes the tiers first)
+    text = engine.metrics_text()
+    for tenant, blocks in tier_stats(engine)["host"].tenant_blocks.items():
+        assert (f'paged_kv_tier_tenant_blocks{{tenant="{tenant}",tier="host"}} '
+                f'{float(blocks)}') in text
     engine.check()
 
 
