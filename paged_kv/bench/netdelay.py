@@ -1,4 +1,5 @@
-"""Loopback helpers for the tiers workload: a private ``redis-server``, and a TCP proxy that
+"""Loopback helpers for the workloads: `paged-kv serve` on a free port, a private
+``redis-server``, and a TCP proxy that
 adds latency (a store "50 ms away") and counts the round trips through it."""
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) ->
             raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
         time.sleep(0.2)
     raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def serve_process(threads: int, *flags: str) -> Iterator[int]:
+    """`paged-kv serve` on a free 127.0.0.1 port with `flags` and `threads` OpenMP threads,
+    healthy; yields the port, stops it on exit."""
+    import sys
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-m", "paged_kv.cli", "serve", "--port",
+                             str(port), *flags], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def free_port() -> int:

@@ -254,13 +254,20 @@ def test_evicted_entry_names_tier_and_pressure(tier_model, engines):
     assert out.cached_by_source == {"device": 0}
 
 
-def test_a_timeout_is_reported_on_the_fetch_and_the_request(engines, monkeypatch):
-    engine = engines(TierConfig(host_mib=8, fetch_deadline_s=0.05))
-    [prompt] = random_prompts(1, PROMPT_LEN, seed=41)
+def only_in_the_tier(engine: Engine, seed: int):
+    """A prompt served under salt "t", written to the engine's one tier and dropped from the
+    device; returns it and the tier's store."""
+    [prompt] = random_prompts(1, PROMPT_LEN, seed=seed)
     serve_prompts(engine, [prompt], salt="t")
     assert engine.tiers.flush(timeout=10)
     engine.cache.reset_prefix_cache()
     [store] = engine.tiers.stores
+    return prompt, store
+
+
+def test_a_timeout_is_reported_on_the_fetch_and_the_request(engines, monkeypatch):
+    engine = engines(TierConfig(host_mib=8, fetch_deadline_s=0.05))
+    prompt, store = only_in_the_tier(engine, seed=41)
     get = store.get
     monkeypatch.setattr(store, "get", lambda keys: (time.sleep(0.5), get(keys))[1])
     fetches = recorded(engine, monkeypatch)
@@ -274,11 +281,7 @@ def test_a_timeout_is_reported_on_the_fetch_and_the_request(engines, monkeypatch
 
 def test_a_verify_failure_is_reported_on_the_fetch_and_the_request(engines, monkeypatch):
     engine = engines(TierConfig(host_mib=8, fetch_deadline_s=5.0))
-    [prompt] = random_prompts(1, PROMPT_LEN, seed=42)
-    serve_prompts(engine, [prompt], salt="t")
-    assert engine.tiers.flush(timeout=10)
-    engine.cache.reset_prefix_cache()
-    [store] = engine.tiers.stores
+    prompt, store = only_in_the_tier(engine, seed=42)
     name = store_keys(engine, prompt, "t")[1]
     [value] = store.get([name])
     store.put([(name, value[:-1] + bytes([value[-1] ^ 1]))])  # one bit of block 1 torn

@@ -10,19 +10,15 @@ the HTTP layer (FastAPI, SSE, the hop to the engine-core process, the client) co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..netdelay import free_port, wait_healthy
+from ..netdelay import serve_process
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -149,21 +145,6 @@ def over_http(port: int, prompts: list[list[int]], arrivals: list[float]) -> dic
     return _summary(start, arrivals, times)
 
 
-@contextlib.contextmanager
-def _server(threads: int):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "paged_kv.cli", "serve", "--port",
-                             str(port), "--max-waiting", "100000"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
 def run(scale: Scale) -> WorkloadResult:
     """Three arrival rates over HTTP against the engine in-process."""
     import torch
@@ -188,7 +169,7 @@ def run(scale: Scale) -> WorkloadResult:
     request_rate = float(np.median(saturated)) / OUTPUT_LEN
     rates = [None if f is None else f * request_rate for f in RATE_FRACTIONS]
     results: list[tuple[str, list[dict], list[dict]]] = []
-    with _server(torch.get_num_threads()) as port:
+    with serve_process(torch.get_num_threads(), "--max-waiting", "100000") as port:
         over_http(port, prompts[:4], [0.0] * 4)  # warm-up
         for rate in rates:
             arrivals = _arrivals(num_requests, rate)

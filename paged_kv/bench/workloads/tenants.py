@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ..netdelay import free_port, wait_healthy
+from ..netdelay import serve_process
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -79,19 +76,10 @@ def _server(policy: str, shape: dict, threads: int):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tenants.toml"
         path.write_text(tenants_file(policy, shape))
-        port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.Popen([sys.executable, "-m", "paged_kv.cli", "serve", "--port",
-                                 str(port), "--api-keys", str(path), "--max-waiting",
-                                 "100000", "--block-size", str(BLOCK), "--memory-mib",
-                                 repr(_memory_mib(shape["blocks"]))], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc)
+        with serve_process(threads, "--api-keys", str(path), "--max-waiting", "100000",
+                           "--block-size", str(BLOCK), "--memory-mib",
+                           repr(_memory_mib(shape["blocks"]))) as port:
             yield port
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
 
 
 async def _post(session, url: str, tenant: str, prompt: list[int], max_tokens: int) -> dict:
