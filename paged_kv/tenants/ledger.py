@@ -313,6 +313,8 @@ class TenantLedger:
             lru.move_to_end(block_id, last=False)
 
     def _expire(self) -> None:
+        if self._next_expiry == math.inf:  # nothing retained: no clock read per eviction
+            return
         now = self._clock()
         if now < self._next_expiry:
             return
