@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from paged_kv.bench.netdelay import free_port
 from paged_kv.cli import main
 from paged_kv.router import PrefixIndex
 from paged_kv.router.app import create_router_app
@@ -389,3 +393,46 @@ def test_replica_flags_that_do_not_fit_together_exit_2_naming_the_flag(argv, nam
         code = exc.code
     assert code == 2
     assert named in capsys.readouterr().err
+
+
+# -- the command -------------------------------------------------------------------------------
+def test_paged_kv_route_with_prefill_and_decode_flags_hands_requests_over(tmp_path):
+    """The command line's wiring: a ``paged-kv route`` process over the stubs, stopped by
+    SIGTERM (exit 0)."""
+    prefill, decode = Stub("p", "prefill"), Stub("d", "decode")
+    port = free_port()
+
+    async def main_() -> int:
+        async with serving(prefill.app) as p_url, serving(decode.app) as d_url, \
+                _client() as client:
+            with open(tmp_path / "route.log", "wb") as log:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "paged_kv.cli", "route", "--port", str(port),
+                    "--prefill", p_url, "--decode", d_url, "--probe-interval", "0.2",
+                    stdout=log, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + BOUND_S
+                while not await _healthy(client, url):
+                    assert process.returncode is None, (tmp_path / "route.log").read_text()
+                    assert time.monotonic() < deadline, "the router did not start"
+                    await asyncio.sleep(0.1)
+                answer = await client.post(f"{url}/v1/completions", json=_body())
+                assert answer.json() == {"decoded_by": "d"}
+                metrics = (await client.get(f"{url}/metrics")).text
+                assert 'paged_kv_router_handoffs_total{outcome="ok"} 1.0' in metrics
+            finally:
+                if process.returncode is None:
+                    process.send_signal(signal.SIGTERM)
+                code = await asyncio.wait_for(process.wait(), BOUND_S)
+        return code
+
+    assert asyncio.run(main_()) == 0, (tmp_path / "route.log").read_text()
+    assert decode.bodies[0]["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await client.get(f"{url}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
