@@ -47,14 +47,15 @@ class Stub:
 
     - ``prefill``: a completion with `_params` (its name) as ``kv_transfer_params``;
     - ``both``: a completion without them (a replica not serving ``--role prefill``);
-    - ``unavailable``: 503; ``refuse``: 400 (the client's request at fault);
+    - ``unavailable``: `status` (503 unless told); ``refuse``: 400 (the client's request at
+      fault);
     - ``hold``: waits for the caller to leave, noting when in `left_at`;
     - ``decode``: the JSON ``{"decoded_by": name}``, or with ``stream: true`` three SSE
       events, the last once `release` is set (noting in `left_at` a caller that leaves).
     """
 
-    def __init__(self, name: str, mode: str) -> None:
-        self.name, self.mode = name, mode
+    def __init__(self, name: str, mode: str, status: int = 503) -> None:
+        self.name, self.mode, self.status = name, mode, status
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.release = asyncio.Event()
@@ -72,7 +73,7 @@ class Stub:
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
         if self.mode == "unavailable":
-            return JSONResponse({"error": {"message": "draining"}}, status_code=503)
+            return JSONResponse({"error": {"message": "draining"}}, status_code=self.status)
         if self.mode == "refuse":
             return JSONResponse({"error": {"message": "prompt: too long", "param": "prompt"}},
                                 status_code=400)
@@ -111,11 +112,14 @@ class Stub:
 
 @contextlib.asynccontextmanager
 async def cluster(prefill: list[Stub], decode: list[Stub], *, dead_prefill: int = 0,
+                  first_prefill: str | None = None,
                   ) -> AsyncIterator[tuple[str, DisaggRouter]]:
-    """The stubs served, `dead_prefill` prefill URLs where nothing listens, and a
-    `DisaggRouter` over them: yields its URL and the router."""
+    """The stubs served, `dead_prefill` prefill URLs where nothing listens (and
+    `first_prefill`, a URL served elsewhere, first), and a `DisaggRouter` over them: yields
+    its URL and the router."""
     async with contextlib.AsyncExitStack() as stack:
-        prefill_urls = [await stack.enter_async_context(serving(s.app)) for s in prefill]
+        prefill_urls = [first_prefill] if first_prefill else []
+        prefill_urls += [await stack.enter_async_context(serving(s.app)) for s in prefill]
         prefill_urls += [_dead_url() for _ in range(dead_prefill)]
         decode_urls = [await stack.enter_async_context(serving(s.app)) for s in decode]
         router = DisaggRouter(
@@ -229,9 +233,12 @@ def test_each_request_goes_to_the_least_loaded_decode_replica():
 
 
 # -- failures --------------------------------------------------------------------------------
-def test_a_prefill_replica_answering_503_is_replaced_by_the_other_once():
-    """A fresh router's first choice among equal replicas is the first given: the 503 one."""
-    bad, good, decode = Stub("bad", "unavailable"), Stub("good", "prefill"), Stub("d", "decode")
+@pytest.mark.parametrize("status", [503, 500, 429])
+def test_a_prefill_replica_answering_5xx_or_429_is_replaced_by_the_other_once(status):
+    """A fresh router's first choice among equal replicas is the first given: the failing
+    one. Only 502-504 take it out of routing (as `Router` does); 500 and 429 do not."""
+    bad, good = Stub("bad", "unavailable", status), Stub("good", "prefill")
+    decode = Stub("d", "decode")
 
     async def main_() -> None:
         async with cluster([bad, good], [decode]) as (url, router), _client() as client:
@@ -239,10 +246,35 @@ def test_a_prefill_replica_answering_503_is_replaced_by_the_other_once():
             assert answer.status_code == 200, answer.text
             assert _handoffs(router, "ok") == 1
             assert router.registry.get_sample_value("paged_kv_router_retries_total",
-                                                    {"reason": "503"}) == 1
+                                                    {"reason": str(status)}) == 1
+            assert router.replicas.replicas[0].up is (status != 503)
 
     asyncio.run(main_())
     assert (len(bad.bodies), len(good.bodies)) == (1, 1)
+    assert decode.bodies[0]["kv_transfer_params"]["lease"] == "lease-good"
+
+
+def test_a_prefill_replica_gone_since_its_last_probe_is_replaced_by_the_other():
+    """The first prefill replica stops after the router saw it up: the connection is
+    refused, it is marked down, and the other one prefills."""
+    gone, good, decode = Stub("gone", "prefill"), Stub("good", "prefill"), Stub("d", "decode")
+
+    async def main_() -> None:
+        async with contextlib.AsyncExitStack() as first:
+            gone_url = await first.enter_async_context(serving(gone.app))
+            async with cluster([good], [decode], first_prefill=gone_url) as (url, router), \
+                    _client() as client:
+                assert len(router.replicas.up()) == 2
+                await first.aclose()  # stopped before the probes notice
+                answer = await client.post(f"{url}/v1/completions", json=_body())
+                assert answer.status_code == 200, answer.text
+                assert _handoffs(router, "ok") == 1
+                assert router.registry.get_sample_value(
+                    "paged_kv_router_retries_total", {"reason": "connection"}) == 1
+                assert gone_url not in [r.url for r in router.replicas.up()], "marked down"
+
+    asyncio.run(main_())
+    assert gone.bodies == [] and len(good.bodies) == 1
     assert decode.bodies[0]["kv_transfer_params"]["lease"] == "lease-good"
 
 
