@@ -28,9 +28,8 @@ def create_router_app(router: Router) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await router.replicas.start()
+        await router.start()
         yield
-        await router.replicas.close()
         await router.close()
 
     app = FastAPI(title="paged_kv router", lifespan=lifespan)
@@ -53,11 +52,10 @@ def create_router_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        up = len(router.replicas.up())
-        if not up:
-            return error_response(503, "no replica is up", type_="server_error")
-        return JSONResponse({"status": "ok", "replicas_up": up,
-                             "replicas": len(router.replicas.replicas)})
+        problem, info = router.health()
+        if problem is not None:
+            return error_response(503, problem, type_="server_error")
+        return JSONResponse(info)
 
     @app.get("/metrics")
     async def metrics() -> Response:

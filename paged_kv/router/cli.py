@@ -30,14 +30,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _add_replica_flags(route: argparse.ArgumentParser) -> None:
+    """The replicas: ``--replica`` ones, or ``--prefill`` and ``--decode`` ones."""
+    route.add_argument("--replica", action="append", type=replica_url, default=None,
+                       metavar="URL", help="a replica (repeat the flag for each)")
+    route.add_argument("--prefill", action="append", type=replica_url, default=None,
+                       metavar="URL",
+                       help="a prefill replica (paged-kv serve --role prefill; repeat the "
+                            "flag for each): each request is prefilled there, chosen by "
+                            "--policy, then handed to a --decode replica (with --decode, "
+                            "instead of --replica)")
+    route.add_argument("--decode", action="append", type=replica_url, default=None,
+                       metavar="URL",
+                       help="a decode replica (paged-kv serve --role decode; repeat the flag "
+                            "for each): the least loaded one decodes a request, with the "
+                            "prefill's hand-off parameters, and streams the answer")
+
+
 def add_route_parser(commands: argparse._SubParsersAction) -> None:
     """``paged-kv route``."""
     route = commands.add_parser(
         "route", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="a cache-aware router in front of paged-kv serve replicas (OpenAI routes); "
              "needs the events extra")
-    route.add_argument("--replica", action="append", type=replica_url, required=True,
-                       metavar="URL", help="a replica (repeat the flag for each)")
+    _add_replica_flags(route)
     route.add_argument("--policy", choices=POLICIES, default="cache")
     route.add_argument("--host", default="127.0.0.1")
     route.add_argument("--port", type=int, default=8080)
@@ -68,6 +84,33 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
     route.set_defaults(run=route_main)
 
 
+def check_replica_flags(args: argparse.Namespace) -> None:
+    """``--replica`` URLs, or ``--prefill`` and ``--decode`` URLs together; none twice.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag (``paged-kv route`` then exits 2).
+    """
+    split = {"--prefill": args.prefill, "--decode": args.decode}
+    if args.replica and any(split.values()):
+        flag = "--prefill" if args.prefill else "--decode"
+        raise ValueError(f"argument {flag}: not allowed with --replica (--prefill and "
+                         f"--decode route a split deployment, --replica a colocated one)")
+    for flag, other in (("--prefill", "--decode"), ("--decode", "--prefill")):
+        if split[flag] and not split[other]:
+            raise ValueError(f"argument {other}: needed with {flag} (a request is "
+                             f"prefilled on one replica and decoded on another)")
+    if not args.replica and not any(split.values()):
+        raise ValueError("argument --replica: a replica is needed (or --prefill and "
+                         "--decode replicas)")
+    urls = [*(args.replica or []), *(args.prefill or []), *(args.decode or [])]
+    for flag, given in (("--replica", args.replica), *split.items()):
+        for url in given or []:
+            if urls.count(url) > 1:
+                raise ValueError(f"argument {flag}: the replica {url} given twice")
+
+
 def route_main(args: argparse.Namespace) -> int:
     """Run the router until SIGTERM (exit 0 once it has shut down cleanly) or SIGINT
     (130)."""
@@ -76,23 +119,32 @@ def route_main(args: argparse.Namespace) -> int:
     from ..server.http.tokenizer import ByteTokenizer, HFTokenizer
     from ..server.serve import read_api_keys
     from .app import RouterServer, create_router_app
+    from .disagg import DisaggRouter
     from .index import PrefixIndex
     from .proxy import Router
     from .replicas import ReplicaSet
 
+    check_replica_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if len(set(args.replica)) != len(args.replica):
-        raise ValueError("argument --replica: a replica given twice")
     tokenizer = ByteTokenizer() if args.model is None else HFTokenizer(args.model)
     api_keys = None if args.api_keys is None else read_api_keys(args.api_keys)
-    router = Router(ReplicaSet(args.replica, PrefixIndex(), lambda *a: router.on_batch(*a),
-                               interval=args.probe_interval),
-                    tokenizer, policy=args.policy, api_keys=api_keys,
-                    balance_abs=args.balance_abs, balance_rel=args.balance_rel,
-                    load_tokens=args.load_tokens, max_connections=args.max_connections,
-                    pool_timeout=args.pool_timeout)
-    logger.info("routing (%s) over %d replicas on http://%s:%d", args.policy,
-                len(args.replica), args.host, args.port)
+    options = dict(policy=args.policy, api_keys=api_keys, balance_abs=args.balance_abs,
+                   balance_rel=args.balance_rel, load_tokens=args.load_tokens,
+                   max_connections=args.max_connections, pool_timeout=args.pool_timeout)
+    followed = args.replica or args.prefill
+    replicas = ReplicaSet(followed, PrefixIndex(), lambda *a: router.on_batch(*a),
+                          interval=args.probe_interval)
+    if args.replica:
+        router = Router(replicas, tokenizer, **options)
+        logger.info("routing (%s) over %d replicas on http://%s:%d", args.policy,
+                    len(args.replica), args.host, args.port)
+    else:  # the decode replicas' own prefixes are not routed by: no events followed
+        decode = ReplicaSet(args.decode, PrefixIndex(), lambda *a: None,
+                            interval=args.probe_interval, subscribe=False)
+        router = DisaggRouter(replicas, decode, tokenizer, **options)
+        logger.info("routing: prefill (%s) over %d replicas, decode (least load) over %d, "
+                    "on http://%s:%d", args.policy, len(args.prefill), len(args.decode),
+                    args.host, args.port)
     server = RouterServer(uvicorn.Config(create_router_app(router), host=args.host,
                                          port=args.port, log_level="warning",
                                          access_log=False))

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -177,11 +177,33 @@ class Router:
         none takes it and some answered 429, so does the router, with the longest of their
         ``Retry-After``."""
         tokens = self.prompt(path, body)
-        tried: set[str] = set()
         keys_by_size: dict[int, list[bytes]] = {}
-        busy: list[float] = []  # the Retry-After of each replica that answered 429
-        while (picked := self.pick(tokens, tenant, tried, keys_by_size)) is not None:
+
+        def pick(tried: set[str]) -> tuple[Replica, Callable[[], None]] | None:
+            picked = self.pick(tokens, tenant, tried, keys_by_size)
+            if picked is None:
+                return None
             replica, choice, keys = picked
+            return replica, lambda: self.count_choice(choice, keys, tokens, replica)
+
+        return await self.relay(path, body, headers, pick, len(self.replicas.replicas))
+
+    async def relay(self, path: str, body: bytes, headers: dict[str, str],
+                    pick: Callable[[set[str]], tuple[Replica, Callable[[], None]] | None],
+                    total: int) -> Response:
+        """Stream `body`'s answer from the replica ``pick(tried)`` names (with what to run
+        once it answers), the next one when it fails before its first byte.
+
+        Raises
+        ------
+        RouterError
+            429 (with the longest ``Retry-After``) when every replica tried was busy, 503
+            when none of the `total` could take the request.
+        """
+        tried: set[str] = set()
+        busy: list[float] = []  # the Retry-After of each replica that answered 429
+        while (picked := pick(tried)) is not None:
+            replica, chosen = picked
             tried.add(replica.url)
             replica.in_flight += 1
             try:
@@ -195,7 +217,7 @@ class Router:
             except BaseException:  # the client left (cancelled) while the replica worked
                 replica.in_flight -= 1
                 raise
-            self._count(choice, keys, tokens, replica)
+            chosen()
             return _RelayResponse(first, chunks, _Done(replica, upstream),
                                   status_code=upstream.status_code,
                                   headers=_response_headers(upstream))
@@ -204,7 +226,7 @@ class Router:
                                    f"({len(busy)} answered 429); retry later",
                               headers={"Retry-After": str(math.ceil(max(busy)))})
         raise RouterError(503, f"no replica can take the request (tried {len(tried)} of "
-                               f"{len(self.replicas.replicas)})")
+                               f"{total})")
 
     async def _open(self, replica: Replica, path: str, body: bytes,
                     headers: dict[str, str],
@@ -237,16 +259,40 @@ class Router:
                 await upstream.aclose()
             raise
 
-    def _count(self, choice: Choice, keys: list[bytes], tokens: list[int],
+    def count_choice(self, choice: Choice, keys: list[bytes], tokens: list[int],
                replica: Replica) -> None:
+        """Count a routing decision (and the prefix it was made for), and note the
+        prompt's keys as held by `replica` until its own events say so."""
         self.decisions.labels(reason=choice.reason).inc()
         self.prompt_tokens.inc(len(tokens))
         self.hit_tokens.inc(min(round(choice.hit_blocks) * replica.block_size, len(tokens)))
         self.replicas.index.guess(replica.url, keys)
 
+    @property
+    def replica_sets(self) -> tuple[ReplicaSet, ...]:
+        """Every set of replicas the router probes (here one: `replicas`)."""
+        return (self.replicas,)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The connections to the replicas (the `max_connections` pool)."""
+        return self._client
+
+    async def start(self) -> None:
+        """Probe the replicas once, then keep probing them in the background."""
+        for replicas in self.replica_sets:
+            await replicas.start()
+
+    def health(self) -> tuple[str | None, dict]:
+        """What ``/health`` says: why the router cannot serve (None: it can), and the
+        replicas up."""
+        up = len(self.replicas.up())
+        return (None if up else "no replica is up"), {
+            "status": "ok", "replicas_up": up, "replicas": len(self.replicas.replicas)}
+
     async def models(self, headers: dict[str, str]) -> Response:
         """``/v1/models`` of the first replica up."""
-        for replica in self.replicas.up():
+        for replica in (r for s in self.replica_sets for r in s.up()):
             try:
                 answer = await self._client.get(f"{replica.url}/v1/models", headers=headers)
             except httpx.HTTPError:
@@ -258,7 +304,7 @@ class Router:
     def observe(self) -> None:
         """Gauges as of now (before a scrape)."""
         gauges = self._gauges
-        for replica in self.replicas.replicas:
+        for replica in (r for replicas in self.replica_sets for r in replicas.replicas):
             url = replica.url
             gauges["in_flight"].labels(replica=url).set(replica.in_flight)
             gauges["replica_up"].labels(replica=url).set(int(replica.up))
@@ -270,6 +316,9 @@ class Router:
                     counts.get(outcome, 0))
 
     async def close(self) -> None:
+        """Stop probing and following the replicas; close the connections to them."""
+        for replicas in self.replica_sets:
+            await replicas.close()
         await self._client.aclose()
 
 
