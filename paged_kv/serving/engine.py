@@ -6,6 +6,7 @@ import logging
 import time
 from collections import abc
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 from .tenant_stats import tenant_blocks
 from .threads import ThreadGovernor, intra_op_threads
+
+if TYPE_CHECKING:  # the hand-off needs the serve extra (pyzmq, msgspec): imported when used
+    from ..handoff import HandoffConfig, HandoffParams
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,11 @@ class Engine:
     kv_events : KVEventsConfig, optional
         Publish the prefix index's changes after each step (vLLM's KV events over ZMQ, for
         a cache-aware router; see `paged_kv.events`).
+    handoff : HandoffConfig, optional
+        This engine's part in a prefill/decode hand-off between engines (see
+        `paged_kv.handoff`; the serve extra): a prefill engine leases and serves the pages
+        of requests that ask for it, a decode engine pulls them through the tiers' fetch
+        path (a decode engine without tiers gets a fetch path of its own).
     num_threads : int, optional
         torch intra-op threads while a step runs. Default on the CPU: torch's count while
         the cores are free, fewer while other processes use them (`paged_kv._threads`).
@@ -87,7 +96,8 @@ class Engine:
                  preemption: str = "recompute", memory_fraction: float | None = None,
                  num_threads: int | None = None, tensor_parallel_size: int = 1,
                  kv_tiers: TierConfig | None = None,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_events: KVEventsConfig | None = None,
+                 handoff: HandoffConfig | None = None) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
         if cache_config is None:
@@ -104,15 +114,18 @@ class Engine:
         if tensor_parallel_size != 1:
             model, cache_config, group = TensorParallelRunner.start(model, cache_config,
                                                                     tensor_parallel_size)
-        self.tiers = None
+        self.tiers = self.handoff = None
         try:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
                            else TensorParallelRunner(model, self.cache, group))
-            self.tiers = open_tiers(kv_tiers, self.cache, model)
+            decode = handoff is not None and handoff.role == "decode"
+            self.tiers = open_tiers(kv_tiers, self.cache, model, always=decode)
             self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        preemption=preemption, tiers=self.tiers)
+            self.handoff = _open_handoff(handoff, self.cache, self.tiers, model)
+            self.scheduler.handoff = self.handoff
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
             self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
         except BaseException:
@@ -128,8 +141,9 @@ class Engine:
         """Undo a constructor that failed part-way: no half-built engine leaves the group
         initialised, or the tiers' threads running and their disk directory locked (a retry
         in this process would be refused it)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        for part in (self.tiers, self.handoff):
+            if part is not None:
+                part.close()
         if group is not None:
             group.close()
 
@@ -137,7 +151,8 @@ class Engine:
     def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,
                     *, salt: str | None = None, priority: int | None = None,
                     retention_seconds: float | None = None,
-                    on_output: Callable[[StepOutput], None] | None = None) -> int:
+                    on_output: Callable[[StepOutput], None] | None = None,
+                    handoff: HandoffParams | None = None) -> int:
         """Queue a request; returns its id.
 
         Parameters
@@ -153,6 +168,11 @@ class Engine:
         on_output : callable, optional
             Called on the engine's thread with a `StepOutput` for every token of every
             sample as it is generated, and once more per sample when it finishes.
+        handoff : HandoffParams, optional
+            The request's ``kv_transfer_params``: on a prefill engine ``do_remote_decode``
+            leases its prompt's pages (its output's ``kv_transfer_params`` say where); on
+            a decode engine, where to pull them from (without them: a fallback, counted,
+            and under the ``fail`` policy the request fails).
 
         Raises
         ------
@@ -171,6 +191,9 @@ class Engine:
         self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
+        error = None if self.handoff is None else self.handoff.admit(request, handoff)
+        if error is not None:
+            self.abort(request.request_id, error=error)
         return request.request_id
 
     def flush_tenant(self, tenant: str, *, retention_only: bool = False) -> int:
@@ -193,6 +216,8 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        if self.handoff is not None:
+            self.handoff.forget(request)
         self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
         return True
 
@@ -255,7 +280,12 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if self.handoff is not None:
+            self.handoff.tick()
         plan = self.scheduler.schedule()
+        while self.scheduler.failed:  # hand-offs the `fail` policy fails
+            request = self.scheduler.failed.pop().request
+            self.abort(request.request_id, error=request.error)
         if not plan:
             if self.scheduler.loading:  # only fetches to wait for: let their thread run
                 time.sleep(0.001)
@@ -272,6 +302,9 @@ class Engine:
             if self.events is not None:  # the index's changes, for routers
                 self.events.publish(events)
         self.metrics.after_step(self.stats, len(samples))
+        if self.handoff is not None:  # a prefill's leases, a decode's releases
+            for request in finished:
+                self.handoff.finished(request)
         return [request.output(request.finish_time) for request in finished
                 if self._requests.pop(request.request_id, None)]
 
@@ -375,7 +408,7 @@ class Engine:
         (`step` raises `EngineDeadError`)."""
         self._dead = self._dead or "the engine was closed"
         self.runner.close()
-        for part in (self.tiers, self.events):
+        for part in (self.tiers, self.events, self.handoff):
             if part is not None:
                 part.close()
 
@@ -409,7 +442,8 @@ class Engine:
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""
         self.metrics.observe(self.stats(), 0)
-        return self.metrics.text(self.cache)
+        text = self.metrics.text(self.cache)
+        return text if self.handoff is None else text + self.handoff.text()
 
 
 def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:
@@ -435,3 +469,16 @@ def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
     for seq, n in plan.items():
         parts.setdefault(seq.request.request_id, {})[seq] = n
     return list(parts.values())
+
+
+def _open_handoff(config: HandoffConfig | None, cache: PagedKVCache, tiers, model):
+    """The engine's hand-off role (None without one); its blocks' fingerprint is the tiers'
+    (a decode engine always has tiers), else the model's."""
+    if config is None or config.role == "both":
+        return None
+    from ..handoff import open_role
+    from ..tiers.identity import model_fingerprint
+
+    fingerprint = (tiers.fingerprint if tiers is not None
+                   else model_fingerprint(model, cache.config, ""))
+    return open_role(config, cache, fingerprint)
