@@ -7,8 +7,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .config import REASONS
 from .lease import LeaseTable
-from .params import REASONS
 
 logger = logging.getLogger("paged_kv.handoff")
 LOG_EVERY_S = 60.0  # one log line per fallback reason per minute

@@ -16,8 +16,9 @@ from ..cache import PagedKVCache
 from ..keys import block_keys, root_hash
 from ..tiers import codec
 from ..tiers.base import Store
-from . import params as P
+from . import config as P
 from .metrics import HandoffMetrics
+from .params import HandoffParams
 from .server import call, drain, send
 
 CALL_TIMEOUT_S = 2.0  # a prefill engine that answers nothing this long is gone
@@ -31,18 +32,18 @@ class PeerSource(Store):
     Parameters
     ----------
     handoff : HandoffParams
-    secret : str
-    namespace : str
-        The fingerprint's: the fetcher names blocks by `codec.store_key`.
-    context : zmq.Context
+    role : DecodeRole
+        Its engine's: the secret, the fingerprint's namespace (the fetcher names blocks by
+        `codec.store_key`), the ZMQ context.
     """
 
     name = "peer"
 
-    def __init__(self, handoff: P.HandoffParams, secret: str, namespace: str,
-                 context: zmq.Context, lease_s: float) -> None:
-        self.params, self._secret, self._context = handoff, secret.encode(), context
-        self.keys = {codec.store_key(namespace, key): key for key in handoff.keys()}
+    def __init__(self, handoff: HandoffParams, role: DecodeRole) -> None:
+        self.params, self.role = handoff, role  # the role settles its fetches
+        self._secret, self._context = role.config.secret.encode(), role.context
+        namespace, lease_s = role.namespace, role.config.lease_s
+        self.keys = {codec.store_key(namespace, key): key for key in handoff.key_bytes()}
         self.lease_s = handoff.lease_seconds or lease_s
         self.deadline = time.monotonic() + self.lease_s  # heartbeats move it
         self.beat = time.monotonic()
@@ -102,13 +103,13 @@ class DecodeRole:
 
     def __init__(self, config: P.HandoffConfig, cache: PagedKVCache,
                  fingerprint: codec.Fingerprint) -> None:
-        self.config, self.cache, self._namespace = config, cache, fingerprint.namespace
+        self.config, self.cache, self.namespace = config, cache, fingerprint.namespace
         self.metrics = HandoffMetrics(self.role)
-        self._context = zmq.Context()
+        self.context = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}  # prefill engine -> a DEALER (this thread)
         self._waiting: dict[int, Any] = {}  # request id -> its unsettled request
 
-    def admit(self, request: Any, handoff: P.HandoffParams | None) -> str | None:
+    def admit(self, request: Any, handoff: HandoffParams | None) -> str | None:
         """Give `request` its `PeerSource`, or fall back: the error message when the
         policy fails it (the engine fails the request), else None."""
         if handoff is None or not handoff.do_remote_prefill or handoff.missing:
@@ -118,14 +119,11 @@ class DecodeRole:
         size = self.cache.config.block_size
         mine = block_keys(np.asarray(request.prompt_token_ids, dtype=np.int64), size,
                           root_hash(request.salt))
-        if handoff.keys() != mine[:len(handoff.block_keys)]:
-            source = PeerSource(handoff, self.config.secret, self._namespace, self._context,
-                                self.config.lease_s)
-            self._release(source)
+        if handoff.key_bytes() != mine[:len(handoff.block_keys)]:
+            self._release(PeerSource(handoff, self))
             return self._fall_back(request, P.TENANT_MISMATCH, "the prefill's block keys are "
                                    "not this prompt's under this tenant")
-        request.peer = PeerSource(handoff, self.config.secret, self._namespace, self._context,
-                                  self.config.lease_s)
+        request.peer = PeerSource(handoff, self)
         self._waiting[request.request_id] = request
         return None
 
@@ -156,9 +154,12 @@ class DecodeRole:
         request.error = f"{P.ERROR_PREFIX}: {reason} ({detail})"
         return request.error
 
-    def tick(self) -> None:
-        """Between steps: heartbeat the leases of requests still waiting (every third of
-        a lease), drain the answers."""
+    def tick(self, scheduler: Any) -> list[tuple[int, str]]:
+        """After scheduling: heartbeat the leases of requests still waiting (every third
+        of a lease), drain the answers; returns ``(request id, error)`` of the requests the
+        ``fail`` policy fails (taken from ``scheduler.failed``), for the engine to fail."""
+        failed = [(seq.request.request_id, seq.request.error) for seq in scheduler.failed]
+        scheduler.failed.clear()
         now = time.monotonic()
         for request in self._waiting.values():
             source = request.peer
@@ -167,6 +168,7 @@ class DecodeRole:
                 send(self._socket(source), source.frames(b"heartbeat"))
         for socket in self._sockets.values():
             drain(socket)
+        return failed
 
     def forget(self, request: Any) -> None:
         """`request` finished or was aborted: release what it still holds."""
@@ -188,7 +190,7 @@ class DecodeRole:
         endpoint = source.params.remote_engine
         socket = self._sockets.get(endpoint)
         if socket is None:
-            socket = self._sockets[endpoint] = self._context.socket(zmq.DEALER)
+            socket = self._sockets[endpoint] = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 1000)  # a release still leaves on close
             socket.setsockopt(zmq.SNDHWM, 1000)
             socket.connect(endpoint)
@@ -202,4 +204,4 @@ class DecodeRole:
         """Close the sockets (pending releases get a second)."""
         for socket in self._sockets.values():
             socket.close()
-        self._context.term()
+        self.context.term()

@@ -13,9 +13,9 @@ import numpy as np
 from ..cache import PagedKVCache
 from ..keys import block_keys, encode_tokens, root_hash
 from ..tiers import codec
+from .config import HandoffConfig
 from .lease import LeaseTable
 from .metrics import HandoffMetrics
-from .params import HandoffConfig
 from .server import HandoffServer
 
 MIB = 1 << 20
@@ -83,8 +83,9 @@ class PrefillRole:
         return keys[:len(ids)], [codec.encode(key, self._digest, row)
                                  for key, row in zip(keys, data, strict=False)]
 
-    def tick(self) -> None:
+    def tick(self, scheduler: Any) -> list[tuple[int, str]]:
         """Nothing to do between steps (the server's thread sweeps the leases)."""
+        return []
 
     def forget(self, request: Any) -> None:
         """A request aborted: nothing was leased for it yet."""

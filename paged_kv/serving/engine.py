@@ -14,8 +14,8 @@ from .._checks import check_retain
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..events import KVEventsConfig, open_publisher
+from ..handoff import HandoffConfig, open_tiers_and_role
 from ..tiers import TierConfig
-from ..tiers.manager import open_tiers
 from .errors import EngineDeadError
 from .limits import check_limits, check_request
 from .metrics import EngineMetrics
@@ -29,7 +29,7 @@ from .tenant_stats import tenant_blocks
 from .threads import ThreadGovernor, intra_op_threads
 
 if TYPE_CHECKING:  # the hand-off needs the serve extra (pyzmq, msgspec): imported when used
-    from ..handoff import HandoffConfig, HandoffParams
+    from ..handoff.params import HandoffParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,7 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  preemption: str = "recompute", memory_fraction: float | None = None,
                  num_threads: int | None = None, tensor_parallel_size: int = 1,
-                 kv_tiers: TierConfig | None = None,
-                 kv_events: KVEventsConfig | None = None,
+                 kv_tiers: TierConfig | None = None, kv_events: KVEventsConfig | None = None,
                  handoff: HandoffConfig | None = None) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
@@ -119,13 +118,11 @@ class Engine:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
                            else TensorParallelRunner(model, self.cache, group))
-            decode = handoff is not None and handoff.role == "decode"
-            self.tiers = open_tiers(kv_tiers, self.cache, model, always=decode)
+            # a decode engine's hand-offs come through the tiers' fetch path
+            self.tiers, self.handoff = open_tiers_and_role(kv_tiers, handoff, self.cache, model)
             self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        preemption=preemption, tiers=self.tiers)
-            self.handoff = _open_handoff(handoff, self.cache, self.tiers, model)
-            self.scheduler.handoff = self.handoff
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
             self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
         except BaseException:
@@ -280,12 +277,10 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        if self.handoff is not None:
-            self.handoff.tick()
         plan = self.scheduler.schedule()
-        while self.scheduler.failed:  # hand-offs the `fail` policy fails
-            request = self.scheduler.failed.pop().request
-            self.abort(request.request_id, error=request.error)
+        if self.handoff is not None:  # heartbeats; hand-offs the `fail` policy fails
+            for request_id, error in self.handoff.tick(self.scheduler):
+                self.abort(request_id, error=error)
         if not plan:
             if self.scheduler.loading:  # only fetches to wait for: let their thread run
                 time.sleep(0.001)
@@ -469,16 +464,3 @@ def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
     for seq, n in plan.items():
         parts.setdefault(seq.request.request_id, {})[seq] = n
     return list(parts.values())
-
-
-def _open_handoff(config: HandoffConfig | None, cache: PagedKVCache, tiers, model):
-    """The engine's hand-off role (None without one); its blocks' fingerprint is the tiers'
-    (a decode engine always has tiers), else the model's."""
-    if config is None or config.role == "both":
-        return None
-    from ..handoff import open_role
-    from ..tiers.identity import model_fingerprint
-
-    fingerprint = (tiers.fingerprint if tiers is not None
-                   else model_fingerprint(model, cache.config, ""))
-    return open_role(config, cache, fingerprint)

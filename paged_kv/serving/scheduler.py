@@ -40,8 +40,6 @@ class Scheduler:
         self.swapped: collections.deque[Sequence] = collections.deque()
         self.loading: list[Sequence] = []  # waiting for their prompts' blocks from the tiers
         self.tiers = tiers  # a tiers.TierManager, or None
-        # a decode engine's hand-offs: settles each peer fetch (`handoff.DecodeRole`)
-        self.handoff: Any = None
         self.failed: list[Sequence] = []  # hand-offs the `fail` policy fails (the engine does)
         self.reports = CacheReports(cache.config.block_size, cache.allocator.ghost, tiers)
         self.num_preemptions = 0
@@ -198,7 +196,7 @@ class Scheduler:
         elif keys:  # a hand-off: from the prefill engine, until its lease ends
             seq.fetch = self.tiers.start_peer_fetch(keys, tokens, parent, peer, peer.deadline)
         else:  # every block it could load is on the device already
-            self.handoff.settle(seq.request, None, 0)
+            peer.role.settle(seq.request, None, 0)
             seq.fetch = None
         if seq.fetch is None:
             return False
@@ -223,8 +221,8 @@ class Scheduler:
                 continue
             seq.request.fetch_report = (dict(getattr(seq.fetch, "loaded", None) or {}),
                                         getattr(seq.fetch, "failure", None))
-            settled = (getattr(seq.fetch, "peer", None) is None
-                       or self.handoff.settle(seq.request, seq.fetch, loaded))
+            peer = getattr(seq.fetch, "peer", None)  # a hand-off's: its role settles it
+            settled = peer is None or peer.role.settle(seq.request, seq.fetch, loaded)
             seq.fetch, seq.status = None, Status.WAITING
             (back if settled else self.failed).append(seq)
         self.loading = still
