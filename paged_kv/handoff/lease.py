@@ -47,6 +47,7 @@ class LeaseTable:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s, self.max_bytes, self._clock = lease_s, max_bytes, clock
         self._leases: collections.OrderedDict[str, Lease] = collections.OrderedDict()
+        # leases gone (expired, evicted or released) -> why, the last `EXPIRED_MEMORY`
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.nbytes = 0
@@ -75,7 +76,7 @@ class LeaseTable:
             self._expire()
             lease = self._leases.get(lease_id)
             if lease is None:
-                return self._gone.get(lease_id, "unknown")
+                return "expired" if lease_id in self._gone else "unknown"
             return [lease.values.get(key) for key in keys]
 
     def heartbeat(self, lease_id: str) -> bool:

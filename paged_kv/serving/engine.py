@@ -288,7 +288,10 @@ class Engine:
         step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
         samples, finished = self._sample(step), []
         for sample in samples:  # each sample's output streams as soon as it is updated
-            finished += self.scheduler.update_from_output([sample], self.eos_token_ids)
+            done = self.scheduler.update_from_output([sample], self.eos_token_ids)
+            for request in done if self.handoff is not None else ():  # a prefill's lease
+                self.handoff.finished(request)  # (before its last output is emitted)
+            finished += done
             self._emit(sample[0], [sample[1]])
         if self.tiers is not None or self.events is not None:
             events = self.cache.take_events()
@@ -297,9 +300,6 @@ class Engine:
             if self.events is not None:  # the index's changes, for routers
                 self.events.publish(events)
         self.metrics.after_step(self.stats, len(samples))
-        if self.handoff is not None:  # a prefill's leases, a decode's releases
-            for request in finished:
-                self.handoff.finished(request)
         return [request.output(request.finish_time) for request in finished
                 if self._requests.pop(request.request_id, None)]
 
