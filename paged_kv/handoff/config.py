@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
+SECRET_ENV = "PAGED_KV_HANDOFF_SECRET"
 ROLES = ("both", "prefill", "decode")
 POLICIES = ("recompute", "fail")
 # every reason a decode engine fell back (paged_kv_handoff_fallbacks_total{reason})
@@ -75,13 +77,28 @@ def add_handoff_flags(parser: argparse.ArgumentParser) -> None:
                             "request's pages; decode: pull them from the prefill engine")
     group.add_argument("--handoff-host", default="127.0.0.1",
                        help="the address a prefill engine serves its pages on")
-    group.add_argument("--handoff-port", type=int, default=0,
+    group.add_argument("--handoff-port", type=_port, default=0,
                        help="the ZMQ port a prefill engine serves its pages on (0: a free one)")
-    group.add_argument("--handoff-secret", default="",
-                       help="shared by the engines: pulls without it are refused")
-    group.add_argument("--handoff-lease-s", type=float, default=30.0,
+    group.add_argument("--handoff-secret", default=os.environ.get(SECRET_ENV, ""),
+                       help=f"shared by the engines: pulls without it are refused (default: "
+                            f"${SECRET_ENV}, which keeps it out of the process list)")
+    group.add_argument("--handoff-lease-s", type=_seconds, default=30.0,
                        help="seconds a prefill engine keeps a request's pages unclaimed "
                             "(a decode engine's heartbeat extends it)")
     group.add_argument("--handoff-failure", choices=POLICIES, default="recompute",
                        help="a hand-off a decode engine cannot load: prefill locally "
                             "(counted, logged) or fail the request (HTTP 502)")
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value

@@ -5,6 +5,7 @@ them), leased (`LeaseTable`) and served (`HandoffServer`); the response says whe
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ from .metrics import HandoffMetrics
 from .server import HandoffServer
 
 MIB = 1 << 20
+logger = logging.getLogger("paged_kv.handoff")
 
 
 class PrefillRole:
@@ -40,6 +42,9 @@ class PrefillRole:
         self.leases = LeaseTable(config.lease_s, int(config.max_lease_mib * MIB))
         self.metrics = HandoffMetrics(self.role, self.leases)
         self.server = HandoffServer(self.leases, config.host, config.port, config.secret)
+        if not config.secret:
+            logger.warning("prefill role without --handoff-secret: anyone who reaches %s "
+                           "can pull leased pages", self.server.endpoint)
 
     def admit(self, request: Any, params: Any) -> str | None:
         """Note a new request's parameters: only ``do_remote_decode`` matters here."""

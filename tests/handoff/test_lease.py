@@ -100,3 +100,20 @@ def test_params_lacking_fields_are_parsed_and_say_what_they_lack():
     assert params.do_remote_prefill and params.missing == ["remote_engine", "block_keys",
                                                            "num_prompt_tokens"]
     assert parse_params(None) is None
+
+
+def test_serve_flags_make_the_config():
+    from paged_kv.cli import build_parser
+    from paged_kv.handoff import HandoffConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--role", "decode", "--handoff-secret", "x",
+                              "--handoff-failure", "fail", "--handoff-lease-s", "2.5"])
+    assert HandoffConfig.from_args(args) == HandoffConfig("decode", secret="x", lease_s=2.5,
+                                                          failure="fail")
+    assert HandoffConfig.from_args(parser.parse_args(["serve"])) is None  # role both
+    for bad in (["--handoff-lease-s", "0"], ["--handoff-port", "65536"], ["--role", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+    with pytest.raises(ValueError, match=r"^failure:"):
+        HandoffConfig("prefill", failure="retry")
