@@ -187,7 +187,9 @@ class Scheduler:
 
     def _start_fetch(self, seq: Sequence, admission: Admission) -> bool:
         """Ask the tiers for the prompt's full blocks the device lacks (under the keys the
-        admission carries); True when a fetch started (`seq` is loading)."""
+        admission carries); True when a fetch started (`seq` is loading). A hand-off's
+        request (``request.peer``, unsettled) asks its prefill engine instead, through the
+        same fetch path; with nothing to ask, its hand-off is settled at once."""
         seq.tiered = True
         parent, keys, tokens = admission.missing(self.cache.config.block_size)
         peer = seq.request.peer

@@ -6,6 +6,10 @@ round trip on Redis), the longest contiguous run any tier holds, whether fetchin
 recomputing (the engine's measured prefill rate against the tier's measured fetch rate),
 then the values in batches, each verified; it gives up at the fetch's deadline. The
 engine's thread polls a fetch and loads what arrived (`TierManager.land`).
+
+A hand-off's fetch (`Fetch.peer`, `paged_kv.handoff`) reads one source, the prefill
+engine's lease, and is never skipped by the rates (a hand-off always pulls); its values
+are verified as any tier's.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ gives up at the fetch's deadline. The engine's thread polls a fetch and loads wh
 The manager is their coordinator, on the engine's thread: it opens the stores, copies
 stored blocks out for the writer, starts fetches and lands them, keeps which tier holds
 which block (`HeldKeys`) up to date with what a fetch saw, and adds up the counters.
+A decode engine's hand-offs come through the same read path (`start_peer_fetch`): blocks
+from elsewhere reach the pool one way only, verified.
 """
 
 from __future__ import annotations
