@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ..server.test_server import httpx, make_prompt, metric, running_server
+from ..server.test_server import httpx, make_prompt, metric, running_server, sse_events
 
 zmq = pytest.importorskip("zmq")
 
@@ -272,3 +272,36 @@ def test_a_gone_prefill_engine_recomputes_or_fails_with_502(servers, short_prefi
     missing = decode(failing_decode, prompt, None)
     assert missing.status_code == 502 and "missing_params" in missing.text
     assert settled(None, dec) and settled(None, failing_decode)
+
+
+def test_chat_n2_and_a_stream_on_the_decode_engine_equal_one_engine(servers):
+    prefill, dec, both = servers
+    chat = {"messages": [{"role": "user", "content": "tell me about pages " * 4}],
+            "max_tokens": 8, "temperature": 0, "n": 2}
+    headers = {"Authorization": "Bearer key-a"}
+
+    def ask(url: str, body: dict) -> httpx.Response:
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers=headers)
+        assert reply.status_code == 200, reply.text
+        return reply
+    params = ask(prefill, {**chat, "max_tokens": 1, "n": 1,
+                           "kv_transfer_params": {"do_remote_decode": True}}
+                 ).json()["kv_transfer_params"]
+    assert params["block_keys"]
+    handed = ask(dec, {**chat, "kv_transfer_params": {**params, "do_remote_prefill": True}})
+    expected = [c["message"]["content"] for c in ask(both, chat).json()["choices"]]
+    assert [c["message"]["content"] for c in handed.json()["choices"]] == expected
+    details = handed.json()["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens_by_source"]["peer"] == details["cached_tokens"] > 0
+    prompt = make_prompt(45, seed=21)  # and a stream, on a completion
+    params = prefill_params(prefill, prompt)
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "kv_transfer_params": {**params, "do_remote_prefill": True}}
+    with httpx.stream("POST", f"{dec}/v1/completions", json=body, timeout=60,
+                      headers=headers) as reply:
+        events = sse_events(reply.iter_lines())
+    text = "".join(e["choices"][0]["text"] for e in events if e != "DONE" and e["choices"])
+    assert text == post(both, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+                        ).json()["choices"][0]["text"]
+    assert settled(prefill, dec)
+    assert fallbacks(dec, "transfer_failed") == 0

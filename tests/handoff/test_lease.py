@@ -117,3 +117,22 @@ def test_serve_flags_make_the_config():
             parser.parse_args(["serve", *bad])
     with pytest.raises(ValueError, match=r"^failure:"):
         HandoffConfig("prefill", failure="retry")
+
+
+def test_a_fallback_is_counted_every_time_and_logged_once_a_minute_per_reason(caplog):
+    from paged_kv.handoff.metrics import HandoffMetrics
+
+    from ..conftest import prometheus_value
+
+    metrics = HandoffMetrics("decode")
+    with caplog.at_level("WARNING", logger="paged_kv.handoff"):
+        for _ in range(3):
+            metrics.fallback("engine_gone", "no answer")
+        metrics.fallback("lease_expired", "too late")
+    text = metrics.text()
+    assert prometheus_value(text, "paged_kv_handoff_fallbacks_total",
+                            '{reason="engine_gone"}') == 3
+    assert prometheus_value(text, "paged_kv_handoff_fallbacks_total",
+                            '{reason="verify_failed"}') == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "engine_gone" in lines[0] and "lease_expired" in lines[1]
