@@ -15,6 +15,7 @@ from .accounting import CacheStats
 from .bench.cli import add_bench_parser
 from .config import KV_CACHE_DTYPES, CacheConfig
 from .demo.synthetic import run_synthetic
+from .handoff import add_handoff_flags
 from .router.cli import add_route_parser
 from .tiers import TierConfig
 
@@ -289,6 +290,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
     events.add_argument("--kv-events-token-ids", action="store_true",
                         help="put token ids in BlockStored events: they are the tenants' "
                              "prompts, so off unless you allow it")
+    add_handoff_flags(serve)
     serve.set_defaults(run=_serve)
 
 

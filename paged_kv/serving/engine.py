@@ -6,6 +6,7 @@ import logging
 import time
 from collections import abc
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,8 +14,8 @@ from .._checks import check_retain
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..events import KVEventsConfig, open_publisher
+from ..handoff import HandoffConfig, open_tiers_and_role
 from ..tiers import TierConfig
-from ..tiers.manager import open_tiers
 from .errors import EngineDeadError
 from .limits import check_limits, check_request
 from .metrics import EngineMetrics
@@ -26,6 +27,9 @@ from .scheduler import Scheduler
 from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
 from .tenant_stats import tenant_blocks
 from .threads import ThreadGovernor, intra_op_threads
+
+if TYPE_CHECKING:  # the hand-off needs the serve extra (pyzmq, msgspec): imported when used
+    from ..handoff.params import HandoffParams
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,11 @@ class Engine:
     kv_events : KVEventsConfig, optional
         Publish the prefix index's changes after each step (vLLM's KV events over ZMQ, for
         a cache-aware router; see `paged_kv.events`).
+    handoff : HandoffConfig, optional
+        This engine's part in a prefill/decode hand-off between engines (see
+        `paged_kv.handoff`; the serve extra): a prefill engine leases and serves the pages
+        of requests that ask for it, a decode engine pulls them through the tiers' fetch
+        path (a decode engine without tiers gets a fetch path of its own).
     num_threads : int, optional
         torch intra-op threads while a step runs. Default on the CPU: torch's count while
         the cores are free, fewer while other processes use them (`paged_kv._threads`).
@@ -86,8 +95,8 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  preemption: str = "recompute", memory_fraction: float | None = None,
                  num_threads: int | None = None, tensor_parallel_size: int = 1,
-                 kv_tiers: TierConfig | None = None,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_tiers: TierConfig | None = None, kv_events: KVEventsConfig | None = None,
+                 handoff: HandoffConfig | None = None) -> None:
         if cache_config is not None and memory_fraction is not None:
             raise ValueError("memory_fraction: give it or cache_config, not both")
         if cache_config is None:
@@ -104,12 +113,13 @@ class Engine:
         if tensor_parallel_size != 1:
             model, cache_config, group = TensorParallelRunner.start(model, cache_config,
                                                                     tensor_parallel_size)
-        self.tiers = None
+        self.tiers = self.handoff = None
         try:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
                            else TensorParallelRunner(model, self.cache, group))
-            self.tiers = open_tiers(kv_tiers, self.cache, model)
+            # a decode engine's hand-offs come through the tiers' fetch path
+            self.tiers, self.handoff = open_tiers_and_role(kv_tiers, handoff, self.cache, model)
             self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        preemption=preemption, tiers=self.tiers)
@@ -128,8 +138,9 @@ class Engine:
         """Undo a constructor that failed part-way: no half-built engine leaves the group
         initialised, or the tiers' threads running and their disk directory locked (a retry
         in this process would be refused it)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        for part in (self.tiers, self.handoff):
+            if part is not None:
+                part.close()
         if group is not None:
             group.close()
 
@@ -137,7 +148,8 @@ class Engine:
     def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,
                     *, salt: str | None = None, priority: int | None = None,
                     retention_seconds: float | None = None,
-                    on_output: Callable[[StepOutput], None] | None = None) -> int:
+                    on_output: Callable[[StepOutput], None] | None = None,
+                    handoff: HandoffParams | None = None) -> int:
         """Queue a request; returns its id.
 
         Parameters
@@ -153,6 +165,11 @@ class Engine:
         on_output : callable, optional
             Called on the engine's thread with a `StepOutput` for every token of every
             sample as it is generated, and once more per sample when it finishes.
+        handoff : HandoffParams, optional
+            The request's ``kv_transfer_params``: on a prefill engine ``do_remote_decode``
+            leases its prompt's pages (its output's ``kv_transfer_params`` say where); on
+            a decode engine, where to pull them from (without them: a fallback, counted,
+            and under the ``fail`` policy the request fails).
 
         Raises
         ------
@@ -171,6 +188,9 @@ class Engine:
         self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
+        error = None if self.handoff is None else self.handoff.admit(request, handoff)
+        if error is not None:
+            self.abort(request.request_id, error=error)
         return request.request_id
 
     def flush_tenant(self, tenant: str, *, retention_only: bool = False) -> int:
@@ -193,6 +213,8 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        if self.handoff is not None:
+            self.handoff.forget(request)
         self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
         return True
 
@@ -256,6 +278,9 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if self.handoff is not None:  # heartbeats; hand-offs the `fail` policy fails
+            for request_id, error in self.handoff.tick(self.scheduler):
+                self.abort(request_id, error=error)
         if not plan:
             if self.scheduler.loading:  # only fetches to wait for: let their thread run
                 time.sleep(0.001)
@@ -263,7 +288,10 @@ class Engine:
         step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
         samples, finished = self._sample(step), []
         for sample in samples:  # each sample's output streams as soon as it is updated
-            finished += self.scheduler.update_from_output([sample], self.eos_token_ids)
+            done = self.scheduler.update_from_output([sample], self.eos_token_ids)
+            for request in done if self.handoff is not None else ():  # a prefill's lease
+                self.handoff.finished(request)  # (before its last output is emitted)
+            finished += done
             self._emit(sample[0], [sample[1]])
         if self.tiers is not None or self.events is not None:
             events = self.cache.take_events()
@@ -375,7 +403,7 @@ class Engine:
         (`step` raises `EngineDeadError`)."""
         self._dead = self._dead or "the engine was closed"
         self.runner.close()
-        for part in (self.tiers, self.events):
+        for part in (self.tiers, self.events, self.handoff):
             if part is not None:
                 part.close()
 
@@ -409,7 +437,8 @@ class Engine:
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""
         self.metrics.observe(self.stats(), 0)
-        return self.metrics.text(self.cache)
+        text = self.metrics.text(self.cache)
+        return text if self.handoff is None else text + self.handoff.text()
 
 
 def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:

@@ -47,6 +47,8 @@ class RequestOutput:
     # the first uncached block missed (`paged_kv.tenants.Miss.as_dict`; None: no miss)
     cached_by_source: dict[str, int] | None = None
     miss: dict | None = None
+    # a prefill engine's hand-off parameters (`paged_kv.handoff`: where its pages are leased)
+    kv_transfer_params: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,11 @@ class Request:
     cached_by_source: dict[str, int] | None = None
     miss: dict | None = None
     on_output: Callable[[StepOutput], None] | None = None
+    # the hand-off (`paged_kv.handoff`): a prefill engine's request parameters, a decode
+    # engine's source of its prompt's pages (a `PeerSource`), the response's parameters
+    handoff: Any = None
+    peer: Any = None
+    kv_transfer_params: dict | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -73,6 +78,7 @@ class Request:
             error=self.error,
             cached_by_source=self.cached_by_source,
             miss=self.miss,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 

@@ -40,6 +40,7 @@ class Scheduler:
         self.swapped: collections.deque[Sequence] = collections.deque()
         self.loading: list[Sequence] = []  # waiting for their prompts' blocks from the tiers
         self.tiers = tiers  # a tiers.TierManager, or None
+        self.failed: list[Sequence] = []  # hand-offs the `fail` policy fails (the engine does)
         self.reports = CacheReports(cache.config.block_size, cache.allocator.ghost, tiers)
         self.num_preemptions = 0
         self._reserved = 0  # blocks this step's scheduled sequences will take
@@ -47,7 +48,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Whether any sequence is waiting, running or swapped out."""
-        return bool(self.waiting or self.running or self.swapped or self.loading)
+        return bool(self.waiting or self.running or self.swapped or self.loading or self.failed)
 
     def schedule(self) -> dict[Sequence, int]:
         """This step's new tokens per sequence; may preempt, swap in, and admit."""
@@ -186,10 +187,19 @@ class Scheduler:
 
     def _start_fetch(self, seq: Sequence, admission: Admission) -> bool:
         """Ask the tiers for the prompt's full blocks the device lacks (under the keys the
-        admission carries); True when a fetch started (`seq` is loading)."""
+        admission carries); True when a fetch started (`seq` is loading). A hand-off's
+        request (``request.peer``, unsettled) asks its prefill engine instead, through the
+        same fetch path; with nothing to ask, its hand-off is settled at once."""
         seq.tiered = True
         parent, keys, tokens = admission.missing(self.cache.config.block_size)
-        seq.fetch = self.tiers.start_fetch(keys, tokens, parent)
+        peer = seq.request.peer
+        if peer is None or peer.settled:
+            seq.fetch = self.tiers.start_fetch(keys, tokens, parent)
+        elif keys:  # a hand-off: from the prefill engine, until its lease ends
+            seq.fetch = self.tiers.start_peer_fetch(keys, tokens, parent, peer, peer.deadline)
+        else:  # every block it could load is on the device already
+            peer.role.settle(seq.request, None, 0)
+            seq.fetch = None
         if seq.fetch is None:
             return False
         seq.status = Status.LOADING
@@ -202,9 +212,10 @@ class Scheduler:
         front again, where admission finds the loaded prefix like any cached one."""
         still, back = [], []
         for seq in self.loading:
+            loaded = 0
             if seq.fetch.done:
                 spare = self.cache.allocator.num_obtainable_blocks - len(self.running)
-                self.tiers.land(seq.fetch, spare)
+                loaded = self.tiers.land(seq.fetch, spare)
             elif seq.fetch.expired:
                 self.tiers.fell_back(seq.fetch)
             else:
@@ -212,8 +223,10 @@ class Scheduler:
                 continue
             seq.request.fetch_report = (dict(getattr(seq.fetch, "loaded", None) or {}),
                                         getattr(seq.fetch, "failure", None))
+            peer = getattr(seq.fetch, "peer", None)  # a hand-off's: its role settles it
+            settled = peer is None or peer.role.settle(seq.request, seq.fetch, loaded)
             seq.fetch, seq.status = None, Status.WAITING
-            back.append(seq)
+            (back if settled else self.failed).append(seq)
         self.loading = still
         self.waiting.extendleft(reversed(back))
 
@@ -323,7 +336,7 @@ class Scheduler:
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;
         `reason` is "abort" (the client's) or "error" (the engine's)."""
-        for queue in (self.waiting, self.running, self.swapped, self.loading):
+        for queue in (self.waiting, self.running, self.swapped, self.loading, self.failed):
             if seq in queue:
                 queue.remove(seq)
         if seq.fetch is not None:

@@ -6,6 +6,10 @@ round trip on Redis), the longest contiguous run any tier holds, whether fetchin
 recomputing (the engine's measured prefill rate against the tier's measured fetch rate),
 then the values in batches, each verified; it gives up at the fetch's deadline. The
 engine's thread polls a fetch and loads what arrived (`TierManager.land`).
+
+A hand-off's fetch (`Fetch.peer`, `paged_kv.handoff`) reads one source, the prefill
+engine's lease, and is never skipped by the rates (a hand-off always pulls); its values
+are verified as any tier's.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class Fetch:
         self.failure: tuple[str, str] | None = None
         self.tier: str | None = None  # the tier being asked now (a timeout names it)
         self.prefix = ""  # the tenant's key prefix in stores that name tenants (Redis)
+        # a hand-off's source (`paged_kv.handoff.PeerSource`): the run is fetched from it
+        # alone, and always (a hand-off pulls even where recomputing looks faster)
+        self.peer: Store | None = None
 
     def timed_out(self) -> None:
         """Record that the fetch passed its deadline (at the tier being asked)."""
@@ -140,10 +147,11 @@ class TierFetcher:
     def _fetch(self, fetch: Fetch) -> None:
         plain = [codec.store_key(self._namespace, key) for key in fetch.keys]
         prefixed = [fetch.prefix + name for name in plain] if fetch.prefix else plain
-        names = [prefixed if store.tenant_keys else plain for store in self.stores]
+        stores = self.stores if fetch.peer is None else [fetch.peer]
+        names = [prefixed if store.tenant_keys else plain for store in stores]
         held = []
         # one lookup per tier for the whole run
-        for store, store_names in zip(self.stores, names, strict=True):
+        for store, store_names in zip(stores, names, strict=True):
             fetch.tier = store.name
             start = time.monotonic()
             found = store.contains(store_names)
@@ -157,7 +165,7 @@ class TierFetcher:
             if tier is None:
                 break
             sources.append(tier)
-        if not sources or not self._worth_it(sources):
+        if not sources or (fetch.peer is None and not self._worth_it(sources)):
             self.skipped_fetches += bool(sources)
             return
         rows: list[torch.Tensor] = []
@@ -166,23 +174,23 @@ class TierFetcher:
                 if fetch.expired:
                     fetch.timed_out()
                 break
-            fetch.tier = self.stores[sources[start]].name
-            got = self._get_batch(fetch, names, sources, start)
+            fetch.tier = stores[sources[start]].name
+            got = self._get_batch(fetch, names, sources, start, stores)
             rows += got
             if len(got) < len(sources[start:start + FETCH_BATCH]):
                 break
         if rows:
             fetch.payload = torch.stack(rows)
-            fetch.sources = [self.stores[t].name for t in sources[:len(rows)]]
+            fetch.sources = [stores[t].name for t in sources[:len(rows)]]
 
     def _get_batch(self, fetch: Fetch, names: list[list[str]], sources: list[int],
-                   start: int) -> list[torch.Tensor]:
+                   start: int, stores: list[Store]) -> list[torch.Tensor]:
         """Blocks ``start ..`` of the run (one get per tier involved; `names`: each
         tier's names of the run's keys), verified, up to the first that fails."""
         batch = range(start, min(start + FETCH_BATCH, len(sources)))
         values: dict[int, bytes | None] = {}
         for tier in sorted({sources[i] for i in batch}):
-            store, wanted = self.stores[tier], [i for i in batch if sources[i] == tier]
+            store, wanted = stores[tier], [i for i in batch if sources[i] == tier]
             began = time.monotonic()
             got = store.get([names[tier][i] for i in wanted])
             for i, value in zip(wanted, got, strict=True):
@@ -193,7 +201,7 @@ class TierFetcher:
         for i in batch:
             payload = codec.decode(values[i], fetch.keys[i], self._digest, self._nbytes)
             if payload is None:
-                store = self.stores[sources[i]]
+                store = stores[sources[i]]
                 if values[i] is not None:  # present but wrong: never served, never again
                     self.verify_failures[store.name] += 1
                     fetch.failure = ("verify_failed", store.name)
@@ -208,9 +216,9 @@ class TierFetcher:
         """One call's time into the tier's rates: per byte for a get, per call for a
         lookup (whose bytes are negligible)."""
         if nbytes:
-            self._byte_s[tier] = ema(self._byte_s[tier], seconds / nbytes)
+            self._byte_s[tier] = ema(self._byte_s.get(tier), seconds / nbytes)
         else:
-            self._call_s[tier] = ema(self._call_s[tier], seconds)
+            self._call_s[tier] = ema(self._call_s.get(tier), seconds)
 
     def _worth_it(self, sources: list[int]) -> bool:
         """Whether fetching the run beats recomputing its tokens (true until the engine

@@ -14,6 +14,8 @@ gives up at the fetch's deadline. The engine's thread polls a fetch and loads wh
 The manager is their coordinator, on the engine's thread: it opens the stores, copies
 stored blocks out for the writer, starts fetches and lands them, keeps which tier holds
 which block (`HeldKeys`) up to date with what a fetch saw, and adds up the counters.
+A decode engine's hand-offs come through the same read path (`start_peer_fetch`): blocks
+from elsewhere reach the pool one way only, verified.
 """
 
 from __future__ import annotations
@@ -181,6 +183,15 @@ class TierManager:
         self._fetcher.submit(fetch)
         return fetch
 
+    def start_peer_fetch(self, keys: list[bytes], token_ids: np.ndarray, parent: bytes,
+                         peer: Store, deadline: float) -> Fetch:
+        """Start fetching `keys` from a hand-off's `peer` alone (`start_fetch`'s arguments),
+        whatever the rates say, until `deadline` (monotonic: its lease's end)."""
+        fetch = Fetch(keys, token_ids, deadline, parent)
+        fetch.peer = peer
+        self._fetcher.submit(fetch)
+        return fetch
+
     def land(self, fetch: Fetch, spare_blocks: int) -> int:
         """Load a finished fetch's blocks as cached device blocks (at most `spare_blocks`);
         returns how many, counted as hits of the tiers they came from."""
@@ -194,9 +205,11 @@ class TierManager:
                 if len(key) == codec.CHAIN_BYTES:  # another layer group's block: same tokens
                     self._hit_tokens[source] += size
                     fetch.loaded[source] = fetch.loaded.get(source, 0) + 1
-                if self.shares is not None:
+                if self.shares is not None and fetch.peer is None:
                     self.shares[source].touch([key])
             self._loaded_blocks += loaded
+        if fetch.peer is not None:
+            return loaded  # a hand-off's: the tiers saw nothing of it
         if self.shares is not None and fetch.failure is not None \
                 and fetch.failure[0] == "verify_failed":  # deleted by the fetcher
             self.shares[fetch.failure[1]].forget(fetch.keys[len(fetch.sources):][:1])
@@ -277,12 +290,15 @@ class TierManager:
 
 
 def open_tiers(config: TierConfig | None, cache: PagedKVCache,
-               model: torch.nn.Module) -> TierManager | None:
+               model: torch.nn.Module, always: bool = False) -> TierManager | None:
     """The tiers behind `cache`, or None when none is configured; blocks are namespaced by
     `model`'s fingerprint (`identity.model_fingerprint`: its config, and all its weights'
-    bytes unless the config names the weights)."""
+    bytes unless the config names the weights). With `always`, a manager without any store
+    when none is configured: a decode engine's hand-offs come through its fetch path."""
     if config is None or not config.enabled:
-        return None
+        if not always:
+            return None
+        config = TierConfig()  # no store: a decode engine's hand-offs only
     return TierManager(config, cache, model_fingerprint(model, cache.config, config.model_id))
 
 

@@ -114,7 +114,7 @@ class CoreClient:
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
                   on_output: Callable[[StepOutput], None], *, priority: int | None = None,
-                  retention_seconds: float | None = None) -> int:
+                  retention_seconds: float | None = None, handoff=None) -> int:
         """Send a request to the core; returns this server's id for it."""
         if not self.is_alive:
             raise EngineDeadError(self.dead or ("the engine core is draining (SIGTERM): send "
@@ -122,7 +122,7 @@ class CoreClient:
                                                 else "the engine core has stopped"))
         request_id = next(self._ids)
         frame = messages.encode(messages.Add(request_id, prompt_token_ids, params, salt,
-                                             priority, retention_seconds))
+                                             priority, retention_seconds, handoff))
         # counted while sent, uncounted if the send fails: a request that never reached
         # the core must leave no entry and no count behind (the count would never heal)
         self._requests[request_id] = (on_output, params.n)

@@ -42,9 +42,10 @@ class EngineClient(Protocol):
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
                   on_output: Callable[[StepOutput], None], *, priority: int | None = None,
-                  retention_seconds: float | None = None) -> int:
+                  retention_seconds: float | None = None, handoff=None) -> int:
         """Queue a request; `on_output` runs on the calling event loop per step output;
-        `priority` and `retention_seconds`: its blocks' soft retention once finished."""
+        `priority` and `retention_seconds`: its blocks' soft retention once finished;
+        `handoff`: its ``kv_transfer_params`` (`paged_kv.handoff.HandoffParams`)."""
 
     async def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:
         """An admin's flush (or unretain) of a tenant's cached blocks; how many (ValueError

@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from ...events import KVEventsConfig
+from ...handoff import HandoffConfig
 from ...serving import Engine, EngineDeadError, StepOutput
 from ...serving.limits import EngineLimits
 from ...serving.sizing import pool_config
@@ -40,7 +41,8 @@ def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                  memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None,
                  kv_events: KVEventsConfig | None = None,
-                 tenants: TenantPolicy | None = None) -> Engine:
+                 tenants: TenantPolicy | None = None,
+                 handoff: HandoffConfig | None = None) -> Engine:
     """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
     memory (the host pool as much again for swap): `sizing.pool_config`; `tenants` (the
     tenants file's policy) is checked against that pool (ValueError naming the field)."""
@@ -52,7 +54,7 @@ def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
     return Engine(model, cache_config, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
                   tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
-                  kv_events=kv_events)
+                  kv_events=kv_events, handoff=handoff)
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
@@ -78,7 +80,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                         tensor_parallel_size=args.tensor_parallel_size,
                         kv_tiers=TierConfig.from_args(args),
                         kv_events=events_config(args, model_name(args)),
-                        tenants=getattr(getattr(args, "tenants_file", None), "policy", None))
+                        tenants=getattr(getattr(args, "tenants_file", None), "policy", None),
+                        handoff=HandoffConfig.from_args(args))
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -125,6 +128,8 @@ def run_core(args: argparse.Namespace, address: str, ready: Connection, parent_p
     try:
         core = EngineCoreProc(engine, address, parent_pid)
         signal.signal(signal.SIGTERM, core.drain)
+        if getattr(engine.handoff, "server", None) is not None:
+            logger.info("prefill role: leased pages served on %s", engine.handoff.server.endpoint)
         if engine.events is not None:
             logger.info("KV events on %s (replay %s)", engine.events.endpoint,
                         engine.events.replay_endpoint)
@@ -297,7 +302,8 @@ class EngineCoreProc(EngineCore):
             engine_id = self.engine.add_request(
                 message.prompt_token_ids, message.params, salt=message.salt,
                 priority=message.priority, retention_seconds=message.retention_seconds,
-                on_output=partial(self._collect, front, message.request_id))
+                on_output=partial(self._collect, front, message.request_id),
+                handoff=message.handoff)
         except (TypeError, ValueError) as exc:  # the API server checked; this is a race
             self._pending.setdefault(front, []).extend(
                 (message.request_id, out) for out in messages.failed_outputs(

@@ -85,7 +85,7 @@ class InprocClient:
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, salt: str | None,
                   on_output: Callable[[StepOutput], None], *, priority: int | None = None,
-                  retention_seconds: float | None = None) -> int:
+                  retention_seconds: float | None = None, handoff=None) -> int:
         """Queue a request; `on_output` runs on the calling event loop for each step output.
         Returns the request's id (raises what `Engine.add_request` raises)."""
         event_loop = asyncio.get_running_loop()
@@ -95,7 +95,7 @@ class InprocClient:
 
         future = self.submit(lambda: self.engine.add_request(
             prompt_token_ids, params, salt=salt, priority=priority,
-            retention_seconds=retention_seconds, on_output=forward))
+            retention_seconds=retention_seconds, on_output=forward, handoff=handoff))
         return await asyncio.wrap_future(future)
 
     async def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:

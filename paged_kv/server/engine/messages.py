@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ...handoff.params import HandoffParams
 from ...serving import RequestOutput, SamplingParams, StepOutput
 
 
@@ -22,6 +23,7 @@ class Add(msgspec.Struct, array_like=True, tag=0):
     salt: str | None
     priority: int | None = None  # soft retention (None: the tenant's defaults)
     retention_seconds: float | None = None
+    handoff: HandoffParams | None = None  # its kv_transfer_params (a prefill / decode role)
 
 
 class Abort(msgspec.Struct, array_like=True, tag=1):

@@ -40,13 +40,15 @@ class Generation:
 
     def __init__(self, engine: EngineClient, tokenizer, prompt_token_ids: list[int],
                  params: SamplingParams, stops: list[str], salt: str | None, *,
-                 priority: int | None = None, retention_seconds: float | None = None) -> None:
+                 priority: int | None = None, retention_seconds: float | None = None,
+                 handoff=None) -> None:
         self._engine, self._tokenizer = engine, tokenizer
         self.prompt_token_ids, self.params, self.stops, self.salt = (
             prompt_token_ids, params, stops, salt)
         # passed only when asked, so an engine client without retention still serves
         self.retention = {k: v for k, v in (("priority", priority),
-                                            ("retention_seconds", retention_seconds))
+                                            ("retention_seconds", retention_seconds),
+                                            ("handoff", handoff))
                           if v is not None}
         self.choices = [Choice(i) for i in range(params.n)]
         self.output: RequestOutput | None = None

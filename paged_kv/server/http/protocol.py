@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ...handoff.params import parse_params
+
 MAX_PRIORITY = 99  # paged_kv.tenants.MAX_PRIORITY (a request's retention priority)
 MAX_INT = 2**63 - 1  # the largest integer msgpack (msgspec) sends as a signed int
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -91,6 +93,8 @@ class _Sampling(BaseModel):
     # style; paged_kv.tenants): None takes the tenant's defaults
     priority: Annotated[int, Field(strict=True, ge=0, le=MAX_PRIORITY)] | None = None
     retention_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    # prefill on one engine, decode on another (vLLM's name; paged_kv.handoff.params)
+    kv_transfer_params: Any = None
     # refused unless neutral (see _UNSUPPORTED)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -114,6 +118,12 @@ class _Sampling(BaseModel):
         neutral = _UNSUPPORTED[info.field_name]
         if value not in (neutral, None) and value != {} and value != []:
             raise ValueError(f"not supported by this server (got {value!r}); leave it out")
+        return value
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _handoff_params(cls, value: Any) -> Any:
+        parse_params(value)  # ValueError naming kv_transfer_params.FIELD: a 400
         return value
 
     @field_validator("best_of")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import StreamingResponse
 
+from ...handoff.config import ERROR_PREFIX as HANDOFF_ERROR
 from .generation import Generation
 
 if TYPE_CHECKING:
@@ -17,10 +18,16 @@ if TYPE_CHECKING:
 
 
 def error_body(generation: Generation) -> dict:
-    """OpenAI's error body for a request the engine failed (HTTP 500, or an SSE event)."""
+    """OpenAI's error body for a request the engine failed (HTTP 500, or an SSE event; 502
+    for a hand-off the ``fail`` policy failed: the prefill engine's fault, not ours)."""
     message = generation.error or "the engine failed this request"
     return {"error": {"message": message, "type": "server_error", "param": None,
-                      "code": "500"}}
+                      "code": str(error_status(generation))}}
+
+
+def error_status(generation: Generation) -> int:
+    """The HTTP status of a request the engine failed: 502 for a failed hand-off, else 500."""
+    return 502 if (generation.error or "").startswith(HANDOFF_ERROR) else 500
 
 
 def final_body(job: Job, model_name: str, tokenizer) -> dict:
@@ -49,6 +56,8 @@ def final_body(job: Job, model_name: str, tokenizer) -> dict:
     out = {"id": job.response_id, "object": "chat.completion" if kind == "chat"
            else "text_completion", "created": int(time.time()), "model": model_name,
            "choices": choices, "usage": generation.usage()}
+    if generation.output is not None and generation.output.kv_transfer_params is not None:
+        out["kv_transfer_params"] = generation.output.kv_transfer_params  # a prefill's
     if body.prompt_logprobs is not None:  # where vLLM puts them: per choice, or the chat's
         rows = prompt_logprobs(tokenizer, generation, body.prompt_logprobs)
         for choice in choices if kind == "text" else [out]:

@@ -26,7 +26,7 @@ from .protocol import (
     CompletionRequest,
     error_response,
 )
-from .responses import EventStream, error_body, final_body, stream_events
+from .responses import EventStream, error_body, error_status, final_body, stream_events
 from .service import ApiError, Job, OpenAIService
 
 router = APIRouter()
@@ -227,7 +227,7 @@ async def _answer(svc: OpenAIService, job: Job, request: Request) -> Response:
         return Response(status_code=499)  # nobody is listening any more
     svc.observe(job.generation)
     if job.generation.failed:
-        return JSONResponse(error_body(job.generation), status_code=500)
+        return JSONResponse(error_body(job.generation), status_code=error_status(job.generation))
     return JSONResponse(final_body(job, model, svc.tokenizer))
 
 

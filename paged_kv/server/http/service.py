@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Histogram
 
+from ...handoff.params import parse_params
 from ...keys import HASH_SCHEME
 from ...serving import EngineDeadError, SamplingParams
 from ..engine.engine_client import EngineClient
@@ -176,7 +177,8 @@ class OpenAIService:
         params = self.sampling(body, prompt, kind)
         generation = Generation(self.engine, self.tokenizer, prompt, params, body.stop_strings,
                                 salt, priority=body.priority,
-                                retention_seconds=body.retention_seconds)
+                                retention_seconds=body.retention_seconds,
+                                handoff=parse_params(body.kv_transfer_params))
         try:
             await generation.start()
         except (TypeError, ValueError) as exc:  # what check_request could not foresee

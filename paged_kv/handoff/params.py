@@ -1,0 +1,82 @@
+"""The hand-off's parameters (``kv_transfer_params``, vLLM's name; the engine's flags are
+`config.HandoffConfig`).
+
+A request to a prefill engine carries ``{"do_remote_decode": true}``; its response carries
+where its pages are leased (``remote_engine``, ``lease``, ``block_keys``, ``first_token``,
+``num_prompt_tokens``, ``lease_seconds``). The decode engine gets those back with
+``do_remote_prefill: true``. A field of the wrong type is the client's error (400 naming
+``kv_transfer_params.FIELD``); a field missing on a decode engine is a hand-off that
+could not load (`config.MISSING_PARAMS`), never a silent re-prefill.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+_HEX = re.compile(r"^[0-9a-f]+$")
+_NEEDED = ("remote_engine", "lease", "block_keys", "num_prompt_tokens")
+
+
+class HandoffParams(msgspec.Struct, omit_defaults=True):
+    """One request's ``kv_transfer_params``, as the API server parsed them (carried to the
+    engine core in `messages.Add`)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine: str | None = None
+    lease: str | None = None
+    block_keys: list[str] | None = None
+    first_token: int | None = None
+    num_prompt_tokens: int | None = None
+    lease_seconds: float | None = None
+
+    @property
+    def missing(self) -> list[str]:
+        """The fields a decode engine needs that these lack."""
+        return [name for name in _NEEDED if getattr(self, name) is None]
+
+    def key_bytes(self) -> list[bytes]:
+        """``block_keys`` as bytes."""
+        return [bytes.fromhex(key) for key in self.block_keys or ()]
+
+
+def _check(name: str, value: Any, kind: type | tuple, test=lambda v: True,
+           expected: str = "") -> None:
+    if value is None:
+        return
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind) \
+            or not test(value):
+        raise ValueError(f"kv_transfer_params.{name}: expected {expected or kind.__name__}, "
+                         f"got {value!r}")
+
+
+def parse_params(value: Any) -> HandoffParams | None:
+    """``kv_transfer_params`` of a request body (None: absent).
+
+    Raises
+    ------
+    ValueError
+        Naming ``kv_transfer_params.FIELD`` for a field of the wrong type or form.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_params: expected an object, got {value!r}")
+    for name in ("do_remote_decode", "do_remote_prefill"):
+        _check(name, value.get(name), bool)
+    _check("remote_engine", value.get("remote_engine"), str,
+           lambda v: v.startswith("tcp://"), "tcp://HOST:PORT")
+    _check("lease", value.get("lease"), str, lambda v: bool(_HEX.match(v)) and len(v) <= 64,
+           "a hex string")
+    _check("block_keys", value.get("block_keys"), list,
+           lambda v: all(isinstance(k, str) and len(k) == 64 and _HEX.match(k) for k in v),
+           "a list of 64-character hex keys")
+    for name in ("first_token", "num_prompt_tokens"):
+        _check(name, value.get(name), int, lambda v: 0 <= v < 2**63, "an int >= 0")
+    _check("lease_seconds", value.get("lease_seconds"), (int, float), lambda v: v > 0,
+           "seconds > 0")
+    fields = {f: value[f] for f in HandoffParams.__struct_fields__ if value.get(f) is not None}
+    return HandoffParams(**fields)

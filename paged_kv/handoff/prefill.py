@@ -1,0 +1,104 @@
+"""The prefill engine's side: a finished ``do_remote_decode`` request's full prompt blocks
+copied out of the pool as tier values (`paged_kv.tiers.codec`, as the tiers' writer stores
+them), leased (`LeaseTable`) and served (`HandoffServer`); the response says where.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ..cache import PagedKVCache
+from ..keys import block_keys, encode_tokens, root_hash
+from ..tiers import codec
+from .config import HandoffConfig
+from .lease import LeaseTable
+from .metrics import HandoffMetrics
+from .server import HandoffServer
+
+MIB = 1 << 20
+logger = logging.getLogger("paged_kv.handoff")
+
+
+class PrefillRole:
+    """Leases the pages of finished hand-off requests and serves them.
+
+    Parameters
+    ----------
+    config : HandoffConfig
+    cache : PagedKVCache
+    fingerprint : codec.Fingerprint
+        Of the pool's blocks; every value's header carries its digest.
+    """
+
+    role = "prefill"
+
+    def __init__(self, config: HandoffConfig, cache: PagedKVCache,
+                 fingerprint: codec.Fingerprint) -> None:
+        self.config, self.cache, self._digest = config, cache, fingerprint.digest
+        self.leases = LeaseTable(config.lease_s, int(config.max_lease_mib * MIB))
+        self.metrics = HandoffMetrics(self.role, self.leases)
+        self.server = HandoffServer(self.leases, config.host, config.port, config.secret)
+        if not config.secret:
+            logger.warning("prefill role without --handoff-secret: anyone who reaches %s "
+                           "can pull leased pages", self.server.endpoint)
+
+    def admit(self, request: Any, params: Any) -> str | None:
+        """Note a new request's parameters: only ``do_remote_decode`` matters here."""
+        if params is not None and params.do_remote_decode:
+            request.handoff = params
+        return None
+
+    def finished(self, request: Any) -> None:
+        """A request finished: when it asked for a hand-off (and did not fail), lease its
+        prompt's full blocks and set its ``kv_transfer_params``."""
+        if request.handoff is None or request.error is not None:
+            return
+        start = time.perf_counter()
+        keys, values = self.export(request.prompt_token_ids, request.salt)
+        lease = self.leases.create(dict(zip(keys, values, strict=True)), request.salt)
+        first = request.samples[0].output_token_ids[:1] if request.samples else []
+        request.kv_transfer_params = {
+            "remote_engine": self.server.endpoint, "lease": lease,
+            "block_keys": [key.hex() for key in keys] if lease else [],
+            "first_token": first[0] if first else None,
+            "num_prompt_tokens": len(request.prompt_token_ids),
+            "lease_seconds": self.config.lease_s}
+        if lease is not None:
+            self.metrics.handoff(sum(len(v) for v in values), time.perf_counter() - start)
+
+    def export(self, prompt: list[int], salt: str | None) -> tuple[list[bytes], list[bytes]]:
+        """The keys and encoded values of `prompt`'s full blocks the prefix cache holds,
+        from the first on, up to the first it lacks."""
+        size = self.cache.config.block_size
+        tokens = np.asarray(prompt, dtype=np.int64)
+        keys = block_keys(tokens, size, root_hash(salt))
+        allocator, ids = self.cache.allocator, []
+        for i, key in enumerate(keys):
+            block = allocator.lookup(key, encode_tokens(tokens[i * size:(i + 1) * size]))
+            if block is None:
+                break
+            ids.append(block)
+        if not ids:
+            return [], []
+        data = self.cache.pool.read_blocks(np.array(ids, dtype=np.int64)).numpy()
+        return keys[:len(ids)], [codec.encode(key, self._digest, row)
+                                 for key, row in zip(keys, data, strict=False)]
+
+    def tick(self, scheduler: Any) -> list[tuple[int, str]]:
+        """Nothing to do between steps (the server's thread sweeps the leases)."""
+        return []
+
+    def forget(self, request: Any) -> None:
+        """A request aborted: nothing was leased for it yet."""
+
+    def text(self) -> str:
+        """The hand-off metrics."""
+        return self.metrics.text()
+
+    def close(self) -> None:
+        """Stop serving (the leases go with the process)."""
+        self.server.close()

@@ -1,0 +1,138 @@
+"""The prefill engine's lease table and the hand-off wire, in process: expiry, heartbeat,
+release, the byte bound, and a server that refuses messages without the secret."""
+
+from __future__ import annotations
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from paged_kv.handoff.lease import LeaseTable  # noqa: E402
+from paged_kv.handoff.params import parse_params  # noqa: E402
+from paged_kv.handoff.server import HandoffServer, call  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_expires_unless_heartbeats_extend_it():
+    clock = Clock()
+    table = LeaseTable(lease_s=10.0, max_bytes=1 << 20, clock=clock)
+    lease = table.create({b"k": b"value"}, "alice")
+    clock.now += 8
+    assert table.heartbeat(lease)
+    clock.now += 8  # 16 s after creation, 8 after the heartbeat
+    assert table.get(lease, [b"k"]) == [b"value"]
+    clock.now += 3
+    assert table.get(lease, [b"k"]) == "expired"
+    assert (table.live, table.expired, table.nbytes) == (0, 1, 0)
+    assert not table.heartbeat(lease)
+    assert table.get("00" * 16, [b"k"]) == "unknown"
+
+
+def test_release_drops_the_lease_once():
+    table = LeaseTable(lease_s=10.0, max_bytes=1 << 20)
+    lease = table.create({b"a": b"1", b"b": b"22"}, None)
+    assert table.get(lease, [b"b", b"x"]) == [b"22", None]
+    assert table.release(lease) and not table.release(lease)
+    assert (table.live, table.released, table.expired, table.nbytes) == (0, 1, 0, 0)
+    assert table.get(lease, [b"a"]) == "expired"  # released: gone, as an expired one
+
+
+def test_the_table_is_bounded_by_bytes_oldest_lease_first():
+    table = LeaseTable(lease_s=10.0, max_bytes=100)
+    first = table.create({b"a": b"x" * 60}, None)
+    second = table.create({b"b": b"y" * 30}, None)
+    third = table.create({b"c": b"z" * 50}, None)  # pushes the first out
+    assert table.get(first, [b"a"]) == "expired"
+    assert table.get(second, [b"b"]) == [b"y" * 30] and table.get(third, [b"c"]) == [b"z" * 50]
+    assert (table.live, table.evicted, table.nbytes) == (2, 1, 80)
+    assert table.create({b"d": b"w" * 101}, None) is None  # never fits: not leased
+    assert table.live == 2
+
+
+def test_the_server_answers_only_with_the_secret():
+    table = LeaseTable(lease_s=10.0, max_bytes=1 << 20)
+    lease = table.create({b"k" * 32: b"v" * 10}, None)
+    server = HandoffServer(table, "127.0.0.1", 0, "sesame")
+    context = zmq.Context()
+    try:
+        def ask(*frames: bytes) -> list[bytes] | None:
+            return call(context, server.endpoint, list(frames), 5.0)
+        assert ask(b"get", b"wrong", lease.encode(), b"k" * 32) == [b"refused"]
+        assert ask(b"get", b"", lease.encode(), b"k" * 32) == [b"refused"]
+        assert server.refused == 2
+        assert ask(b"get", b"sesame", lease.encode(), b"k" * 32) == [b"ok", b"v" * 10]
+        assert ask(b"get", b"sesame", lease.encode(), b"q" * 32) == [b"missing"]
+        assert ask(b"heartbeat", b"sesame", lease.encode()) == [b"ok"]
+        assert ask(b"release", b"sesame", lease.encode()) == [b"ok"]
+        assert ask(b"get", b"sesame", lease.encode(), b"k" * 32) == [b"expired"]
+        assert ask(b"get", b"sesame", b"ab" * 16, b"k" * 32) == [b"unknown"]
+        assert table.live == 0
+    finally:
+        server.close()
+        context.term()
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ([1], "kv_transfer_params"),
+    ({"do_remote_prefill": "yes"}, "kv_transfer_params.do_remote_prefill"),
+    ({"remote_engine": "http://x"}, "kv_transfer_params.remote_engine"),
+    ({"lease": "not hex"}, "kv_transfer_params.lease"),
+    ({"block_keys": ["ab"]}, "kv_transfer_params.block_keys"),
+    ({"first_token": -1}, "kv_transfer_params.first_token"),
+    ({"num_prompt_tokens": True}, "kv_transfer_params.num_prompt_tokens"),
+    ({"lease_seconds": 0}, "kv_transfer_params.lease_seconds"),
+])
+def test_malformed_params_name_the_field(body, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        parse_params(body)
+
+
+def test_params_lacking_fields_are_parsed_and_say_what_they_lack():
+    params = parse_params({"do_remote_prefill": True, "lease": "ab"})
+    assert params.do_remote_prefill and params.missing == ["remote_engine", "block_keys",
+                                                           "num_prompt_tokens"]
+    assert parse_params(None) is None
+
+
+def test_serve_flags_make_the_config():
+    from paged_kv.cli import build_parser
+    from paged_kv.handoff import HandoffConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--role", "decode", "--handoff-secret", "x",
+                              "--handoff-failure", "fail", "--handoff-lease-s", "2.5"])
+    assert HandoffConfig.from_args(args) == HandoffConfig("decode", secret="x", lease_s=2.5,
+                                                          failure="fail")
+    assert HandoffConfig.from_args(parser.parse_args(["serve"])) is None  # role both
+    for bad in (["--handoff-lease-s", "0"], ["--handoff-port", "65536"], ["--role", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+    with pytest.raises(ValueError, match=r"^failure:"):
+        HandoffConfig("prefill", failure="retry")
+
+
+def test_a_fallback_is_counted_every_time_and_logged_once_a_minute_per_reason(caplog):
+    from paged_kv.handoff.metrics import HandoffMetrics
+
+    from ..conftest import prometheus_value
+
+    metrics = HandoffMetrics("decode")
+    with caplog.at_level("WARNING", logger="paged_kv.handoff"):
+        for _ in range(3):
+            metrics.fallback("engine_gone", "no answer")
+        metrics.fallback("lease_expired", "too late")
+    text = metrics.text()
+    assert prometheus_value(text, "paged_kv_handoff_fallbacks_total",
+                            '{reason="engine_gone"}') == 3
+    assert prometheus_value(text, "paged_kv_handoff_fallbacks_total",
+                            '{reason="verify_failed"}') == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "engine_gone" in lines[0] and "lease_expired" in lines[1]
