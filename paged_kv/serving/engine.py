@@ -103,8 +103,8 @@ class Engine:
             cache_config = cache_config_for_free_memory(
                 model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
         check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
-        if kv_tiers is not None and kv_tiers.enabled and tensor_parallel_size != 1:
-            raise ValueError("kv_tiers: not supported with tensor_parallel_size > 1 yet")
+        _refuse_with_tensor_parallel(tensor_parallel_size, kv_tiers=kv_tiers is not None
+                                     and kv_tiers.enabled, handoff=handoff is not None)
         # CPU steps run on the cores other processes leave free (see paged_kv._threads)
         self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
                          or num_threads is not None else None)
@@ -439,6 +439,13 @@ class Engine:
         self.metrics.observe(self.stats(), 0)
         text = self.metrics.text(self.cache)
         return text if self.handoff is None else text + self.handoff.text()
+
+
+def _refuse_with_tensor_parallel(tensor_parallel_size: int, **parts: bool) -> None:
+    """ValueError naming the first part in use that tensor parallelism does not serve yet."""
+    for name, on in parts.items():
+        if on and tensor_parallel_size != 1:
+            raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet")
 
 
 def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:

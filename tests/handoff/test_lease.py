@@ -136,3 +136,14 @@ def test_a_fallback_is_counted_every_time_and_logged_once_a_minute_per_reason(ca
                             '{reason="verify_failed"}') == 0
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "engine_gone" in lines[0] and "lease_expired" in lines[1]
+
+
+def test_a_hand_off_role_with_tensor_parallelism_is_refused_before_anything_starts():
+    from paged_kv.handoff import HandoffConfig
+    from paged_kv.serving import Engine, TinyLlama
+
+    model = TinyLlama()
+    config = model.cache_config(num_blocks=16, block_size=16)
+    handoff = HandoffConfig("decode", "127.0.0.1", 0, "s", 30.0, "recompute")
+    with pytest.raises(ValueError, match="handoff: not supported with tensor_parallel_size"):
+        Engine(model, config, tensor_parallel_size=2, handoff=handoff)
