@@ -147,6 +147,36 @@ def test_int8_pages_of_a_hybrid_model_give_the_single_engines_tokens():
         close(built)
 
 
+def test_a_decode_engines_own_prefix_hit_asks_the_peer_for_the_rest_only():
+    """A prompt extending one the decode engine already served (under a tenant's salt):
+    the device's hit plus the peer's blocks make every full block but the last, the
+    window groups ask for their last window only, and the tokens are the single engine's."""
+    config = TinyLlamaConfig(**SHAPE, **TINY["mixed"])
+    built = engines(lambda: TinyLlama(config), 4)
+    pre, dec, both = built["prefill"], built["decode"], built["both"]
+    try:
+        first = prompt(41, seed=41, vocab_size=256)
+        for tokens in (first[:23], first):
+            params = {**prefill_salted(pre, tokens), "do_remote_prefill": True}
+            rid = dec.add_request(tokens, GREEDY, salt="t",
+                                  handoff=parse_params(params))
+            out = run(dec, rid)
+            [ref] = both.generate([tokens], GREEDY)
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert 0 < out.cached_by_source["peer"] < 40
+        assert sum(out.cached_by_source.values()) == 40
+        assert fallbacks(dec) == 0
+        assert_idle(built)
+    finally:
+        close(built)
+
+
+def prefill_salted(e: Engine, tokens: list[int]) -> dict:
+    rid = e.add_request(tokens, SamplingParams(max_tokens=1, temperature=0), salt="t",
+                        handoff=parse_params({"do_remote_decode": True}))
+    return run(e, rid).kv_transfer_params
+
+
 def test_params_without_group_starts_fall_back_never_silently():
     """A hybrid decode engine given a uniform prefill's parameters (no ``group_starts``)
     counts a ``missing_params`` fallback and recomputes the same tokens."""
@@ -212,3 +242,43 @@ def test_hf_hybrid_checkpoints_give_generates_tokens(family, tmp_path):
         assert_idle(built)
     finally:
         close(built)
+
+
+# -- over HTTP: three ``paged-kv serve`` processes on a Gemma 2 checkpoint --------------------
+def test_servers_hand_over_a_gemma2_checkpoints_pages(tmp_path):
+    """``--role prefill`` and ``--role decode`` servers on a tiny Gemma 2 checkpoint: the
+    prefill's ``kv_transfer_params`` carry ``group_starts`` through JSON, and the decode
+    server's tokens equal a ``both`` server's, its usage counting the peer's tokens."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from ..server.test_server import httpx, running_server
+    from ..serving.test_hybrid_models import hybrid_configs, save_checkpoint
+
+    path = tmp_path / "ckpt"
+    save_checkpoint(hybrid_configs()["gemma2"][0], path)  # a vocabulary of 128
+    vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(95)}}  # serve needs one
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level,
+                                         unk_token="<unk>").save_pretrained(path)
+    common = ("--model", str(path), "--block-size", "4", "--memory-mib", "2")
+    handoff = (*common, "--handoff-secret", "s")
+    tokens = prompt(40, seed=40, vocab_size=96)
+    body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+
+    def post(url: str, extra: dict) -> dict:
+        reply = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    with running_server("--role", "prefill", *handoff, log=tmp_path / "prefill") as (_, pre), \
+            running_server("--role", "decode", *handoff, log=tmp_path / "decode") as (_, dec), \
+            running_server(*common, log=tmp_path / "both") as (_, both):
+        params = post(pre, {"max_tokens": 1, "kv_transfer_params":
+                            {"do_remote_decode": True}})["kv_transfer_params"]
+        assert len(params["group_starts"]) == 1  # Gemma 2: a window group, a full one
+        got = post(dec, {"kv_transfer_params": {**params, "do_remote_prefill": True}})
+        want = post(both, {})
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    usage = got["usage"]["prompt_tokens_details"]
+    assert usage["cached_tokens_by_source"]["peer"] == (40 - 1) // 4 * 4
