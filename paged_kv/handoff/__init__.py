@@ -51,8 +51,6 @@ def open_role(config: HandoffConfig | None, cache: PagedKVCache, tiers: TierMana
     model's (`paged_kv.tiers.identity.model_fingerprint`)."""
     if config is None or config.role == "both":
         return None
-    if getattr(cache, "groups", ()):  # a hybrid layout's blocks are per layer group
-        raise ValueError("handoff: not supported with a hybrid (layer groups) model yet")
     from ..tiers.identity import model_fingerprint
 
     fingerprint = (tiers.fingerprint if tiers is not None

@@ -3,7 +3,8 @@
 
 A request to a prefill engine carries ``{"do_remote_decode": true}``; its response carries
 where its pages are leased (``remote_engine``, ``lease``, ``block_keys``, ``first_token``,
-``num_prompt_tokens``, ``lease_seconds``). The decode engine gets those back with
+``num_prompt_tokens``, ``lease_seconds``; a hybrid layout's also ``group_starts``, see
+`HandoffParams`). The decode engine gets those back with
 ``do_remote_prefill: true``. A field of the wrong type is the client's error (400 naming
 ``kv_transfer_params.FIELD``); a field missing on a decode engine is a hand-off that
 could not load (`config.MISSING_PARAMS`), never a silent re-prefill.
@@ -16,13 +17,24 @@ from typing import Any
 
 import msgspec
 
+from ..hybrid.rules import group_key
+
 _HEX = re.compile(r"^[0-9a-f]+$")
 _NEEDED = ("remote_engine", "lease", "block_keys", "num_prompt_tokens")
 
 
 class HandoffParams(msgspec.Struct, omit_defaults=True):
     """One request's ``kv_transfer_params``, as the API server parsed them (carried to the
-    engine core in `messages.Add`)."""
+    engine core in `messages.Add`).
+
+    ``block_keys`` are the leading layer group's keys (the chained keys of the prompt's
+    full blocks: what the decode engine checks against its own, tenant salt included).
+    A hybrid layout (layer groups, `paged_kv.hybrid`) leases each other group's blocks
+    too, under their `paged_kv.hybrid.rules.group_key`: ``group_starts[i - 1]`` is the
+    first column of ``block_keys`` whose block of group ``i`` is leased, every column
+    from there to the end of ``block_keys`` is (a window group's last window only: what
+    a prefix hit at the prompt's end reads). Absent for a uniform layout.
+    """
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -32,6 +44,7 @@ class HandoffParams(msgspec.Struct, omit_defaults=True):
     first_token: int | None = None
     num_prompt_tokens: int | None = None
     lease_seconds: float | None = None
+    group_starts: list[int] | None = None
 
     @property
     def missing(self) -> list[str]:
@@ -41,6 +54,21 @@ class HandoffParams(msgspec.Struct, omit_defaults=True):
     def key_bytes(self) -> list[bytes]:
         """``block_keys`` as bytes."""
         return [bytes.fromhex(key) for key in self.block_keys or ()]
+
+    def lacks(self, num_groups: int) -> list[str]:
+        """`missing`, for an engine of `num_groups` layer groups (0 or 1: uniform); a
+        hybrid one also needs ``group_starts``, one per group after the leading one."""
+        missing = self.missing
+        if num_groups > 1 and len(self.group_starts or ()) != num_groups - 1:
+            missing.append("group_starts")
+        return missing
+
+    def leased_keys(self) -> list[bytes]:
+        """Every key the lease holds: ``block_keys``, then each other group's leased
+        blocks under its `group_key` (``group_starts``)."""
+        keys = self.key_bytes()
+        return keys + [group_key(key, index) for index, start
+                       in enumerate(self.group_starts or (), start=1) for key in keys[start:]]
 
 
 def _check(name: str, value: Any, kind: type | tuple, test=lambda v: True,
@@ -76,6 +104,10 @@ def parse_params(value: Any) -> HandoffParams | None:
            "a list of 64-character hex keys")
     for name in ("first_token", "num_prompt_tokens"):
         _check(name, value.get(name), int, lambda v: 0 <= v < 2**63, "an int >= 0")
+    _check("group_starts", value.get("group_starts"), list,
+           lambda v: len(v) < 256 and all(isinstance(s, int) and not isinstance(s, bool)
+                                          and 0 <= s < 2**31 for s in v),
+           "a list of ints >= 0, one per layer group after the first")
     _check("lease_seconds", value.get("lease_seconds"), (int, float), lambda v: v > 0,
            "seconds > 0")
     fields = {f: value[f] for f in HandoffParams.__struct_fields__ if value.get(f) is not None}

@@ -43,7 +43,7 @@ class PeerSource(Store):
         self.params, self.role = handoff, role  # the role settles its fetches
         self._secret, self._context = role.config.secret.encode(), role.context
         namespace, lease_s = role.namespace, role.config.lease_s
-        self.keys = {codec.store_key(namespace, key): key for key in handoff.key_bytes()}
+        self.keys = {codec.store_key(namespace, key): key for key in handoff.leased_keys()}
         self.lease_s = handoff.lease_seconds or lease_s
         self.deadline = time.monotonic() + self.lease_s  # heartbeats move it
         self.beat = time.monotonic()
@@ -112,9 +112,10 @@ class DecodeRole:
     def admit(self, request: Any, handoff: HandoffParams | None) -> str | None:
         """Give `request` its `PeerSource`, or fall back: the error message when the
         policy fails it (the engine fails the request), else None."""
-        if handoff is None or not handoff.do_remote_prefill or handoff.missing:
+        lacks = handoff.lacks(len(getattr(self.cache, "groups", ()))) if handoff else []
+        if handoff is None or not handoff.do_remote_prefill or lacks:
             detail = ("no kv_transfer_params" if handoff is None or not handoff.do_remote_prefill
-                      else f"kv_transfer_params lacks {', '.join(handoff.missing)}")
+                      else f"kv_transfer_params lacks {', '.join(lacks)}")
             return self._fall_back(request, P.MISSING_PARAMS, detail)
         size = self.cache.config.block_size
         mine = block_keys(np.asarray(request.prompt_token_ids, dtype=np.int64), size,

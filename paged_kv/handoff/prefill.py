@@ -1,6 +1,8 @@
 """The prefill engine's side: a finished ``do_remote_decode`` request's full prompt blocks
 copied out of the pool as tier values (`paged_kv.tiers.codec`, as the tiers' writer stores
-them), leased (`LeaseTable`) and served (`HandoffServer`); the response says where.
+them), leased (`LeaseTable`) and served (`HandoffServer`); the response says where. A
+hybrid layout's lease holds exactly what the decode engine's tier fetch asks for: the
+leading group's blocks and each other group's under its `group_key`s.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import PagedKVCache
+from ..hybrid.rules import group_key, skipped_blocks
 from ..keys import block_keys, encode_tokens, root_hash
 from ..tiers import codec
 from .config import HandoffConfig
@@ -58,8 +61,8 @@ class PrefillRole:
         if request.handoff is None or request.error is not None:
             return
         start = time.perf_counter()
-        keys, values = self.export(request.prompt_token_ids, request.salt)
-        lease = self.leases.create(dict(zip(keys, values, strict=True)), request.salt)
+        keys, values, starts = self.export(request.prompt_token_ids, request.salt)
+        lease = self.leases.create(values, request.salt)
         first = request.samples[0].output_token_ids[:1] if request.samples else []
         request.kv_transfer_params = {
             "remote_engine": self.server.endpoint, "lease": lease,
@@ -67,26 +70,68 @@ class PrefillRole:
             "first_token": first[0] if first else None,
             "num_prompt_tokens": len(request.prompt_token_ids),
             "lease_seconds": self.config.lease_s}
+        if starts is not None:  # a hybrid layout's other groups (see HandoffParams)
+            request.kv_transfer_params["group_starts"] = starts if lease else []
         if lease is not None:
-            self.metrics.handoff(sum(len(v) for v in values), time.perf_counter() - start)
+            self.metrics.handoff(sum(len(v) for v in values.values()),
+                                 time.perf_counter() - start)
 
-    def export(self, prompt: list[int], salt: str | None) -> tuple[list[bytes], list[bytes]]:
-        """The keys and encoded values of `prompt`'s full blocks the prefix cache holds,
-        from the first on, up to the first it lacks."""
-        size = self.cache.config.block_size
+    def export(self, prompt: list[int], salt: str | None,
+               ) -> tuple[list[bytes], dict[bytes, bytes], list[int] | None]:
+        """What a decode engine's fetch of `prompt` asks for, as the tiers' writer stores
+        it: the keys of `prompt`'s full blocks the prefix cache holds, from the first on,
+        up to the first it lacks; every leased key's encoded value; and, on a hybrid
+        layout, ``group_starts`` (else None).
+
+        A hybrid layout's fetch (`paged_kv.hybrid.admission.HybridAdmission.missing`)
+        never asks for the block holding the prompt's last token, and asks each other
+        group for the blocks a hit at the leading run's end reads (`_group_run`)."""
+        size, groups = self.cache.config.block_size, getattr(self.cache, "groups", ())
         tokens = np.asarray(prompt, dtype=np.int64)
         keys = block_keys(tokens, size, root_hash(salt))
+        if groups:
+            keys = keys[:(len(prompt) - 1) // size]
+        ids = self._run(keys, tokens, size)
+        keys = keys[:len(ids)]
+        leased, starts = list(keys), None
+        if groups:
+            starts = []
+            for group in groups[1:]:
+                first, found = self._group_run(group, keys, tokens, size)
+                starts.append(first)
+                ids += found
+                leased += [group_key(key, group.index) for key in keys[first:]]
+        if not ids:
+            return [], {}, starts
+        data = self.cache.pool.read_blocks(np.array(ids, dtype=np.int64)).numpy()
+        return keys, {key: codec.encode(key, self._digest, row)
+                      for key, row in zip(leased, data, strict=True)}, starts
+
+    def _run(self, keys: list[bytes], tokens: np.ndarray, size: int) -> list[int]:
+        """The cached blocks of `keys` from the first on, up to the first not cached."""
         allocator, ids = self.cache.allocator, []
         for i, key in enumerate(keys):
             block = allocator.lookup(key, encode_tokens(tokens[i * size:(i + 1) * size]))
             if block is None:
                 break
             ids.append(block)
-        if not ids:
-            return [], []
-        data = self.cache.pool.read_blocks(np.array(ids, dtype=np.int64)).numpy()
-        return keys[:len(ids)], [codec.encode(key, self._digest, row)
-                                 for key, row in zip(keys, data, strict=False)]
+        return ids
+
+    def _group_run(self, group: Any, keys: list[bytes], tokens: np.ndarray, size: int,
+                   ) -> tuple[int, list[int]]:
+        """Layer `group`'s cached blocks (under its `group_key`s) of the columns a hit of
+        all `keys` reads (a window's or chunk's last ones, `skipped_blocks`), right to left
+        up to the first it lacks: that run's first column and its blocks in order."""
+        first, end = skipped_blocks(group.kind, len(keys) * size, size), len(keys)
+        ids: list[int] = []
+        for column in range(end - 1, first - 1, -1):
+            block = self.cache.allocator.lookup(
+                group_key(keys[column], group.index),
+                encode_tokens(tokens[column * size:(column + 1) * size]))
+            if block is None:
+                return column + 1, ids[::-1]
+            ids.append(block)
+        return first, ids[::-1]
 
     def tick(self, scheduler: Any) -> list[tuple[int, str]]:
         """Nothing to do between steps (the server's thread sweeps the leases)."""
