@@ -149,6 +149,11 @@ class Channel:
         answer = socket.recv_multipart(copy=False)
         return [answer[0].bytes, *(frame.buffer for frame in answer[1:])]
 
+    @property
+    def open_sockets(self) -> int:
+        """Sockets open now (one per endpoint and thread that called it)."""
+        return len(self._all)
+
     def _discard(self, socket: zmq.Socket) -> None:
         with self._lock:
             self._all.remove(socket)
