@@ -48,7 +48,9 @@ DESCRIPTION = (
     "arriving every {gap} s from {first} s on, while the others decode. Inter-token latency: "
     "gaps between a decoding request's streamed tokens; TTFT over all requests; "
     "throughput: prompt + generated tokens over the trace's wall time. Hand-off bandwidth: "
-    "the decode engine's bytes over its seconds in the transfer; wire: {wire_pages} pages "
+    "the decode engine's bytes over its seconds in the transfer (paged_kv_handoff_bytes_total "
+    "/ paged_kv_handoff_seconds_sum), during the trace and over {transfers} {long_hi}-token "
+    "prompts sent one at a time after it (max_tokens 1); wire: {wire_pages} pages "
     "of 64 KiB pulled 64 per get from a HandoffServer in another process.")
 
 
@@ -57,7 +59,7 @@ def _shape(scale: Scale) -> dict:
     return {"block": BLOCK, "mib": MEMORY_MIB, "cores": _cores(), "short": 64,
             "decoders": 6 if quick else 8, "decode_tokens": 64 if quick else 128,
             "stagger": 0.1, "longs": 4 if quick else 10, "long_lo": 1024, "long_hi": 2048,
-            "long_tokens": 8, "gap": 0.4, "first": 0.3,
+            "long_tokens": 8, "gap": 0.4, "first": 0.3, "transfers": 3 if quick else 6,
             "wire_pages": 256 if quick else 1024, "repeats": 1 if quick else 2}
 
 
@@ -87,21 +89,18 @@ def _pinned(core: int | None):
 
 
 @contextlib.contextmanager
-def _processes(commands: list[tuple[list[str], int | None]]) -> Iterator[list[str]]:
-    """Start each ``(argv, core)`` (pinned to `core` unless None) on a free port; yield
-    their URLs once each answers /health; stop them all."""
+def _processes(commands: list[tuple[list[str], int | None]]) -> Iterator[None]:
+    """Start each ``(argv, core)`` at once (pinned to `core` unless None; argv names its
+    port), yield once each answers /health on it, stop them all."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs, urls = [], []
+    procs = []
     try:
         for argv, core in commands:
-            port = free_port()
-            procs.append(subprocess.Popen([*argv, "--port", str(port)], env=env,
-                                          preexec_fn=_pinned(core), stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs, strict=True):
-            wait_healthy(url, proc)
-        yield urls
+            procs.append(subprocess.Popen(argv, env=env, preexec_fn=_pinned(core),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for proc in procs:
+            wait_healthy(f"http://127.0.0.1:{proc.args[proc.args.index('--port') + 1]}", proc)
+        yield
     finally:
         for proc in procs:
             proc.terminate()
@@ -124,21 +123,25 @@ def _events() -> list[str]:
 
 @contextlib.contextmanager
 def _setup(name: str, cores: tuple[int, int]) -> Iterator[tuple[str, str | None]]:
-    """The setup's router URL and (disaggregated) the decode engine's URL."""
-    route = [sys.executable, "-m", "paged_kv.cli", "route"]
+    """The setup's router URL and (disaggregated) the decode engine's URL; the engines and
+    the router start together (the router finds the engines up by its probes)."""
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
     if name == "disaggregated":
         secret = ("--handoff-secret", SECRET)
-        engines = [(_serve("--role", "prefill", *secret, *_events()), cores[0]),
-                   (_serve("--role", "decode", *secret), cores[1])]
+        engines = [_serve("--role", "prefill", *secret, *_events()),
+                   _serve("--role", "decode", *secret)]
         flags = ("--prefill", "--decode")
     else:
-        engines = [(_serve(*_events()), cores[0]), (_serve(*_events()), cores[1])]
-        flags = ("--replica", "--replica")
-    with _processes(engines) as urls:
-        argv = [*route, *(a for flag, url in zip(flags, urls, strict=True) for a in (flag, url))]
-        with _processes([(argv, None)]) as [router]:
-            _wait_all_up(router, len(urls))
-            yield router, urls[1] if name == "disaggregated" else None
+        engines, flags = [_serve(*_events()), _serve(*_events())], ("--replica", "--replica")
+    route = [sys.executable, "-m", "paged_kv.cli", "route", "--probe-interval", "0.2",
+             *(a for flag, url in zip(flags, urls, strict=False) for a in (flag, url))]
+    commands = [([*argv, "--port", str(port)], core)
+                for argv, port, core in zip([*engines, route], ports, [*cores, None],
+                                            strict=True)]
+    with _processes(commands):
+        _wait_all_up(urls[2], 2)
+        yield urls[2], urls[1] if name == "disaggregated" else None
 
 
 def _wait_all_up(router: str, count: int, timeout: float = 30.0) -> None:
@@ -193,17 +196,37 @@ def metric(url: str, name: str) -> float:
                re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+def _counters(decode: str) -> dict[str, float]:
+    names = ("handoff_bytes_total", "handoff_seconds_sum", "handoff_fallbacks_total",
+             "handoffs_total")
+    return {name: metric(decode, f"paged_kv_{name}") for name in names}
+
+
 def _run_setup(name: str, shape: dict, seed: int) -> dict:
+    """The warm-up, the trace, and (disaggregated) `transfers` long prompts one at a time:
+    the hand-off counters after each phase."""
     with _setup(name, shape["cores"]) as (router, decode):
-        warm = [{**r, "at": 0.0} for r in trace({**shape, "decoders": 2, "longs": 1}, 1000 + seed)]
-        asyncio.run(_drive(router, warm))  # first calls (torch, sockets) out of the figures
+        warm = trace({**shape, "decoders": 2, "longs": 1}, 1000 + seed)
+        asyncio.run(_drive(router, [{**r, "at": 0.0} for r in warm]))  # first calls out
+        counted = [_counters(decode)] if decode else []
         records, wall = asyncio.run(_drive(router, trace(shape, seed)))
         out = {"records": records, "wall": wall}
-        if decode is not None:
-            out |= {k: metric(decode, f"paged_kv_handoff_{k}")
-                    for k in ("bytes_total", "seconds_sum", "fallbacks_total")}
-            out["handoffs"] = metric(decode, "paged_kv_handoffs_total")
-        return out
+        if decode is None:
+            return out
+        counted.append(_counters(decode))
+        rng = np.random.default_rng(2000 + seed)
+        for _ in range(shape["transfers"]):  # each alone: nothing else runs meanwhile
+            prompt = rng.integers(1, 2000, shape["long_hi"]).tolist()
+            asyncio.run(_drive(router, [{"at": 0.0, "kind": "transfer", "max_tokens": 1,
+                                         "prompt": prompt}]))
+        counted.append(_counters(decode))
+        return out | {"phases": counted}
+
+
+def _bandwidth(before: dict, after: dict) -> float:
+    """MB/s of the hand-offs between two readings of the counters."""
+    nbytes = after["handoff_bytes_total"] - before["handoff_bytes_total"]
+    return nbytes / max(after["handoff_seconds_sum"] - before["handoff_seconds_sum"], 1e-9) / 1e6
 
 
 def _figures_of(run: dict) -> dict:
@@ -214,8 +237,9 @@ def _figures_of(run: dict) -> dict:
            "long_ttft_p50": 1e3 * percentile([r["ttft"] for r in run["records"]
                                               if r["kind"] == "long"], 50),
            "throughput": sum(r["tokens"] for r in run["records"]) / run["wall"]}
-    if "bytes_total" in run:
-        out["bandwidth"] = run["bytes_total"] / max(run["seconds_sum"], 1e-9) / 1e6
+    if "phases" in run:
+        warm, traced, alone = run["phases"]
+        out["bandwidth"], out["alone"] = _bandwidth(warm, traced), _bandwidth(traced, alone)
     return out
 
 
@@ -246,11 +270,15 @@ def _result(runs: dict[str, list[dict]], wire: dict[str, Stat], shape: dict) -> 
     figures += [
         Figure("hand-off wire at 64 KiB pages, reused socket", wire["channel"],
                "a fresh socket per get (before)", wire["fresh"], True),
-        Figure("hand-off bandwidth in the engines (decode metrics)",
+        Figure("hand-off bandwidth in the engines, during the trace (decode metrics)",
                _stat(split, "bandwidth", "MB/s"), "the wire alone, reused socket",
+               wire["channel"], True),
+        Figure(f"hand-off bandwidth in the engines, {shape['long_hi']}-token prompts one at "
+               "a time", _stat(split, "alone", "MB/s"), "the wire alone, reused socket",
                wire["channel"], True)]
-    fallbacks = int(sum(r["fallbacks_total"] for r in runs["disaggregated"]))
-    handoffs = int(sum(r["handoffs"] for r in runs["disaggregated"]))
+    ends = [r["phases"][-1] for r in runs["disaggregated"]]
+    fallbacks = int(sum(end["handoff_fallbacks_total"] for end in ends))
+    handoffs = int(sum(end["handoffs_total"] for end in ends))
     itl = tuple(float(np.median([f["itl_p99"] for f in fs])) for fs in (split, both))
     plot = Plot("decode inter-token latency, p99", "", "ms",
                 (Series("p99", SETUPS, itl),), kind="bar")
