@@ -15,7 +15,7 @@ WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantise
              "tensor_parallel")
 # only when named: they start `paged-kv serve`, redis-server and writer processes, or (hybrid)
 # prefill 8K-token prompts for minutes
-OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid", "tenants")
+OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid", "tenants", "disagg")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -34,7 +34,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
                        default=list(WORKLOADS),
                        help="which workloads to run ('service', 'tiers', 'replicas', "
-                            "'hybrid' and 'tenants' run only when named)")
+                            "'hybrid', 'tenants' and 'disagg' run only when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "

@@ -19,7 +19,7 @@ from ..tiers.base import Store
 from . import config as P
 from .metrics import HandoffMetrics
 from .params import HandoffParams
-from .server import call, drain, send
+from .server import Channel, drain, send
 
 CALL_TIMEOUT_S = 2.0  # a prefill engine that answers nothing this long is gone
 _FAILURES = {b"expired": P.LEASE_EXPIRED, b"unknown": P.LEASE_EXPIRED}
@@ -41,7 +41,8 @@ class PeerSource(Store):
 
     def __init__(self, handoff: HandoffParams, role: DecodeRole) -> None:
         self.params, self.role = handoff, role  # the role settles its fetches
-        self._secret, self._context = role.config.secret.encode(), role.context
+        # the role's channel: a socket per prefill engine kept open across gets
+        self._secret, self._channel = role.config.secret.encode(), role.channel
         namespace, lease_s = role.namespace, role.config.lease_s
         self.keys = {codec.store_key(namespace, key): key for key in handoff.leased_keys()}
         self.lease_s = handoff.lease_seconds or lease_s
@@ -57,15 +58,15 @@ class PeerSource(Store):
     def contains(self, keys: list[str]) -> list[bool]:
         return [key in self.keys for key in keys]
 
-    def get(self, keys: list[str]) -> list[bytes | None]:
+    def get(self, keys: list[str]) -> list[bytes | memoryview | None]:
         left = self.deadline - time.monotonic()
         if left <= 0:
             self.failure = P.LEASE_EXPIRED
             return [None] * len(keys)
         start = time.monotonic()
-        answer = call(self._context, self.params.remote_engine,
-                      self.frames(b"get", [self.keys[k] for k in keys]),
-                      min(left, CALL_TIMEOUT_S))
+        answer = self._channel.call(self.params.remote_engine,
+                                    self.frames(b"get", [self.keys[k] for k in keys]),
+                                    min(left, CALL_TIMEOUT_S))
         self.seconds += time.monotonic() - start
         if answer is None:
             self.failure = P.ENGINE_GONE if left > CALL_TIMEOUT_S else P.LEASE_EXPIRED
@@ -106,6 +107,7 @@ class DecodeRole:
         self.config, self.cache, self.namespace = config, cache, fingerprint.namespace
         self.metrics = HandoffMetrics(self.role)
         self.context = zmq.Context()
+        self.channel = Channel(self.context)  # the gets (the fetcher's thread)
         self._sockets: dict[str, zmq.Socket] = {}  # prefill engine -> a DEALER (this thread)
         self._waiting: dict[int, Any] = {}  # request id -> its unsettled request
 
@@ -203,6 +205,7 @@ class DecodeRole:
 
     def close(self) -> None:
         """Close the sockets (pending releases get a second)."""
+        self.channel.close()
         for socket in self._sockets.values():
             socket.close()
         self.context.term()
