@@ -26,6 +26,7 @@ import httpx
 from prometheus_client import Counter, Histogram
 from starlette.responses import Response
 
+from ..handoff.config import ERROR_PREFIX as HANDOFF_ERROR
 from .policy import choose
 from .proxy import Router, RouterError
 from .replicas import Replica, ReplicaSet
@@ -203,6 +204,15 @@ class DisaggRouter(Router):
             return answer.json()
         except ValueError:  # a 200 that is no JSON: no parameters in it either
             return {}
+
+    async def final_answer(self, upstream: httpx.Response) -> bytes | None:
+        """A decode engine's 502 that says its hand-off failed (``--handoff-failure
+        fail``) is the request's answer, not the replica's failure: relayed, the replica
+        kept in routing (another would fail it too: the lease is gone)."""
+        if upstream.status_code != 502:
+            return None
+        content = await upstream.aread()
+        return content if HANDOFF_ERROR.encode() in content else None
 
     def _pick_decode(self, tried: set[str]) -> tuple[Replica, Callable[[], None]] | None:
         """The decode replica with the fewest requests in flight (ties in rotation)."""

@@ -237,6 +237,9 @@ class Router:
         try:  # (a cancellation closes the upstream too: the replica then aborts the work)
             upstream = await self._client.send(request, stream=True)
             if upstream.status_code in RETRY_STATUSES:
+                answer = await self.final_answer(upstream)
+                if answer is not None:  # the request's own answer: relayed, not retried
+                    return upstream, _no_more(), answer
                 await upstream.aclose()
                 if upstream.status_code != 429:
                     self.replicas.mark_down(replica, f"answered {upstream.status_code}")
@@ -258,6 +261,12 @@ class Router:
             if upstream is not None:
                 await upstream.aclose()
             raise
+
+    async def final_answer(self, upstream: httpx.Response) -> bytes | None:
+        """The body of an answer with a retry status (`RETRY_STATUSES`) that is the
+        request's own answer rather than the replica's failure, to relay as it is; None:
+        try another replica (here always; `DisaggRouter` relays a failed hand-off)."""
+        return None
 
     def count_choice(self, choice: Choice, keys: list[bytes], tokens: list[int],
                replica: Replica) -> None:
@@ -360,6 +369,12 @@ class _Retry(Exception):
     def __init__(self, reason: str, retry_after: float | None = None) -> None:
         super().__init__(reason)
         self.reason, self.retry_after = reason, retry_after
+
+
+async def _no_more() -> AsyncIterator[bytes]:
+    """No chunk after the first (an answer read whole)."""
+    return
+    yield
 
 
 class _Done:
