@@ -237,6 +237,40 @@ def test_200_requests_through_the_router_equal_one_engine(stack, pages):
     assert idle(pre, dec)
 
 
+def test_a_hybrid_model_through_the_router_equals_one_engine(tmp_path):
+    """A Gemma 2 checkpoint (window and full layers): 24 mixed requests through router +
+    prefill + decode equal one ``both`` engine, every prompt past a block handed over with
+    its groups' starts, no fallback, both pools idle after."""
+    from .test_handoff_hybrid import gemma2_checkpoint
+
+    model = ("--model", str(gemma2_checkpoint(tmp_path / "ckpt")), "--block-size", "4",
+             "--memory-mib", "2")
+    rng = random.Random(26)
+    requests = []
+    for i in range(24):
+        body = {"prompt": [rng.randrange(1, 96) for _ in range(rng.randint(6, 60))],
+                "max_tokens": rng.randint(1, 8), "temperature": 0, "return_token_ids": True}
+        body |= ({}, {"logprobs": 2}, {"temperature": 0.9, "seed": i, "n": 2},
+                 {"stream": True, "stream_options": {"include_usage": True}})[i % 4]
+        requests.append(("/v1/completions", body))
+    with Processes(tmp_path) as procs:
+        engines = procs.start(P=serve("prefill", *model), D=serve("decode", *model),
+                              B=serve("both", *model))
+        router = procs.start(R=route(engines["P"].url, engines["D"].url))["R"]
+
+        async def both_ways() -> tuple[list[dict], list[dict]]:
+            return await asyncio.gather(send_all(router.url, requests, 1),
+                                        send_all(engines["B"].url, requests, 1))
+        routed, direct = asyncio.run(both_ways())
+        for (_, body), got, expected in zip(requests, routed, direct, strict=True):
+            assert same(got["choices"], expected["choices"]), (body, got, expected)
+        loaded = engines["D"].metric("paged_kv_handoffs_total", '{role="decode"}')
+        assert loaded == sum(len(b["prompt"]) > 4 for _, b in requests)
+        for reason in REASONS:
+            assert fallbacks(engines["D"], reason) == 0, reason
+        assert idle(engines["P"], engines["D"], timeout=35)
+
+
 # -- faults ------------------------------------------------------------------------------------
 def greedy(length: int, seed: int) -> dict:
     return {"prompt": tokens(length, seed), "max_tokens": 8, "temperature": 0,

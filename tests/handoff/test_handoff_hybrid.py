@@ -245,22 +245,29 @@ def test_hf_hybrid_checkpoints_give_generates_tokens(family, tmp_path):
 
 
 # -- over HTTP: three ``paged-kv serve`` processes on a Gemma 2 checkpoint --------------------
+def gemma2_checkpoint(path):
+    """A tiny random Gemma 2 checkpoint (a vocabulary of 128; window and full layers) with
+    a word-level tokenizer of 96 printable characters (serve needs one), saved at `path`."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from ..serving.test_hybrid_models import hybrid_configs, save_checkpoint
+
+    save_checkpoint(hybrid_configs()["gemma2"][0], path)
+    vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(95)}}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level,
+                                         unk_token="<unk>").save_pretrained(path)
+    return path
+
+
 def test_servers_hand_over_a_gemma2_checkpoints_pages(tmp_path):
     """``--role prefill`` and ``--role decode`` servers on a tiny Gemma 2 checkpoint: the
     prefill's ``kv_transfer_params`` carry ``group_starts`` through JSON, and the decode
     server's tokens equal a ``both`` server's, its usage counting the peer's tokens."""
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
     from ..server.test_server import httpx, running_server
-    from ..serving.test_hybrid_models import hybrid_configs, save_checkpoint
 
-    path = tmp_path / "ckpt"
-    save_checkpoint(hybrid_configs()["gemma2"][0], path)  # a vocabulary of 128
-    vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(95)}}  # serve needs one
-    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level,
-                                         unk_token="<unk>").save_pretrained(path)
-    common = ("--model", str(path), "--block-size", "4", "--memory-mib", "2")
+    common = ("--model", str(gemma2_checkpoint(tmp_path / "ckpt")), "--block-size", "4",
+              "--memory-mib", "2")
     handoff = (*common, "--handoff-secret", "s")
     tokens = prompt(40, seed=40, vocab_size=96)
     body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0,
