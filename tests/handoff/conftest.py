@@ -39,7 +39,8 @@ class Proc:
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "paged_kv.cli", *argv, "--port", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                start_new_session=True)  # its own group: `kill` takes its engine core too
 
     def healthy(self) -> bool:
         """Whether /health answers 200 (RuntimeError when the process has exited)."""
@@ -51,9 +52,11 @@ class Proc:
         return False
 
     def kill(self) -> None:
-        """SIGKILL: gone at once, nothing cleaned up (a crash)."""
-        if self.process.poll() is None:
-            self.process.kill()
+        """SIGKILL to the process and its engine core: the whole engine gone at once,
+        nothing cleaned up (a crash). Killing the API process alone would leave the core
+        draining -- and still serving its leased pages -- for a while."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
 
     def stop(self) -> None:
