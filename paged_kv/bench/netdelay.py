@@ -34,6 +34,19 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) ->
     raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
 
 
+def stop_all(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM to every process at once (their shutdowns overlap), then wait for each;
+    one not gone within `timeout` is killed."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def serve_process(threads: int, *flags: str) -> Iterator[int]:
     """`paged-kv serve` on a free 127.0.0.1 port with `flags` and `threads` OpenMP threads,

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..netdelay import free_port, wait_healthy
+from ..netdelay import free_port, stop_all, wait_healthy
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -102,14 +102,7 @@ def _processes(commands: list[tuple[list[str], int | None]]) -> Iterator[None]:
             wait_healthy(f"http://127.0.0.1:{proc.args[proc.args.index('--port') + 1]}", proc)
         yield
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
 
 
 def _serve(*flags: str) -> list[str]:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..netdelay import free_port, wait_healthy
+from ..netdelay import free_port, stop_all, wait_healthy
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, percentile
@@ -90,14 +90,7 @@ def _processes(commands: list[list[str]], env: dict) -> Iterator[list[str]]:
             wait_healthy(url, proc)
         yield urls
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
 
 
 def _replica(keys_file: str, mib: float) -> list[str]:
