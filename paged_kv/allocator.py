@@ -62,7 +62,12 @@ class BlockAllocator:
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
-        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._ledger = TenantLedger(tenants, num_blocks) if tenants is not None else None
+        # cached blocks: their eviction order here (an OrderedDict pops the oldest in O(1)),
+        # or, under a tenant policy, in the ledger, which leaves membership alone to keep
+        # here: a plain dict stores and drops a block several times faster
+        self._cached: dict[int, None] = (
+            collections.OrderedDict() if self._ledger is None else {})
         # per block, its key and its token bytes (valid where indexed; stale entries stay):
         # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
         # C-level update and evicting or comparing one a dict access, never a numpy call
@@ -79,7 +84,6 @@ class BlockAllocator:
         # the arguments of its BlockEvent (lists this class made and never changes again),
         # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
         self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
-        self._ledger = TenantLedger(tenants, num_blocks) if tenants is not None else None
         self._ghost = GhostList(default_capacity(num_blocks) if ghost_capacity is None
                                 else ghost_capacity)
 
@@ -226,10 +230,12 @@ class BlockAllocator:
             self._ghost.evicted(self._unindex(evicted), "device", "global")
             return evicted
         asking = self._ledger.tenant_id(requester) if requester is not None else None
-        evicted = self._ledger.victims(count, asking)
+        runs = self._ledger.victims(count, asking)
+        evicted = runs[0][1] if len(runs) == 1 else [b for _, run in runs for b in run]
+        cached = self._cached
         for block_id in evicted:
-            del self._cached[block_id]
-        self._ledger.blame(self._ghost, "device", evicted, self._unindex(evicted), asking)
+            del cached[block_id]
+        self._ledger.blame(self._ghost, "device", runs, self._unindex(evicted), asking)
         return evicted
 
     def _unindex(self, evicted: list[int]) -> list[bytes]:
@@ -389,12 +395,12 @@ class BlockAllocator:
             if not keys:
                 return
         index.update(zip(keys, block_ids, strict=True))
+        ids = np.array(block_ids, dtype=np.int64)
         if self._ledger is not None:
-            self._ledger.tag(block_ids, keys, parents, index)
+            self._ledger.tag(ids, keys, parents, index)
         self._ghost.seen(parents)
         self._key_of.update(zip(block_ids, keys, strict=True))
         self._tokens_of.update(zip(block_ids, pieces, strict=True))
-        ids = np.array(block_ids, dtype=np.int64)
         self._indexed[ids] = True
         self._protected[ids] = True
         self._events.append(("stored", tuple(block_ids), tuple(keys), tuple(parents),

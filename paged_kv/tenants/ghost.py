@@ -1,8 +1,11 @@
 """`GhostList`: a bounded memory of evicted keys and seen parents, to say why a block missed.
 
 ARC keeps "ghost" entries of recently evicted pages to tell a miss that a bigger cache
-would have hit from a cold one; here they name the cause. Two FIFO maps, each bounded by
-`capacity` entries (an ``OrderedDict``: O(1) to add and to drop the oldest):
+would have hit from a cold one; here they name the cause. Two maps, each bounded by
+`capacity` entries and each kept in two generations of at most half of it (plain dicts: a
+run of keys is stored in C). A generation that would pass its half becomes the old one and
+the old one is dropped whole — no copy and no Python step per key — so a map remembers at
+least the newest half of its capacity and never more than all of it:
 
 - evicted key -> (tier, pressure, by): where it was last evicted from and whose pressure
   did it (``own_quota``, ``own``, ``tenant`` with `by` naming that tenant, ``global`` for a
@@ -16,7 +19,6 @@ default bound (`default_capacity`) keeps both maps to tens of MiB at most.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 REASONS = ("cold", "evicted", "diverged", "tier_timeout", "verify_failed")
@@ -66,45 +68,50 @@ class GhostList:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity: expected an int >= 0, got {capacity!r}")
         self.capacity = capacity
-        self._evicted: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
-        self._parents: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # (newer, older) generations of each map; a lookup tries the newer first
+        self._evicted: tuple[dict[bytes, tuple], dict[bytes, tuple]] = ({}, {})
+        self._parents: tuple[dict[bytes, None], dict[bytes, None]] = ({}, {})
 
     def __len__(self) -> int:
-        return len(self._evicted) + len(self._parents)
+        return sum(map(len, self._evicted + self._parents))
 
     def evicted(self, keys: list[bytes], tier: str, pressure: str,
                 by: str | None = None) -> None:
-        """Remember `keys` as evicted from `tier` under `pressure` (by tenant `by`)."""
-        if not self.capacity or not keys:
-            return
-        entry, evicted = (tier, pressure, by), self._evicted
-        for key in keys:
-            evicted[key] = entry
-            evicted.move_to_end(key)
-        _trim(evicted, self.capacity)
+        """Remember `keys` as evicted from `tier` under `pressure` (by tenant `by`); a key
+        evicted again is remembered with its newest entry."""
+        if self.capacity and keys:
+            self._evicted = _stored(self._evicted, dict.fromkeys(keys, (tier, pressure, by)),
+                                    self.capacity)
 
     def seen(self, parents: list[bytes]) -> None:
         """Remember that blocks chaining from `parents` were indexed."""
         if self.capacity and parents:
-            self._parents.update(dict.fromkeys(parents))
-            _trim(self._parents, self.capacity)
+            self._parents = _stored(self._parents, dict.fromkeys(parents), self.capacity)
 
     def miss(self, key: bytes, parent: bytes, block: int, *, first: bool = False) -> Miss:
         """Why the block `key` (chaining from `parent`, index `block` of its prompt) is not
         cached. `first`: it is the prompt's first block, whose parent is the tenant's root
         (every prompt of the tenant chains from it, so no block diverges from another)."""
-        entry = self._evicted.get(key)
+        entry = self.entry(key)
         if entry is not None:
             return Miss("evicted", block, *entry)
-        if not first and parent in self._parents:
+        if not first and (parent in self._parents[0] or parent in self._parents[1]):
             return Miss("diverged", block)
         return Miss("cold", block)
 
     def entry(self, key: bytes) -> tuple | None:
         """``(tier, pressure, by)`` of `key` if remembered as evicted."""
-        return self._evicted.get(key)
+        newer, older = self._evicted
+        entry = newer.get(key)
+        return entry if entry is not None else older.get(key)
 
 
-def _trim(entries: collections.OrderedDict, capacity: int) -> None:
-    while len(entries) > capacity:
-        entries.popitem(last=False)
+def _stored(generations: tuple[dict, dict], entries: dict, capacity: int,
+            ) -> tuple[dict, dict]:
+    """`generations` (newer, older) with `entries` added to the newer one; when that would
+    pass half of `capacity`, the newer one becomes the older and the older is dropped."""
+    newer, older = generations
+    if newer and len(newer) + len(entries) > max(capacity // 2, 1):
+        newer, older = {}, newer
+    newer.update(entries)
+    return newer, older

@@ -78,6 +78,9 @@ class TenantLedger:
         self.tenant_of = np.zeros(num_blocks, dtype=np.int32)
         self._lru: list[collections.OrderedDict[int, int]] = [
             collections.OrderedDict() for _ in self.names]
+        # the first tick of each list (inf: empty), so choosing a victim reads a list of
+        # numbers, not an iterator per tenant
+        self._oldest: list[float] = [math.inf] * len(self.names)
         self._retained: list[dict[int, tuple[int, float, float, int]]] = [
             {} for _ in self.names]
         self._count = [0] * len(self.names)
@@ -117,11 +120,12 @@ class TenantLedger:
         return list(self._retained[tenant])
 
     # -- the allocator's notifications ----------------------------------------------------
-    def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
+    def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
             index: dict[bytes, int]) -> None:
-        """Record the tenant of blocks being indexed: a block's parent is its tenant's
-        salted root, or a block indexed before it (of the same tenant: the salt is in the
-        chain). A parent no longer indexed (a rare race with eviction) counts as unnamed."""
+        """Record the tenant of `block_ids` (``[n]`` int64), being indexed: a block's parent
+        is its tenant's salted root, or a block indexed before it (of the same tenant: the
+        salt is in the chain). A parent no longer indexed (a rare race with eviction)
+        counts as unnamed."""
         tenant_of, ids = self.tenant_of, self._ids
         if parents[1:] == keys[:-1]:  # the usual case: one chain, so one tenant
             tenant = ids.get(parents[0])
@@ -131,12 +135,12 @@ class TenantLedger:
             tenant_of[block_ids] = tenant
             return
         owners = list(map(index.get, parents))
-        if None not in owners and not set(owners).intersection(block_ids):
+        if None not in owners and not set(owners).intersection(block_ids.tolist()):
             # a decode step's blocks: each chains from its sequence's block indexed before
             tenant_of[block_ids] = tenant_of[owners]
             return
         last_key, tenant = None, 0
-        for block_id, key, parent in zip(block_ids, keys, parents, strict=True):
+        for block_id, key, parent in zip(block_ids.tolist(), keys, parents, strict=True):
             if parent != last_key:
                 tenant = ids.get(parent)
                 if tenant is None:
@@ -167,6 +171,8 @@ class TenantLedger:
             ordinary = len(blocks) - keep
             self._lru[tenant].update(zip(blocks[:ordinary],
                                          range(self._tick, self._tick + ordinary), strict=True))
+            if ordinary and self._oldest[tenant] == math.inf:
+                self._oldest[tenant] = self._tick
             self._tick += ordinary
             if keep:  # the head: released last, the prefix other requests share
                 self._retain(tenant, blocks[ordinary:], *wanted)
@@ -180,11 +186,14 @@ class TenantLedger:
 
     def removed(self, block_ids: list[int]) -> None:
         """`block_ids` (cached) stopped being cached: revived by a hit, or unindexed."""
-        lrus, retained = self._lru, self._retained
+        lrus, retained, oldest = self._lru, self._retained, self._oldest
         for block_id, tenant in zip(block_ids, self.tenant_of[block_ids].tolist(),
                                     strict=True):
-            if lrus[tenant].pop(block_id, _MISSING) is _MISSING:
+            tick = lrus[tenant].pop(block_id, _MISSING)
+            if tick is _MISSING:
                 del retained[tenant][block_id]
+            elif tick == oldest[tenant]:
+                self._refront(tenant)
             self._add(tenant, -1)
 
     def clear(self) -> None:
@@ -193,53 +202,64 @@ class TenantLedger:
             self._lru[tenant].clear()
             self._retained[tenant].clear()
             self._count[tenant] = 0
+            self._oldest[tenant] = math.inf
         self._protected, self._next_expiry = 0, math.inf
 
     # -- choosing victims -----------------------------------------------------------------
-    def victims(self, count: int, requester: int | None) -> list[int]:
+    def victims(self, count: int, requester: int | None) -> list[tuple[int, list[int]]]:
         """Take `count` cached blocks to evict for an allocation by tenant `requester`
         (None: a step mixing tenants; every reservation holds). The caller made sure they
-        exist (`num_protected` is off its obtainable count)."""
-        self._expire()
-        lrus, counts, reserve = self._lru, self._count, self._reserve
-        taken: list[int] = []
-        while len(taken) < count:
+        exist (`num_protected` is off its obtainable count). Returns them in runs, oldest
+        first: ``(tenant, blocks)``."""
+        if self._next_expiry != math.inf:
+            self._expire()
+        fronts, counts, reserve = self._oldest, self._count, self._reserve
+        runs: list[tuple[int, list[int]]] = []
+        while count > 0:
             # the oldest front among the tenants that may lose a block, and the next oldest:
             # the best tenant's blocks older than that one go in one run
             best, oldest, runner_up = None, math.inf, math.inf
-            for tenant, lru in enumerate(lrus):
-                if lru and (tenant == requester or counts[tenant] > reserve[tenant]):
-                    tick = next(iter(lru.values()))
+            for tenant, tick in enumerate(fronts):
+                if tick < runner_up and (tenant == requester
+                                         or counts[tenant] > reserve[tenant]):
                     if tick < oldest:
                         best, oldest, runner_up = tenant, tick, oldest
-                    elif tick < runner_up:
+                    else:
                         runner_up = tick
             if best is None:
                 best = self._lowest_retainer(requester)
                 ensure(best is not None, "no evictable cached block for an allocation "
                        "that was counted as obtainable")
-                taken.append(self.pop(best))
-                continue
-            taken += self._run(best, count - len(taken), runner_up, best != requester)
-        return taken
+                run = [self.pop(best)]
+            else:
+                run = self._run(best, count, runner_up, best != requester)
+            runs.append((best, run))
+            count -= len(run)
+        return runs
 
-    def blame(self, ghost: GhostList, tier: str, block_ids: list[int], keys: list[bytes],
-              asking: int | None) -> None:
-        """Remember evicted `block_ids` (indexed under `keys`) in `ghost`: evicted from
-        `tier` by tenant `asking`'s pressure (``own`` or ``tenant``), or ``global``."""
+    def blame(self, ghost: GhostList, tier: str, runs: list[tuple[int, list[int]]],
+              keys: list[bytes], asking: int | None) -> None:
+        """Remember the evicted blocks of `runs` (as `victims` gave them; indexed under
+        `keys`, in that order) in `ghost`: evicted from `tier` by tenant `asking`'s pressure
+        (``own`` or ``tenant``), or ``global``."""
         if asking is None:
             ghost.evicted(keys, tier, "global")
             return
-        own = (self.tenant_of[block_ids] == asking).tolist()
-        if all(own) or not any(own):  # the usual case: one kind of pressure
-            if own and own[0]:
-                ghost.evicted(keys, tier, "own")
-            else:
-                ghost.evicted(keys, tier, "tenant", self.names[asking])
+        own = [tenant == asking for tenant, _ in runs]
+        if all(own):  # the usual cases: one kind of pressure
+            ghost.evicted(keys, tier, "own")
             return
-        ghost.evicted([k for k, mine in zip(keys, own, strict=True) if mine], tier, "own")
-        ghost.evicted([k for k, mine in zip(keys, own, strict=True) if not mine], tier,
-                      "tenant", self.names[asking])
+        if not any(own):
+            ghost.evicted(keys, tier, "tenant", self.names[asking])
+            return
+        mine: list[bytes] = []
+        others: list[bytes] = []
+        start = 0
+        for (_, blocks), is_own in zip(runs, own, strict=True):
+            (mine if is_own else others).extend(keys[start:start + len(blocks)])
+            start += len(blocks)
+        ghost.evicted(mine, tier, "own")
+        ghost.evicted(others, tier, "tenant", self.names[asking])
 
     def pop(self, tenant: int) -> int:
         """Take `tenant`'s next victim: its oldest ordinary block, else its retained block
@@ -247,6 +267,7 @@ class TenantLedger:
         lru = self._lru[tenant]
         if lru:
             block_id = lru.popitem(last=False)[0]
+            self._refront(tenant)
         else:
             retained = self._retained[tenant]
             if not retained:
@@ -275,13 +296,21 @@ class TenantLedger:
         lru = self._lru[tenant]
         if reserved:
             most = min(most, self._count[tenant] - self._reserve[tenant])
-        # ticks rise along the list (demoted blocks take ticks below every other), so the
-        # run's length is one bisection of its first `most` ticks, all in C
-        ticks = list(itertools.islice(lru.values(), most))
+        most = min(most, len(lru))
+        if before != math.inf:
+            # ticks rise along the list (demoted blocks take ticks below every other), so
+            # the run's length is one bisection of its first `most` ticks, all in C
+            ticks = list(itertools.islice(lru.values(), most))
+            most = max(bisect.bisect_left(ticks, before), 1)
         popitem = lru.popitem
-        run = [popitem(False)[0] for _ in range(max(bisect.bisect_left(ticks, before), 1))]
-        self._add(tenant, -len(run))
+        run = [popitem(False)[0] for _ in range(most)]
+        self._refront(tenant)
+        self._add(tenant, -most)
         return run
+
+    def _refront(self, tenant: int) -> None:
+        lru = self._lru[tenant]
+        self._oldest[tenant] = next(iter(lru.values())) if lru else math.inf
 
     def _add(self, tenant: int, delta: int) -> None:
         count, reserve = self._count[tenant], self._reserve[tenant]
@@ -311,6 +340,7 @@ class TenantLedger:
             self._front -= 1
             lru[block_id] = self._front
             lru.move_to_end(block_id, last=False)
+        self._refront(tenant)
 
     def _expire(self) -> None:
         if self._next_expiry == math.inf:  # nothing retained: no clock read per eviction
@@ -360,6 +390,9 @@ class TenantLedger:
                    f"tenant {self.names[tenant]!r} holds more cached blocks than its quota")
         ensure(self._protected == sum(map(min, self._count, self._reserve)),
                "the protected count disagrees with the counts")
+        ensure(self._oldest == [next(iter(lru.values())) if lru else math.inf
+                                for lru in self._lru],
+               "a tenant's oldest tick disagrees with its list")
 
 
 def _rank(entry: tuple[int, float, float, int], now: float) -> tuple[float, int]:
