@@ -230,11 +230,9 @@ class BlockAllocator:
             self._ghost.evicted(self._unindex(evicted), "device", "global")
             return evicted
         asking = self._ledger.tenant_id(requester) if requester is not None else None
-        runs = self._ledger.victims(count, asking)
-        evicted = runs[0][1] if len(runs) == 1 else [b for _, run in runs for b in run]
-        cached = self._cached
+        evicted, runs = self._ledger.victims(count, asking)
         for block_id in evicted:
-            del cached[block_id]
+            del self._cached[block_id]
         self._ledger.blame(self._ghost, "device", runs, self._unindex(evicted), asking)
         return evicted
 

@@ -206,14 +206,23 @@ class TenantLedger:
         self._protected, self._next_expiry = 0, math.inf
 
     # -- choosing victims -----------------------------------------------------------------
-    def victims(self, count: int, requester: int | None) -> list[tuple[int, list[int]]]:
+    def victims(self, count: int, requester: int | None,
+                ) -> tuple[list[int], list[tuple[int, list[int]]]]:
         """Take `count` cached blocks to evict for an allocation by tenant `requester`
         (None: a step mixing tenants; every reservation holds). The caller made sure they
-        exist (`num_protected` is off its obtainable count). Returns them in runs, oldest
-        first: ``(tenant, blocks)``."""
+        exist (`num_protected` is off its obtainable count).
+
+        Returns
+        -------
+        blocks : list of int
+            The victims, oldest first.
+        runs : list of (int, list of int)
+            The same blocks in runs of one tenant each, ``(tenant, blocks)``.
+        """
         if self._next_expiry != math.inf:
             self._expire()
         fronts, counts, reserve = self._oldest, self._count, self._reserve
+        taken: list[int] = []
         runs: list[tuple[int, list[int]]] = []
         while count > 0:
             # the oldest front among the tenants that may lose a block, and the next oldest:
@@ -234,8 +243,9 @@ class TenantLedger:
             else:
                 run = self._run(best, count, runner_up, best != requester)
             runs.append((best, run))
+            taken += run
             count -= len(run)
-        return runs
+        return taken, runs
 
     def blame(self, ghost: GhostList, tier: str, runs: list[tuple[int, list[int]]],
               keys: list[bytes], asking: int | None) -> None:
