@@ -14,8 +14,9 @@ POLICIES = ("recompute", "fail")
 MISSING_PARAMS, ENGINE_GONE, LEASE_EXPIRED = "missing_params", "engine_gone", "lease_expired"
 TRANSFER_FAILED, VERIFY_FAILED, TENANT_MISMATCH = ("transfer_failed", "verify_failed",
                                                    "tenant_mismatch")
+UNSIGNED = "unsigned"  # parameters the hand-off secret did not sign: nothing contacted
 REASONS = (MISSING_PARAMS, ENGINE_GONE, LEASE_EXPIRED, TRANSFER_FAILED, VERIFY_FAILED,
-           TENANT_MISMATCH)
+           TENANT_MISMATCH, UNSIGNED)
 # the error message of a request failed by the `fail` policy starts so (HTTP 502)
 ERROR_PREFIX = "kv hand-off failed"
 
@@ -32,7 +33,8 @@ class HandoffConfig:
     host, port : str, int
         Where a prefill engine serves its leased pages (port 0: a free one).
     secret : str
-        Shared by the engines: a pull without it is refused.
+        Shared by the engines and the router (required for a role): the key of every MAC
+        of `paged_kv.handoff.trust`; it never leaves the process.
     lease_s : float
         Seconds a lease lives without a heartbeat.
     failure : {"recompute", "fail"}
@@ -58,6 +60,10 @@ class HandoffConfig:
             raise ValueError(f"lease_s: expected seconds > 0, got {self.lease_s!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: expected 0..65535, got {self.port!r}")
+        if self.role != "both" and not self.secret:
+            raise ValueError(f"secret: role {self.role} needs the hand-off secret the router "
+                             f"and the other engines share (--handoff-secret, or "
+                             f"${SECRET_ENV}): without it any client could forge a hand-off")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HandoffConfig | None:
@@ -80,7 +86,9 @@ def add_handoff_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--handoff-port", type=_port, default=0,
                        help="the ZMQ port a prefill engine serves its pages on (0: a free one)")
     group.add_argument("--handoff-secret", default=os.environ.get(SECRET_ENV, ""),
-                       help=f"shared by the engines: pulls without it are refused (default: "
+                       help=f"shared by the engines and the router (required with --role "
+                            f"prefill/decode): it signs the hand-off parameters, the messages "
+                            f"and the pages between engines, and never travels (default: "
                             f"${SECRET_ENV}, which keeps it out of the process list)")
     group.add_argument("--handoff-lease-s", type=_seconds, default=30.0,
                        help="seconds a prefill engine keeps a request's pages unclaimed "

@@ -4,14 +4,16 @@
 A request to a prefill engine carries ``{"do_remote_decode": true}``; its response carries
 where its pages are leased (``remote_engine``, ``lease``, ``block_keys``, ``first_token``,
 ``num_prompt_tokens``, ``lease_seconds``; a hybrid layout's also ``group_starts``, see
-`HandoffParams`). The decode engine gets those back with
-``do_remote_prefill: true``. A field of the wrong type is the client's error (400 naming
+`HandoffParams`), and its ``signature`` of them (`trust.HandoffTrust.sign_params`). The
+decode engine gets those back with ``do_remote_prefill: true`` and pulls nothing unless
+the signature verifies. A field of the wrong type is the client's error (400 naming
 ``kv_transfer_params.FIELD``); a field missing on a decode engine is a hand-off that
 could not load (`config.MISSING_PARAMS`), never a silent re-prefill.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -20,6 +22,11 @@ import msgspec
 from ..hybrid.rules import group_key
 
 _HEX = re.compile(r"^[0-9a-f]+$")
+# a host name, an IPv4 address or a bracketed IPv6 one, and a port: what ZMQ can connect to
+# (anything else fails inside ``connect``, on the engine's thread)
+_ENDPOINT = re.compile(r"^tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]+\])"
+                       r":(?:[1-9][0-9]{0,4})$")
+MAX_LEASE_SECONDS = 86400.0  # a lease longer than a day is no lease
 _NEEDED = ("remote_engine", "lease", "block_keys", "num_prompt_tokens")
 
 
@@ -45,6 +52,7 @@ class HandoffParams(msgspec.Struct, omit_defaults=True):
     num_prompt_tokens: int | None = None
     lease_seconds: float | None = None
     group_starts: list[int] | None = None
+    signature: str | None = None
 
     @property
     def missing(self) -> list[str]:
@@ -96,7 +104,8 @@ def parse_params(value: Any) -> HandoffParams | None:
     for name in ("do_remote_decode", "do_remote_prefill"):
         _check(name, value.get(name), bool)
     _check("remote_engine", value.get("remote_engine"), str,
-           lambda v: v.startswith("tcp://"), "tcp://HOST:PORT")
+           lambda v: bool(_ENDPOINT.match(v)) and int(v.rpartition(":")[2]) < 65536,
+           "tcp://HOST:PORT")
     _check("lease", value.get("lease"), str, lambda v: bool(_HEX.match(v)) and len(v) <= 64,
            "a hex string")
     _check("block_keys", value.get("block_keys"), list,
@@ -108,7 +117,10 @@ def parse_params(value: Any) -> HandoffParams | None:
            lambda v: len(v) < 256 and all(isinstance(s, int) and not isinstance(s, bool)
                                           and 0 <= s < 2**31 for s in v),
            "a list of ints >= 0, one per layer group after the first")
-    _check("lease_seconds", value.get("lease_seconds"), (int, float), lambda v: v > 0,
-           "seconds > 0")
+    _check("lease_seconds", value.get("lease_seconds"), (int, float),
+           lambda v: math.isfinite(v) and 0 < v <= MAX_LEASE_SECONDS,
+           f"seconds in (0, {MAX_LEASE_SECONDS:.0f}]")
+    _check("signature", value.get("signature"), str,
+           lambda v: len(v) == 64 and bool(_HEX.match(v)), "64 hex characters")
     fields = {f: value[f] for f in HandoffParams.__struct_fields__ if value.get(f) is not None}
     return HandoffParams(**fields)

@@ -1,6 +1,8 @@
-"""The decode engine's side: a request's hand-off parameters checked at admission into a
-`PeerSource`, which the tiers' fetcher pulls from (`TierManager.start_peer_fetch`: the one
-path by which blocks from elsewhere reach the pool, verified value by value), then settled:
+"""The decode engine's side: a request's hand-off parameters checked at admission (their
+prefill engine's signature first: nothing is contacted for parameters the secret did not
+sign) into a `PeerSource`, which the tiers' fetcher pulls from
+(`TierManager.start_peer_fetch`: the one path by which blocks from elsewhere reach the
+pool, verified value by value: its MAC, then its header and checksum), then settled:
 counted, and the lease released. Heartbeats keep a waiting request's lease alive.
 """
 
@@ -20,6 +22,7 @@ from . import config as P
 from .metrics import HandoffMetrics
 from .params import HandoffParams
 from .server import Channel, drain, send
+from .trust import HandoffTrust
 
 CALL_TIMEOUT_S = 2.0  # a prefill engine that answers nothing this long is gone
 _FAILURES = {b"expired": P.LEASE_EXPIRED, b"unknown": P.LEASE_EXPIRED}
@@ -33,8 +36,8 @@ class PeerSource(Store):
     ----------
     handoff : HandoffParams
     role : DecodeRole
-        Its engine's: the secret, the fingerprint's namespace (the fetcher names blocks by
-        `codec.store_key`), the ZMQ context.
+        Its engine's: the secret's MACs, the fingerprint's namespace (the fetcher names
+        blocks by `codec.store_key`), the ZMQ context.
     """
 
     name = "peer"
@@ -42,7 +45,8 @@ class PeerSource(Store):
     def __init__(self, handoff: HandoffParams, role: DecodeRole) -> None:
         self.params, self.role = handoff, role  # the role settles its fetches
         # the role's channel: a socket per prefill engine kept open across gets
-        self._secret, self._channel = role.config.secret.encode(), role.channel
+        self._trust, self._channel = role.trust, role.channel
+        self._lease = (handoff.lease or "").encode()
         namespace, lease_s = role.namespace, role.config.lease_s
         self.keys = {codec.store_key(namespace, key): key for key in handoff.leased_keys()}
         self.lease_s = handoff.lease_seconds or lease_s
@@ -52,8 +56,8 @@ class PeerSource(Store):
         self.nbytes, self.seconds, self.settled = 0, 0.0, False
 
     def frames(self, verb: bytes, keys: list[bytes] = ()) -> list[bytes]:
-        """A message to the prefill engine about this lease."""
-        return [verb, self._secret, self.params.lease.encode(), *keys]
+        """A message to the prefill engine about this lease (its MAC, not the secret)."""
+        return [verb, self._trust.request_mac(verb, self._lease, keys), self._lease, *keys]
 
     def contains(self, keys: list[str]) -> list[bool]:
         return [key in self.keys for key in keys]
@@ -63,16 +67,19 @@ class PeerSource(Store):
         if left <= 0:
             self.failure = P.LEASE_EXPIRED
             return [None] * len(keys)
-        start = time.monotonic()
-        answer = self._channel.call(self.params.remote_engine,
-                                    self.frames(b"get", [self.keys[k] for k in keys]),
+        start, raw = time.monotonic(), [self.keys[k] for k in keys]
+        answer = self._channel.call(self.params.remote_engine, self.frames(b"get", raw),
                                     min(left, CALL_TIMEOUT_S))
         self.seconds += time.monotonic() - start
         if answer is None:
             self.failure = P.ENGINE_GONE if left > CALL_TIMEOUT_S else P.LEASE_EXPIRED
-        elif answer[0] == b"ok" and len(answer) == len(keys) + 1:
-            self.nbytes += sum(len(v) for v in answer[1:])
-            return answer[1:]
+        elif answer[0] == b"ok" and len(answer) == len(keys) + 2:
+            good = self._trust.values_ok(answer[1], self._lease, raw, answer[2:])
+            if not all(good):  # a value not of this lease, or not from a holder of the secret
+                self.failure = P.VERIFY_FAILED
+            values = [v if ok else None for v, ok in zip(answer[2:], good, strict=True)]
+            self.nbytes += sum(len(v) for v in values if v is not None)
+            return values
         else:
             self.failure = _FAILURES.get(answer[0], P.TRANSFER_FAILED)
         return [None] * len(keys)
@@ -105,6 +112,7 @@ class DecodeRole:
     def __init__(self, config: P.HandoffConfig, cache: PagedKVCache,
                  fingerprint: codec.Fingerprint) -> None:
         self.config, self.cache, self.namespace = config, cache, fingerprint.namespace
+        self.trust = HandoffTrust(config.secret)
         self.metrics = HandoffMetrics(self.role)
         self.context = zmq.Context()
         self.channel = Channel(self.context)  # the gets (the fetcher's thread)
@@ -119,6 +127,9 @@ class DecodeRole:
             detail = ("no kv_transfer_params" if handoff is None or not handoff.do_remote_prefill
                       else f"kv_transfer_params lacks {', '.join(lacks)}")
             return self._fall_back(request, P.MISSING_PARAMS, detail)
+        if not self.trust.params_signed(handoff):  # before anything is contacted
+            return self._fall_back(request, P.UNSIGNED, "kv_transfer_params.signature is "
+                                   "not this engine's hand-off secret's: not pulled")
         size = self.cache.config.block_size
         mine = block_keys(np.asarray(request.prompt_token_ids, dtype=np.int64), size,
                           root_hash(request.salt))
@@ -189,14 +200,21 @@ class DecodeRole:
             del self._waiting[request_id]
         send(self._socket(source), source.frames(b"release"))
 
-    def _socket(self, source: PeerSource) -> zmq.Socket:
+    def _socket(self, source: PeerSource) -> zmq.Socket | None:
+        """The DEALER to `source`'s prefill engine (None: ZMQ refused its endpoint, which
+        then gets no heartbeat or release: its lease runs out)."""
         endpoint = source.params.remote_engine
         socket = self._sockets.get(endpoint)
         if socket is None:
-            socket = self._sockets[endpoint] = self.context.socket(zmq.DEALER)
+            socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 1000)  # a release still leaves on close
             socket.setsockopt(zmq.SNDHWM, 1000)
-            socket.connect(endpoint)
+            try:
+                socket.connect(endpoint)
+            except zmq.ZMQError:  # this request's problem alone, never the engine's step
+                socket.close(linger=0)
+                return None
+            self._sockets[endpoint] = socket
         return socket
 
     def text(self) -> str:

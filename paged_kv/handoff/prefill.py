@@ -21,6 +21,7 @@ from .config import HandoffConfig
 from .lease import LeaseTable
 from .metrics import HandoffMetrics
 from .server import HandoffServer
+from .trust import HandoffTrust
 
 MIB = 1 << 20
 logger = logging.getLogger("paged_kv.handoff")
@@ -44,10 +45,8 @@ class PrefillRole:
         self.config, self.cache, self._digest = config, cache, fingerprint.digest
         self.leases = LeaseTable(config.lease_s, int(config.max_lease_mib * MIB))
         self.metrics = HandoffMetrics(self.role, self.leases)
-        self.server = HandoffServer(self.leases, config.host, config.port, config.secret)
-        if not config.secret:
-            logger.warning("prefill role without --handoff-secret: anyone who reaches %s "
-                           "can pull leased pages", self.server.endpoint)
+        self.trust = HandoffTrust(config.secret)
+        self.server = HandoffServer(self.leases, config.host, config.port, self.trust)
 
     def admit(self, request: Any, params: Any) -> str | None:
         """Note a new request's parameters: only ``do_remote_decode`` matters here."""
@@ -57,7 +56,7 @@ class PrefillRole:
 
     def finished(self, request: Any) -> None:
         """A request finished: when it asked for a hand-off (and did not fail), lease its
-        prompt's full blocks and set its ``kv_transfer_params``."""
+        prompt's full blocks and set its ``kv_transfer_params``, signed."""
         if request.handoff is None or request.error is not None:
             return
         start = time.perf_counter()
@@ -72,6 +71,8 @@ class PrefillRole:
             "lease_seconds": self.config.lease_s}
         if starts is not None:  # a hybrid layout's other groups (see HandoffParams)
             request.kv_transfer_params["group_starts"] = starts if lease else []
+        request.kv_transfer_params["signature"] = self.trust.sign_params(
+            request.kv_transfer_params)
         if lease is not None:
             self.metrics.handoff(sum(len(v) for v in values.values()),
                                  time.perf_counter() - start)

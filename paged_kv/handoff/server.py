@@ -1,24 +1,28 @@
 """The wire between the engines: a prefill engine's `HandoffServer` (a ZMQ ROUTER served by a
 thread of the engine-core process) and the decode side's `call`.
 
-A message is multipart: ``[verb, secret, lease, key, key, ...]`` (keys raw, 32 bytes each);
-the answer ``[status, value, value, ...]``. Verbs: ``get`` (the leased values of the keys,
-in order, raw: no per-token framing), ``heartbeat`` (extends the lease), ``release`` (drops
-it: the decode engine's ack). Statuses: ``ok``; ``refused`` (wrong secret, or a malformed
+A message is multipart: ``[verb, mac, lease, key, key, ...]`` (keys raw, 32 bytes each;
+``mac`` the secret's MAC of verb, lease and keys, `trust.HandoffTrust.request_mac`: the
+secret itself never travels); the answer ``[status, ...]``, a ``get``'s ``[b"ok", macs,
+value, value, ...]``. Verbs: ``get`` (the leased values of the keys, in order, raw: no
+per-token framing, and ``macs``: each value's `trust.HandoffTrust.value_mac`, 32 bytes
+each, binding it to the lease), ``heartbeat`` (extends the lease), ``release`` (drops it:
+the decode engine's ack). Statuses: ``ok``; ``refused`` (a wrong MAC, or a malformed
 message); ``expired`` / ``unknown`` (no such lease now); ``missing`` (a key not in the
-lease). A value is a tier value (`paged_kv.tiers.codec`), so the decode side verifies it.
+lease). A value is a tier value (`paged_kv.tiers.codec`), so the decode side verifies it
+twice: its MAC, then its header and checksum.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import threading
 
 import zmq
 
 from .lease import LeaseTable
+from .trust import HandoffTrust
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the thread sweeps expired leases and looks at its stop flag
@@ -32,12 +36,12 @@ class HandoffServer:
     leases : LeaseTable
     host : str
     port : int
-    secret : str
-        Every message must carry it.
+    trust : HandoffTrust
+        Every message must carry its MAC; every value served carries one.
     """
 
-    def __init__(self, leases: LeaseTable, host: str, port: int, secret: str) -> None:
-        self.leases, self._secret = leases, secret.encode()
+    def __init__(self, leases: LeaseTable, host: str, port: int, trust: HandoffTrust) -> None:
+        self.leases, self._trust = leases, trust
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -46,7 +50,7 @@ class HandoffServer:
         else:
             port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        self.refused = 0  # messages without the secret
+        self.refused = 0  # messages without the secret's MAC
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="paged-kv-handoff",
                                         daemon=True)
@@ -57,8 +61,12 @@ class HandoffServer:
             while not self._stop.is_set():
                 if self._socket.poll(_POLL_MS):
                     frames = self._socket.recv_multipart()
-                    self._socket.send_multipart([frames[0], *self._answer(frames[1:])],
-                                                copy=False)
+                    try:
+                        answer = self._answer(frames[1:])
+                    except Exception:  # one message's fault: never the server's end
+                        logger.exception("paged_kv hand-off server: a message refused")
+                        answer = [b"refused"]
+                    self._socket.send_multipart([frames[0], *answer], copy=False)
                 self.leases.sweep()
         except Exception:
             logger.exception("paged_kv hand-off server stopped")
@@ -66,7 +74,8 @@ class HandoffServer:
             self._socket.close()
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) < 3 or not hmac.compare_digest(frames[1], self._secret):
+        if len(frames) < 3 or not self._trust.request_ok(frames[1], frames[0], frames[2],
+                                                         frames[3:]):
             self.refused += 1
             return [b"refused"]
         verb, lease = frames[0], frames[2].decode(errors="replace")
@@ -82,7 +91,9 @@ class HandoffServer:
             return [values.encode() if values == "unknown" else b"expired"]
         if any(v is None for v in values):
             return [b"missing"]
-        return [b"ok", *values]
+        macs = b"".join(self._trust.value_mac(frames[2], key, value)
+                        for key, value in zip(frames[3:], values, strict=True))
+        return [b"ok", macs, *values]
 
     def close(self) -> None:
         """Stop the thread and close the socket."""
@@ -99,12 +110,15 @@ def call(context: zmq.Context, endpoint: str, frames: list[bytes],
     often uses a `Channel` instead (no connection set up per call)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
     try:
         socket.connect(endpoint)
         socket.send_multipart(frames, copy=False)
         if not socket.poll(max(1, int(timeout_s * 1000))):
             return None
         return socket.recv_multipart()
+    except zmq.ZMQError:  # an endpoint ZMQ cannot connect to, or a send that timed out
+        return None
     finally:
         socket.close()
 
@@ -117,7 +131,9 @@ class Channel:
 
     A socket whose answer did not come in time is closed and replaced, so that a late
     answer can never be taken for the next call's (one call at a time per socket: an
-    answer is the one to the socket's last request).
+    answer is the one to the socket's last request). A socket is kept only once it is
+    connected, and a send gives up after the call's timeout: a failure is this call's
+    alone (None), never a socket left to block the next one.
 
     Parameters
     ----------
@@ -133,21 +149,38 @@ class Channel:
     def call(self, endpoint: str, frames: list[bytes],
              timeout_s: float) -> list[bytes | memoryview] | None:
         """`call` on this thread's socket to `endpoint`: ``[status (bytes), value
-        (memoryview), ...]``, or None when no answer came within `timeout_s`."""
+        (memoryview), ...]``, or None when no answer came within `timeout_s` (or ZMQ
+        could not connect to `endpoint` or send to it)."""
         sockets = self._local.__dict__.setdefault("sockets", {})
-        socket = sockets.get(endpoint)
+        socket = sockets.get(endpoint) or self._open(endpoint)
         if socket is None:
-            socket = sockets[endpoint] = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(endpoint)
-            with self._lock:
-                self._all.append(socket)
-        socket.send_multipart(frames, copy=False)
-        if not socket.poll(max(1, int(timeout_s * 1000))):
+            return None
+        sockets[endpoint] = socket
+        wait_ms = max(1, int(timeout_s * 1000))
+        try:
+            socket.setsockopt(zmq.SNDTIMEO, wait_ms)
+            socket.send_multipart(frames, copy=False)
+            answered = socket.poll(wait_ms)
+        except zmq.ZMQError:
+            answered = False
+        if not answered:
             self._discard(sockets.pop(endpoint))
             return None
         answer = socket.recv_multipart(copy=False)
         return [answer[0].bytes, *(frame.buffer for frame in answer[1:])]
+
+    def _open(self, endpoint: str) -> zmq.Socket | None:
+        """A DEALER connected to `endpoint` (None: ZMQ refused the endpoint)."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError:
+            socket.close()
+            return None
+        with self._lock:
+            self._all.append(socket)
+        return socket
 
     @property
     def open_sockets(self) -> int:
@@ -168,9 +201,11 @@ class Channel:
                 socket.close()
 
 
-def send(socket: zmq.Socket, frames: list[bytes]) -> None:
+def send(socket: zmq.Socket | None, frames: list[bytes]) -> None:
     """Fire and forget on a DEALER (a heartbeat, a release): never blocks the engine's
-    thread; answers are drained and ignored (`drain`)."""
+    thread; answers are drained and ignored (`drain`). No socket: nothing sent."""
+    if socket is None:
+        return
     with contextlib.suppress(zmq.ZMQError):
         socket.send_multipart(frames, flags=zmq.NOBLOCK)
 

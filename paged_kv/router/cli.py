@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import urllib.parse
 
+from ..handoff.config import SECRET_ENV
 from .policy import POLICIES
 
 logger = logging.getLogger("paged_kv.router")
@@ -45,6 +47,11 @@ def _add_replica_flags(route: argparse.ArgumentParser) -> None:
                        help="a decode replica (paged-kv serve --role decode; repeat the flag "
                             "for each): the least loaded one decodes a request, with the "
                             "prefill's hand-off parameters, and streams the answer")
+    route.add_argument("--handoff-secret", default=os.environ.get(SECRET_ENV, ""),
+                       help=f"the engines' --handoff-secret (required with --prefill): the "
+                            f"router signs each body it sends them, as only it may ask for "
+                            f"a hand-off (default: ${SECRET_ENV}, which keeps it out of the "
+                            f"process list)")
 
 
 def add_route_parser(commands: argparse._SubParsersAction) -> None:
@@ -109,6 +116,10 @@ def check_replica_flags(args: argparse.Namespace) -> None:
         for url in given or []:
             if urls.count(url) > 1:
                 raise ValueError(f"argument {flag}: the replica {url} given twice")
+    if args.prefill and not getattr(args, "handoff_secret", ""):
+        raise ValueError(f"argument --handoff-secret: needed with --prefill (or "
+                         f"${SECRET_ENV}): the engines take a hand-off only from a router "
+                         f"holding their secret")
 
 
 def route_main(args: argparse.Namespace) -> int:
@@ -141,7 +152,8 @@ def route_main(args: argparse.Namespace) -> int:
     else:  # the decode replicas' own prefixes are not routed by: no events followed
         decode = ReplicaSet(args.decode, PrefixIndex(), lambda *a: None,
                             interval=args.probe_interval, subscribe=False)
-        router = DisaggRouter(replicas, decode, tokenizer, **options)
+        router = DisaggRouter(replicas, decode, tokenizer, secret=args.handoff_secret,
+                              **options)
         logger.info("routing: prefill (%s) over %d replicas, decode (least load) over %d, "
                     "on http://%s:%d", args.policy, len(args.prefill), len(args.decode),
                     args.host, args.port)

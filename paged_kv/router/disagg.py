@@ -27,6 +27,8 @@ from prometheus_client import Counter, Histogram
 from starlette.responses import Response
 
 from ..handoff.config import ERROR_PREFIX as HANDOFF_ERROR
+from ..handoff.trust import HEADER as SIGNATURE_HEADER
+from ..handoff.trust import HandoffTrust
 from .policy import choose
 from .proxy import Router, RouterError
 from .replicas import Replica, ReplicaSet
@@ -80,14 +82,18 @@ class DisaggRouter(Router):
     prefill, decode : ReplicaSet
         The prefill replicas (their KV events followed) and the decode replicas.
     tokenizer : ByteTokenizer or HFTokenizer
+    secret : str
+        The engines' hand-off secret: every body sent to them is signed with it
+        (`paged_kv.handoff.trust`), as they take a hand-off from no one else.
     **kwargs
         As `Router` (policy, api_keys, balance, max_connections...): the policy chooses
         among the prefill replicas.
     """
 
-    def __init__(self, prefill: ReplicaSet, decode: ReplicaSet, tokenizer, **kwargs) -> None:
+    def __init__(self, prefill: ReplicaSet, decode: ReplicaSet, tokenizer, *, secret: str,
+                 **kwargs) -> None:
         super().__init__(prefill, tokenizer, **kwargs)
-        self.decode = decode
+        self.decode, self.trust = decode, HandoffTrust(secret)
         self._decode_turn = itertools.count()
         self.handoffs = Counter("paged_kv_router_handoffs", "Prefill-to-decode hand-offs by "
                                 "outcome (ok: the decode replica got the prefill's "
@@ -144,6 +150,7 @@ class DisaggRouter(Router):
                        tenant: str | None, tokens: list[int]) -> tuple[dict | None, str]:
         """The prefill's hand-off parameters (None: none to give) and the outcome so far."""
         content = json.dumps(prefill_body(data)).encode()
+        headers = self.signed(headers, content)
         tried: set[str] = set()
         keys_by_size: dict[int, list[bytes]] = {}
         for _ in range(PREFILL_ATTEMPTS):
@@ -214,6 +221,12 @@ class DisaggRouter(Router):
         content = await upstream.aread()
         return content if HANDOFF_ERROR.encode() in content else None
 
+    def signed(self, headers: dict[str, str], content: bytes) -> dict[str, str]:
+        """`headers` with the router's signature of `content` (any the client sent is
+        replaced: only the router signs)."""
+        kept = {k: v for k, v in headers.items() if k.lower() != SIGNATURE_HEADER}
+        return {**kept, SIGNATURE_HEADER: self.trust.router_header(content)}
+
     def _pick_decode(self, tried: set[str]) -> tuple[Replica, Callable[[], None]] | None:
         """The decode replica with the fewest requests in flight (ties in rotation)."""
         up = [r for r in self.decode.up() if r.url not in tried]
@@ -227,9 +240,9 @@ class DisaggRouter(Router):
                       outcome: str) -> Response:
         """The decode replica's answer, relayed; the hand-off counted by `outcome` (or
         why the decode failed)."""
-        started = time.monotonic()
+        started, content = time.monotonic(), json.dumps(data).encode()
         try:
-            response = await self.relay(path, json.dumps(data).encode(), headers,
+            response = await self.relay(path, content, self.signed(headers, content),
                                         self._pick_decode, len(self.decode.replicas))
         except RouterError:
             self.handoffs.labels(outcome="decode_failed").inc()

@@ -25,6 +25,26 @@ from paged_kv.bench.netdelay import free_port
 from ..conftest import ROOT, prometheus_value
 
 START_TIMEOUT_S = 120.0  # a server that is not healthy by then failed (2 busy cores)
+HANDOFF_SECRET = "s3cret"  # the engines' and routers' of these tests
+
+
+def signed(params: dict, secret: str = HANDOFF_SECRET) -> dict:
+    """`params` (a prefill's ``kv_transfer_params``, edited) signed again, as the prefill
+    engine signs them: a test playing a fault of the operator's own network."""
+    from paged_kv.handoff.trust import HandoffTrust
+
+    return {**params, "signature": HandoffTrust(secret).sign_params(params)}
+
+
+def post_as_router(url: str, body: dict, headers: dict | None = None,
+                   secret: str = HANDOFF_SECRET, timeout: float = 60) -> httpx.Response:
+    """POST `body` to `url` signed as the router signs it (a hand-off is the router's)."""
+    from paged_kv.handoff.trust import HEADER, HandoffTrust
+
+    content = json.dumps(body).encode()
+    return httpx.post(url, content=content, timeout=timeout,
+                      headers={**(headers or {}), "content-type": "application/json",
+                               HEADER: HandoffTrust(secret).router_header(content)})
 
 
 class Proc:
@@ -109,9 +129,10 @@ class Processes(contextlib.ExitStack):
         return procs
 
 
-def route(prefill: str, decode: str) -> list[str]:
+def route(prefill: str, decode: str, secret: str = HANDOFF_SECRET) -> list[str]:
     """``paged-kv route`` over one prefill and one decode replica (fast probes)."""
-    return ["route", "--prefill", prefill, "--decode", decode, "--probe-interval", "0.2"]
+    return ["route", "--prefill", prefill, "--decode", decode, "--probe-interval", "0.2",
+            "--handoff-secret", secret]
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -127,7 +148,9 @@ class PrefillProxy:
     """An HTTP proxy in front of a prefill replica that can misbehave on its answers'
     ``kv_transfer_params``: ``mode`` ``pass`` (unchanged), ``strip`` (dropped, as proxies
     that do not know the field do) or ``redirect`` (``remote_engine`` replaced by
-    `redirect_to`, the real one noted in `engines`)."""
+    `redirect_to`, the real one noted in `engines`, and signed again: a fault of the
+    operator's own network, not a client's forgery). It passes the router's signature
+    header on."""
 
     def __init__(self, target: str) -> None:
         self.target, self.mode, self.redirect_to = target, "pass", ""
@@ -143,7 +166,8 @@ class PrefillProxy:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 headers = {k: v for k, v in self.headers.items()
-                           if k.lower() in ("authorization", "content-type")}
+                           if k.lower() in ("authorization", "content-type",
+                                            "x-paged-kv-handoff")}
                 answer = httpx.post(proxy.target + self.path, content=body, headers=headers,
                                     timeout=60)
                 self._relay(answer, proxy.edit(answer))
@@ -172,7 +196,7 @@ class PrefillProxy:
         params = data.pop("kv_transfer_params", None)
         if self.mode == "redirect" and params is not None:
             self.engines.append(params["remote_engine"])
-            data["kv_transfer_params"] = {**params, "remote_engine": self.redirect_to}
+            data["kv_transfer_params"] = signed({**params, "remote_engine": self.redirect_to})
         return json.dumps(data).encode()
 
     def close(self) -> None:
@@ -184,7 +208,7 @@ class PrefillProxy:
 class PeerProxy:
     """A ZMQ ROUTER in front of a prefill engine's page server (`target`) that forwards
     every message, except that a ``get`` is held (``hold``: never answered), answered
-    late (``delay`` seconds) or answered with its second value's last byte flipped
+    late (``delay`` seconds) or answered with its first value's last byte flipped
     (``tamper``). `verbs` records what came, `gets` is set at the first ``get``."""
 
     def __init__(self, mode: str, delay: float = 0.0) -> None:

@@ -18,6 +18,7 @@ from paged_kv.handoff.params import parse_params  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
 
 from ..conftest import prometheus_value  # noqa: E402
+from .conftest import signed  # noqa: E402
 
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=64, vocab_size=100,
                          num_heads=4, head_dim=16)
@@ -113,9 +114,9 @@ def test_an_abort_during_the_transfer_releases_the_lease_and_frees_every_block()
     try:
         prompt = list(range(1, 30))
         keys = [k.hex() for k in _keys(prompt)]
-        params = parse_params({"do_remote_prefill": True, "remote_engine":
-                               f"tcp://127.0.0.1:{port}", "lease": "ab" * 16,
-                               "block_keys": keys, "num_prompt_tokens": len(prompt)})
+        params = parse_params({"do_remote_prefill": True, **signed({
+            "remote_engine": f"tcp://127.0.0.1:{port}", "lease": "ab" * 16,
+            "block_keys": keys, "num_prompt_tokens": len(prompt)}, "s")})
         rid = dec.add_request(prompt, GREEDY, handoff=params)
         dec.step()
         assert dec.stats().num_loading == 1

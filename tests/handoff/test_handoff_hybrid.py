@@ -264,7 +264,8 @@ def test_servers_hand_over_a_gemma2_checkpoints_pages(tmp_path):
     """``--role prefill`` and ``--role decode`` servers on a tiny Gemma 2 checkpoint: the
     prefill's ``kv_transfer_params`` carry ``group_starts`` through JSON, and the decode
     server's tokens equal a ``both`` server's, its usage counting the peer's tokens."""
-    from ..server.test_server import httpx, running_server
+    from ..server.test_server import running_server
+    from .conftest import post_as_router
 
     common = ("--model", str(gemma2_checkpoint(tmp_path / "ckpt")), "--block-size", "4",
               "--memory-mib", "2")
@@ -274,7 +275,7 @@ def test_servers_hand_over_a_gemma2_checkpoints_pages(tmp_path):
             "ignore_eos": True, "return_token_ids": True}
 
     def post(url: str, extra: dict) -> dict:
-        reply = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=60)
+        reply = post_as_router(f"{url}/v1/completions", {**body, **extra}, secret="s")
         assert reply.status_code == 200, reply.text
         return reply.json()
 

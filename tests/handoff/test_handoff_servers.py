@@ -9,16 +9,20 @@ Each server is a real subprocess on a free 127.0.0.1 port, stopped by `running_s
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
 import pytest
 
+from paged_kv.handoff.trust import HEADER, HandoffTrust
+
 from ..server.test_server import httpx, make_prompt, metric, running_server, sse_events
+from .conftest import HANDOFF_SECRET, post_as_router, signed
 
 zmq = pytest.importorskip("zmq")
 
-SECRET = "s3cret"
+SECRET = HANDOFF_SECRET
 BLOCK = 16  # serve's default --block-size
 MAX_TOKENS = 12
 
@@ -42,8 +46,8 @@ def servers(tmp_path_factory, keys_file):
 
 
 def post(url: str, body: dict, key: str = "key-a") -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {key}"})
+    """As the router sends it (signed: a hand-off is the router's to ask for)."""
+    return post_as_router(f"{url}/v1/completions", body, {"Authorization": f"Bearer {key}"})
 
 
 def prefill_params(url: str, prompt: list[int], key: str = "key-a") -> dict:
@@ -93,7 +97,7 @@ def test_decode_output_equals_one_engine_and_counts_the_received_tokens(servers,
     before = metric(dec, "paged_kv_handoffs_total", '{role="decode"}')
     params = prefill_params(prefill, prompt, key)
     assert set(params) == {"remote_engine", "lease", "block_keys", "first_token",
-                           "num_prompt_tokens", "lease_seconds"}
+                           "num_prompt_tokens", "lease_seconds", "signature"}
     assert params["remote_engine"].startswith("tcp://127.0.0.1:")
     assert len(params["block_keys"]) == length // BLOCK and params["num_prompt_tokens"] == length
     reply = decode(dec, prompt, params, key)
@@ -142,24 +146,34 @@ def test_another_tenants_keys_are_never_loaded(servers):
     assert settled(prefill, dec)  # the lease was released all the same
 
 
-def test_a_pull_with_the_wrong_secret_is_refused(servers):
+def get_frames(params: dict, secret: str = SECRET, verb: bytes = b"get") -> list[bytes]:
+    """A message about `params`' lease with `secret`'s MAC (a get: of all its keys)."""
+    from paged_kv.handoff.trust import HandoffTrust
+
+    lease = params["lease"].encode()
+    keys = [bytes.fromhex(k) for k in params["block_keys"]] if verb == b"get" else []
+    return [verb, HandoffTrust(secret).request_mac(verb, lease, keys), lease, *keys]
+
+
+def test_a_pull_without_the_secrets_mac_is_refused(servers):
     prefill, dec, _ = servers
     prompt = make_prompt(40, seed=11)
     params = prefill_params(prefill, prompt)
     context = zmq.Context()
     try:
-        def ask(secret: bytes) -> list[bytes] | None:
+        def ask(frames: list[bytes]) -> list[bytes] | None:
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(params["remote_engine"])
-            sock.send_multipart([b"get", secret, params["lease"].encode(),
-                                 bytes.fromhex(params["block_keys"][0])])
+            sock.send_multipart(frames)
             answer = sock.recv_multipart() if sock.poll(5000) else None
             sock.close()
             return answer
-        assert ask(b"wrong") == [b"refused"]
-        ok = ask(SECRET.encode())
-        assert ok[0] == b"ok" and len(ok) == 2
+        assert ask(get_frames(params, "wrong")) == [b"refused"]
+        old = get_frames(params)
+        assert ask([old[0], SECRET.encode(), *old[2:]]) == [b"refused"]  # the bare secret
+        ok = ask(get_frames(params))
+        assert ok[0] == b"ok" and len(ok) == 2 + len(params["block_keys"])
     finally:
         context.term()
     decode(dec, prompt, params)  # takes (and releases) the lease
@@ -168,7 +182,8 @@ def test_a_pull_with_the_wrong_secret_is_refused(servers):
 
 @contextlib.contextmanager
 def fake_prefill(values: list[bytes]):
-    """A ROUTER that answers every ``get`` with `values` (and counts releases)."""
+    """A ROUTER that answers every ``get`` with `values` (the MACs' frame first; and
+    counts releases)."""
     context = zmq.Context()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -181,7 +196,7 @@ def fake_prefill(values: list[bytes]):
             if sock.poll(50):
                 frames = sock.recv_multipart()
                 seen.append(frames[1])
-                answer = [b"ok", *values[:len(frames) - 4]] if frames[1] == b"get" else [b"ok"]
+                answer = [b"ok", *values[:len(frames) - 3]] if frames[1] == b"get" else [b"ok"]
                 sock.send_multipart([frames[0], *answer])
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -202,19 +217,18 @@ def test_a_tampered_page_is_never_served(servers):
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(params["remote_engine"])
-    sock.send_multipart([b"get", SECRET.encode(), params["lease"].encode(),
-                         *[bytes.fromhex(k) for k in params["block_keys"]]])
+    sock.send_multipart(get_frames(params))
     assert sock.poll(5000)
-    values = sock.recv_multipart()[1:]
-    sock.send_multipart([b"release", SECRET.encode(), params["lease"].encode()])
+    macs, *values = sock.recv_multipart()[1:]
+    sock.send_multipart(get_frames(params, verb=b"release"))
     sock.poll(5000)
     sock.close()
     context.term()
     tampered = bytearray(values[1])
     tampered[-1] ^= 0xFF  # the second block's last byte
     before = fallbacks(dec, "verify_failed")
-    with fake_prefill([values[0], bytes(tampered), *values[2:]]) as (endpoint, seen):
-        reply = decode(dec, prompt, {**params, "remote_engine": endpoint})
+    with fake_prefill([macs, values[0], bytes(tampered), *values[2:]]) as (endpoint, seen):
+        reply = decode(dec, prompt, signed({**params, "remote_engine": endpoint}))
         assert tokens(reply) == tokens(decode(both, prompt, None))
         deadline = time.monotonic() + 5
         while b"release" not in seen and time.monotonic() < deadline:
@@ -260,7 +274,7 @@ def test_a_gone_prefill_engine_recomputes_or_fails_with_502(servers, short_prefi
     _, dec, both = servers
     proc, prefill = short_prefill
     prompt = make_prompt(60, seed=13)
-    params = {**prefill_params(prefill, prompt), "lease_seconds": 30.0}
+    params = signed({**prefill_params(prefill, prompt), "lease_seconds": 30.0})
     proc.terminate()
     proc.wait(timeout=30)
     before = fallbacks(dec, "engine_gone")
@@ -281,7 +295,7 @@ def test_chat_n2_and_a_stream_on_the_decode_engine_equal_one_engine(servers):
     headers = {"Authorization": "Bearer key-a"}
 
     def ask(url: str, body: dict) -> httpx.Response:
-        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers=headers)
+        reply = post_as_router(f"{url}/v1/chat/completions", body, headers)
         assert reply.status_code == 200, reply.text
         return reply
     params = ask(prefill, {**chat, "max_tokens": 1, "n": 1,
@@ -297,8 +311,10 @@ def test_chat_n2_and_a_stream_on_the_decode_engine_equal_one_engine(servers):
     params = prefill_params(prefill, prompt)
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "kv_transfer_params": {**params, "do_remote_prefill": True}}
-    with httpx.stream("POST", f"{dec}/v1/completions", json=body, timeout=60,
-                      headers=headers) as reply:
+    content = json.dumps(body).encode()
+    with httpx.stream("POST", f"{dec}/v1/completions", content=content, timeout=60,
+                      headers={**headers, "content-type": "application/json",
+                               HEADER: HandoffTrust(SECRET).router_header(content)}) as reply:
         events = sse_events(reply.iter_lines())
     text = "".join(e["choices"][0]["text"] for e in events if e != "DONE" and e["choices"])
     assert text == post(both, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}

@@ -11,6 +11,7 @@ pytest.importorskip("msgspec")
 from paged_kv.handoff.lease import LeaseTable  # noqa: E402
 from paged_kv.handoff.params import parse_params  # noqa: E402
 from paged_kv.handoff.server import HandoffServer, call  # noqa: E402
+from paged_kv.handoff.trust import HandoffTrust  # noqa: E402
 
 
 class Clock:
@@ -57,23 +58,38 @@ def test_the_table_is_bounded_by_bytes_oldest_lease_first():
     assert table.live == 2
 
 
-def test_the_server_answers_only_with_the_secret():
+def test_the_server_answers_only_to_the_secrets_mac_and_never_sees_the_secret():
     table = LeaseTable(lease_s=10.0, max_bytes=1 << 20)
-    lease = table.create({b"k" * 32: b"v" * 10}, None)
-    server = HandoffServer(table, "127.0.0.1", 0, "sesame")
+    key, value = b"k" * 32, b"v" * 10
+    lease = table.create({key: value}, None)
+    trust = HandoffTrust("sesame")
+    server = HandoffServer(table, "127.0.0.1", 0, trust)
     context = zmq.Context()
     try:
-        def ask(*frames: bytes) -> list[bytes] | None:
-            return call(context, server.endpoint, list(frames), 5.0)
-        assert ask(b"get", b"wrong", lease.encode(), b"k" * 32) == [b"refused"]
-        assert ask(b"get", b"", lease.encode(), b"k" * 32) == [b"refused"]
-        assert server.refused == 2
-        assert ask(b"get", b"sesame", lease.encode(), b"k" * 32) == [b"ok", b"v" * 10]
-        assert ask(b"get", b"sesame", lease.encode(), b"q" * 32) == [b"missing"]
-        assert ask(b"heartbeat", b"sesame", lease.encode()) == [b"ok"]
-        assert ask(b"release", b"sesame", lease.encode()) == [b"ok"]
-        assert ask(b"get", b"sesame", lease.encode(), b"k" * 32) == [b"expired"]
-        assert ask(b"get", b"sesame", b"ab" * 16, b"k" * 32) == [b"unknown"]
+        def ask(verb: bytes, *keys: bytes, mac: bytes | None = None,
+                lease_id: bytes = lease.encode()) -> list[bytes] | None:
+            mac = trust.request_mac(verb, lease_id, keys) if mac is None else mac
+            return call(context, server.endpoint, [verb, mac, lease_id, *keys], 5.0)
+        assert ask(b"get", key, mac=b"sesame") == [b"refused"]  # the secret is no MAC
+        assert ask(b"get", key, mac=b"") == [b"refused"]
+        other = HandoffTrust("another").request_mac(b"get", lease.encode(), [key])
+        assert ask(b"get", key, mac=other) == [b"refused"]
+        # a MAC made for one message never passes for another (a replayed get as a release)
+        assert ask(b"release", mac=trust.request_mac(b"get", lease.encode(), [])) \
+            == [b"refused"]
+        assert server.refused == 4
+        answer = ask(b"get", key)
+        assert answer == [b"ok", trust.value_mac(lease.encode(), key, value), value]
+        assert trust.values_ok(answer[1], lease.encode(), [key], [value]) == [True]
+        # a value bound to this lease fails under another lease's id or key
+        assert trust.values_ok(answer[1], b"ab" * 16, [key], [value]) == [False]
+        assert trust.values_ok(answer[1], lease.encode(), [b"q" * 32], [value]) == [False]
+        assert trust.values_ok(answer[1], lease.encode(), [key], [b"w" * 10]) == [False]
+        assert ask(b"get", b"q" * 32) == [b"missing"]
+        assert ask(b"heartbeat") == [b"ok"]
+        assert ask(b"release") == [b"ok"]
+        assert ask(b"get", key) == [b"expired"]
+        assert ask(b"get", key, lease_id=b"ab" * 16) == [b"unknown"]
         assert table.live == 0
     finally:
         server.close()
@@ -89,6 +105,13 @@ def test_the_server_answers_only_with_the_secret():
     ({"first_token": -1}, "kv_transfer_params.first_token"),
     ({"num_prompt_tokens": True}, "kv_transfer_params.num_prompt_tokens"),
     ({"lease_seconds": 0}, "kv_transfer_params.lease_seconds"),
+    ({"lease_seconds": float("inf")}, "kv_transfer_params.lease_seconds"),
+    ({"lease_seconds": float("nan")}, "kv_transfer_params.lease_seconds"),
+    ({"remote_engine": "tcp://junkA"}, "kv_transfer_params.remote_engine"),
+    ({"remote_engine": "tcp://host:0"}, "kv_transfer_params.remote_engine"),
+    ({"remote_engine": "tcp://host:65536"}, "kv_transfer_params.remote_engine"),
+    ({"remote_engine": "tcp://a b:5"}, "kv_transfer_params.remote_engine"),
+    ({"signature": "ab"}, "kv_transfer_params.signature"),
 ])
 def test_malformed_params_name_the_field(body, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):
@@ -116,7 +139,13 @@ def test_serve_flags_make_the_config():
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *bad])
     with pytest.raises(ValueError, match=r"^failure:"):
-        HandoffConfig("prefill", failure="retry")
+        HandoffConfig("prefill", failure="retry", secret="x")
+    for role in ("prefill", "decode"):  # a role without the secret: anyone could forge
+        with pytest.raises(ValueError, match=r"^secret: role .* needs the hand-off secret"):
+            HandoffConfig(role)
+        with pytest.raises(ValueError, match=r"^secret:"):
+            HandoffConfig.from_args(parser.parse_args(["serve", "--role", role,
+                                                       "--handoff-secret", ""]))
 
 
 def test_a_fallback_is_counted_every_time_and_logged_once_a_minute_per_reason(caplog):

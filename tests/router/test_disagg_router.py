@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from paged_kv.bench.netdelay import free_port
 from paged_kv.cli import main
+from paged_kv.handoff.trust import HEADER, HandoffTrust
 from paged_kv.router import PrefixIndex
 from paged_kv.router.app import create_router_app
 from paged_kv.router.disagg import DisaggRouter, decode_body, prefill_body
@@ -33,6 +34,7 @@ from paged_kv.server.http.tokenizer import ByteTokenizer
 from .stubs import BOUND_S, serving
 
 AUTH = {"Authorization": "Bearer key-one"}
+SECRET = "router-secret"
 
 
 def _params(name: str) -> dict:
@@ -57,6 +59,7 @@ class Stub:
     def __init__(self, name: str, mode: str, status: int = 503) -> None:
         self.name, self.mode, self.status = name, mode, status
         self.bodies: list[dict] = []
+        self.raw: list[bytes] = []
         self.headers: list[dict] = []
         self.release = asyncio.Event()
         self.left_at: float | None = None
@@ -69,8 +72,10 @@ class Stub:
         return JSONResponse({"status": "ok"})
 
     async def _answer(self, request: Request) -> Response:
-        body = json.loads(await request.body())
+        raw = await request.body()
+        body = json.loads(raw)
         self.bodies.append(body)
+        self.raw.append(raw)
         self.headers.append(dict(request.headers))
         if self.mode == "unavailable":
             return JSONResponse({"error": {"message": "draining"}}, status_code=self.status)
@@ -127,7 +132,7 @@ async def cluster(prefill: list[Stub], decode: list[Stub], *, dead_prefill: int 
                        interval=0.2),
             ReplicaSet(decode_urls, PrefixIndex(), lambda *a: None, interval=0.2,
                        subscribe=False),
-            ByteTokenizer())
+            ByteTokenizer(), secret=SECRET)
         yield await stack.enter_async_context(serving(create_router_app(router))), router
 
 
@@ -416,6 +421,8 @@ def test_the_router_owns_kv_transfer_params_in_both_bodies():
      "argument --prefill: the replica http://127.0.0.1:1 given twice"),
     (["--replica", "http://127.0.0.1:1", "--replica", "http://127.0.0.1:1"],
      "argument --replica: the replica http://127.0.0.1:1 given twice"),
+    (["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+      "--handoff-secret", ""], "argument --handoff-secret: needed with --prefill"),
     (["--prefill", "nonsense", "--decode", "http://127.0.0.1:1"], "argument --prefill"),
 ])
 def test_replica_flags_that_do_not_fit_together_exit_2_naming_the_flag(argv, named, capsys):
@@ -441,6 +448,7 @@ def test_paged_kv_route_with_prefill_and_decode_flags_hands_requests_over(tmp_pa
                 process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "paged_kv.cli", "route", "--port", str(port),
                     "--prefill", p_url, "--decode", d_url, "--probe-interval", "0.2",
+                    "--handoff-secret", SECRET,
                     stdout=log, stderr=subprocess.STDOUT)
             try:
                 url = f"http://127.0.0.1:{port}"
@@ -468,3 +476,23 @@ async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
         return (await client.get(f"{url}/health")).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_router_signs_every_body_it_sends_and_replaces_a_clients_signature():
+    """Both calls carry the router's signature of their exact bytes (the engines take a
+    hand-off from no one else); a client's own header never reaches them."""
+    prefill, decode = Stub("p", "prefill"), Stub("d", "decode")
+    trust = HandoffTrust(SECRET)
+
+    async def main_() -> None:
+        async with cluster([prefill], [decode]) as (url, _), _client() as client:
+            forged = {**AUTH, HEADER: trust.router_header(b"{}")}
+            answer = await client.post(url + "/v1/completions", json=_body(), headers=forged)
+            assert answer.status_code == 200, answer.text
+
+    asyncio.run(main_())
+    for stub in (prefill, decode):
+        [raw], [headers] = stub.raw, stub.headers
+        assert trust.router_error(headers.get(HEADER), raw) is None
+        assert headers[HEADER] != trust.router_header(b"{}")
+        assert HandoffTrust("another").router_error(headers[HEADER], raw) is not None

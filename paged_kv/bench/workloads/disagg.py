@@ -128,7 +128,8 @@ def _setup(name: str, cores: tuple[int, int]) -> Iterator[tuple[str, str | None]
     else:
         engines, flags = [_serve(*_events()), _serve(*_events())], ("--replica", "--replica")
     route = [sys.executable, "-m", "paged_kv.cli", "route", "--probe-interval", "0.2",
-             *(a for flag, url in zip(flags, urls, strict=False) for a in (flag, url))]
+             *(a for flag, url in zip(flags, urls, strict=False) for a in (flag, url)),
+             *(("--handoff-secret", SECRET) if name == "disaggregated" else ())]
     commands = [([*argv, "--port", str(port)], core)
                 for argv, port, core in zip([*engines, route], ports, [*cores, None],
                                             strict=True)]
