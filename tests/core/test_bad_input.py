@@ -10,14 +10,21 @@ import torch
 
 from paged_kv import CacheConfig, OutOfBlocksError, PagedKVCache
 from paged_kv.cache import snapshot
+from paged_kv.step import decode
 
 from ..conftest import assert_same_snapshot, tiny_config
 
+# the decode bookkeeping's two variants (`paged_kv.step.decode`): each checks rows its own way
+VARIANTS = [pytest.param(False, id="numpy"),
+            pytest.param(True, id="numba", marks=pytest.mark.skipif(
+                decode.numba is None, reason="numba (the fast extra) is not installed"))]
 
-@pytest.fixture
-def cache() -> PagedKVCache:
-    """A cache with history: a prefix-sharing pair, a fork, a swapped-out sequence."""
-    cache = PagedKVCache(tiny_config())
+
+@pytest.fixture(params=VARIANTS)
+def cache(request) -> PagedKVCache:
+    """A cache with history: a prefix-sharing pair, a fork, a swapped-out sequence; on each
+    decode variant."""
+    cache = PagedKVCache(tiny_config(), compiled=request.param)
     prompt = list(range(10))
     for seq_id in ("a", "b"):
         hit = cache.add_sequence(seq_id, prompt)
@@ -59,6 +66,10 @@ BAD_CALLS = [
     ("decode swapped row", lambda c: c.prepare_decode(
         np.array([c.tables.row_of["z"]]), np.array([1])), ValueError, "not resident"),
     ("decode unused row", lambda c: c.prepare_decode(np.array([63]), np.array([1])),
+     ValueError, "not resident"),
+    ("decode row past the end", lambda c: c.prepare_decode(  # one past the last row
+        np.array([c.tables.num_tokens.shape[0]]), np.array([1])), ValueError, "not resident"),
+    ("decode negative row", lambda c: c.prepare_decode(np.array([-1]), np.array([1])),
      ValueError, "not resident"),
     ("decode row twice", lambda c: c.prepare_decode(np.array([0, 0]), np.array([1, 2])),
      ValueError, "twice"),
