@@ -107,6 +107,22 @@ def test_a_repeated_prompt_hits_for_every_mix(kinds):
 
 
 @pytest.mark.parametrize("kinds", MIXES.values(), ids=MIXES.keys())
+def test_a_repeated_prompt_of_whole_blocks_still_computes_its_last_token(kinds):
+    """Every block of a prompt of whole blocks is cached once it ran, the last token's
+    block too; a repeat hits all but that block, so its last token is computed (its logits
+    are what the request samples from). A window leader (no full group) finds its hit right
+    to left, not through the uniform lookup that stops before the last token's block."""
+    cache = _cache(kinds)
+    prompt = list(range(100, 120))  # 5 whole blocks
+    cache.admit("a", prompt)
+    assert all(_cached_columns(cache, 0, prompt))
+    hit, batch = cache.admit("b", prompt)
+    assert (hit, batch.num_tokens) == (16, 4)
+    assert cache.plan_admission("c", prompt).count == 4
+    cache.check()
+
+
+@pytest.mark.parametrize("kinds", MIXES.values(), ids=MIXES.keys())
 def test_a_hit_survives_the_window_moving_on(kinds):
     """A sequence decoded well past its prompt has given its early window blocks back;
     they stay indexed, so its whole history is still a prefix hit."""
