@@ -16,6 +16,7 @@ except ImportError:  # the compiled page-table path is then not there to test
     numba = None
 
 from paged_kv import PagedKVCache
+from paged_kv.keys import block_keys, root_hash
 from paged_kv.step.prefix import match_prefix
 
 from ..conftest import tiny_config
@@ -123,4 +124,26 @@ def test_a_rolled_back_step_unindexes_the_partly_written_block_it_completed(writ
     cache.free("a")
     assert cache.stats().num_cached_blocks == written // BLOCK
     assert np.all(_cached_k(cache, [*tokens, 0]).numpy() == tokens[:written // BLOCK * BLOCK])
+    cache.check()
+
+
+@pytest.mark.parametrize("compiled", [False, True] if numba is not None else [False])
+def test_a_rewritten_row_leaves_the_keys_it_was_admitted_with(compiled):
+    """Fault: a row's later blocks are indexed under the keys it was admitted with whenever
+    their tokens match the prompt's, without checking the chain they continue. Truncated
+    and rewritten from its second block, the row then fills its third with the prompt's
+    tokens again, after other ones: under the prompt's third key it would give a later
+    prompt a hit on K/V computed after the wrong second block."""
+    cache = _cache(compiled)
+    prompt = list(range(10, 23))  # blocks A B C, and one token
+    keys = block_keys(np.array(prompt), BLOCK, root_hash(None))
+    cache.add_sequence("a", prompt, keys=keys)  # the request's keys: the row keeps them
+    _step(cache, {"a": prompt[:8]})  # a prefill chunk: A and B indexed
+    cache.truncate("a", BLOCK)
+    _step(cache, {"a": [90, 91, 92, 93]})  # B's place: other tokens
+    _step(cache, {"a": prompt[8:12]})  # C's tokens, after them
+    assert match_prefix(cache.allocator, prompt, BLOCK) == 8, "C's key: a wrong chain"
+    assert _cached_k(cache, prompt).tolist() == prompt[:8]
+    rewritten = [*prompt[:4], 90, 91, 92, 93, *prompt[8:12], 0]
+    assert match_prefix(cache.allocator, rewritten, BLOCK) == 12, "its own chain"
     cache.check()
