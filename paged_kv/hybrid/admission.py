@@ -180,7 +180,7 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
     if prepare and leader.planner.indexing and len(groups) > 1:
         # its prompt's blocks that filled, under the leader's keys
         filled = filled_blocks(allocator, leader.tables, np.array([row]),
-                               np.array([leader_plan.num_hit]))
+                               np.array([leader_plan.num_hit]), [leader_plan.chain])
         for group in groups[1:]:
             group.mirror(allocator, filled)
     return tuple(batches) if prepare else ()

@@ -122,13 +122,17 @@ class HybridKVCache(PagedKVCache, serves_layer_kinds=True):
         if requested > obtainable:
             raise OutOfBlocksError(requested, int(obtainable), what)
         old_lens = self._tables.num_tokens[rows].copy()
+        mirrored = self.config.enable_prefix_caching and len(self._groups) > 1
+        # a window leader gives back the blocks a filling one chains from: keep their keys
+        chains = (self._tables.chains(rows.tolist())
+                  if mirrored and not self._groups[0].kind.is_full else None)
         for group, (moving, upto) in zip(self._groups, releases, strict=True):
             if moving.size:
                 self._given_back += group.release(allocator, moving, upto)
         batches = tuple(group.committer.commit(plan) for group, plan in zip(
             self._groups, plans, strict=True))
-        if self.config.enable_prefix_caching and len(self._groups) > 1:
-            filled = filled_blocks(allocator, self._tables, rows, old_lens)
+        if mirrored:
+            filled = filled_blocks(allocator, self._tables, rows, old_lens, chains)
             for group in self._groups[1:]:
                 group.mirror(allocator, filled)
         self._changed()

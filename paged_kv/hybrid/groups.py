@@ -122,16 +122,26 @@ class LayerGroup:
 
 
 def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,
-                  old_lens: np.ndarray) -> list[tuple[int, int, bytes, bytes, bytes]]:
+                  old_lens: np.ndarray, chains: list[bytes | None] | None = None,
+                  ) -> list[tuple[int, int, bytes, bytes, bytes]]:
     """The leading group's blocks of `rows` that filled since `old_lens` and are indexed:
     ``(row, column, key, parent key, token bytes)`` each, found once a step for every other
-    group to `LayerGroup.mirror`."""
+    group to `LayerGroup.mirror`.
+
+    `chains` are the keys each row's first filled block chains from (the rows' chains
+    before the step). None reads them off the leader's blocks before, which a full leader
+    always holds; a window leader may have given that block back (its column then holds
+    the null block), so a window leader's caller passes them.
+    """
     block_size, filled = leader.block_size, []
     first, end = old_lens // block_size, leader.num_tokens[rows] // block_size
     for i in np.flatnonzero(end > first).tolist():
         row, start = int(rows[i]), int(first[i])
-        parent = (allocator.block_hash(int(leader.block_ids[row, start - 1]))
-                  if start else leader.root(row))
+        if chains is not None:
+            parent = chains[i]
+        else:
+            parent = (allocator.block_hash(int(leader.block_ids[row, start - 1]))
+                      if start else leader.root(row))
         for column in range(start, int(end[i])):
             key = allocator.block_hash(int(leader.block_ids[row, column]))
             if key is None:  # not indexed (ids unknown, or caching off)

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from paged_kv import CacheConfig, LayerKind, PagedKVCache
 from paged_kv.events import KVEventsConfig, decode_batch
 from paged_kv.hybrid.rules import group_key
 from paged_kv.keys import block_keys, root_hash
@@ -98,3 +99,32 @@ def test_stored_minus_removed_is_the_index_of_every_group():
     allocator = engine.cache.allocator
     indexed = {allocator.block_hash(b) for b in range(allocator.num_blocks)} - {None}
     assert held == indexed and any(len(key) == 33 for key in indexed)
+
+
+@pytest.mark.parametrize("kinds", [(LayerKind.sliding(4), LayerKind()),
+                                   (LayerKind.sliding(4), LayerKind.sliding(8))],
+                         ids=["full-led", "window-led"])
+def test_a_block_a_decode_step_fills_chains_from_the_one_before_it_in_every_group(kinds):
+    """The events above stop 3 tokens after the prompt, so every block they store filled
+    in the prompt's step. Blocks that fill on later steps, one token at a time, are
+    mirrored into each other group under its key, chained from the block before them
+    there (never from themselves): a subscriber rebuilds each key from its parent."""
+    cache = PagedKVCache(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4,
+                                     block_size=BLOCK, num_blocks=32, layer_kinds=kinds))
+    tokens = list(range(100, 114))
+    cache.admit("a", tokens[:6])  # block 0 fills in the prompt's step
+    for token in tokens[6:]:  # blocks 1 and 2 fill on decode steps (tokens 8 and 12)
+        cache.prepare({"a": [token]})
+    stored = [event for event in cache.take_events() if event.kind == "stored"]
+    parent_of = {key: parent for event in stored
+                 for key, parent in zip(event.keys, event.parents, strict=True)}
+    keys = block_keys(np.array(tokens), BLOCK, root_hash())
+    assert len(keys) == 3
+    for group in range(len(cache.groups)):
+        for column, key in enumerate(keys):
+            before = group_key(keys[column - 1] if column else root_hash(), group)
+            assert parent_of[group_key(key, group)] == before, (group, column)
+    for event in stored:  # each key is its parent's hash with its block's tokens
+        for i, (key, parent) in enumerate(zip(event.keys, event.parents, strict=True)):
+            piece = event.token_ids[i * BLOCK * 4:(i + 1) * BLOCK * 4]
+            assert hashlib.sha256(parent[:32] + piece).digest() == key[:32]
