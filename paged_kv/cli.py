@@ -277,7 +277,19 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
     serve.add_argument("--api-server-count", type=_at_least(int, 1), default=1,
                        help="API server processes (HTTP, tokenization, SSE) sharing the one "
                             "engine-core process and the listening socket")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                       help="the model's names, as in vLLM: the first is the one responses "
+                            "and /v1/models report, a request may give any (another is a "
+                            "404; none: the first); default: the --model directory's name, "
+                            "or paged-kv-tiny-llama")
     _add_request_limits(serve)
+    _add_kv_events_flags(serve)
+    add_handoff_flags(serve)
+    serve.set_defaults(run=_serve)
+
+
+def _add_kv_events_flags(serve: argparse.ArgumentParser) -> None:
+    """Where and how the prefix index's changes are published (``--kv-events*``)."""
     events = serve.add_argument_group("KV events, for cache-aware routers (the events extra)")
     events.add_argument("--kv-events", metavar="ENDPOINT", default=None,
                         help="publish the prefix index's changes in vLLM's wire format on this "
@@ -290,8 +302,6 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
     events.add_argument("--kv-events-token-ids", action="store_true",
                         help="put token ids in BlockStored events: they are the tenants' "
                              "prompts, so off unless you allow it")
-    add_handoff_flags(serve)
-    serve.set_defaults(run=_serve)
 
 
 def _add_request_limits(serve: argparse.ArgumentParser) -> None:

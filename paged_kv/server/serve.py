@@ -75,6 +75,7 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
                         peers=peers)
     tenants: TenantsFile | None = args.tenants_file
     app = create_app(client, tokenizer, model_name=name,
+                     served_model_names=args.served_model_name or (),
                      api_keys=None if tenants is None else tenants.keys,
                      admin_keys=() if tenants is None else tenants.admin_keys,
                      tenant_names=() if tenants is None else tenants.tenant_names,

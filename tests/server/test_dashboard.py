@@ -86,7 +86,8 @@ def _page(browser, url: str):
 def _complete(url: str, prompt: list[int], key: str | None = None) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.post(f"{url}/v1/completions", headers=headers, timeout=60,
-                          json={"model": "any", "prompt": prompt, "max_tokens": 2})
+                          json={"model": "paged-kv-tiny-llama", "prompt": prompt,
+                                "max_tokens": 2})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -111,8 +112,12 @@ def _until_equal(page, expected) -> dict[str, float]:
         page.wait_for_timeout(250)
 
 
-def _from_metrics(url: str, tenant: str | None = None) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+def _from_metrics(url: str, tenant: str | None = None, key: str | None = None,
+                  ) -> dict[str, float]:
+    """The cards' numbers from /metrics (a tenant's with its `key`: without one, /metrics
+    has no tenant's series)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
     value = lambda name, labels="": prometheus_value(text, name, labels)  # noqa: E731
     if tenant is None:
         prefix = (value("paged_kv_prefix_query_tokens_total"),
@@ -181,7 +186,7 @@ def test_a_tenant_key_sees_only_its_share(browser, keyed_server):
     page.locator("#auth").wait_for(state="visible", timeout=WAIT_S * 1000)
     assert page.locator("#pool-free").inner_text() == "–", "no numbers without a key"
     page.goto(f"{url}/dashboard?key=key-a")
-    shown = _until_equal(page, lambda: _from_metrics(url, "alice"))
+    shown = _until_equal(page, lambda: _from_metrics(url, "alice", "key-a"))
     assert shown["prefix-query"] == 60 and shown["prefix-hit"] == 0
     assert page.locator("#tenants tbody tr").evaluate_all(
         "rows => rows.map(r => r.dataset.tenant)") == ["alice"]
@@ -190,7 +195,7 @@ def test_a_tenant_key_sees_only_its_share(browser, keyed_server):
     page.locator("#auth").wait_for(state="visible", timeout=WAIT_S * 1000)
     page.fill("#key", "key-b")
     page.click("#auth button")
-    shown = _until_equal(page, lambda: _from_metrics(url, "bob"))
+    shown = _until_equal(page, lambda: _from_metrics(url, "bob", "key-b"))
     assert shown["prefix-hit"] >= 48, "bob's second request hit its first"
     assert page.locator("#tenants tbody tr").evaluate_all(
         "rows => rows.map(r => r.dataset.tenant)") == ["bob"]

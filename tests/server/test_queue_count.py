@@ -114,6 +114,9 @@ def test_429_threshold_counts_running_and_waiting_exactly(tmp_path):
                 refused = _post(url, prompt="third")
                 assert refused.status_code == 429, refused.text
                 assert refused.headers["retry-after"]
+                # OpenAI's rate-limit error, not a bad request (issue 38)
+                error = refused.json()["error"]
+                assert error["type"] == error["code"] == "rate_limit_exceeded", error
         assert _until(lambda: _idle(url)), "the streams' clients left: both aborted"
         assert _post(url, prompt="after").status_code == 200
 
@@ -227,6 +230,41 @@ def test_every_api_server_hears_the_queue_of_all(core):
                 client.stop()
 
     asyncio.run(run())
+
+
+def test_max_waiting_zero_admits_before_the_core_first_speaks(tmp_path):
+    """An API server's count starts at an idle engine's (minus its slots), not at 0: with
+    ``--max-waiting 0`` a request that comes before the core's first message is admitted
+    and served, not refused with 429 until the core speaks (end-to-end tests wait for
+    /health, by which time it has spoken; a real client can be faster)."""
+    from paged_kv.server import ByteTokenizer
+    from paged_kv.server.http.protocol import CompletionRequest
+    from paged_kv.server.http.service import OpenAIService
+
+    model = TinyLlama(CONFIG, seed=1)
+    engine = Engine(model, model.cache_config(num_blocks=128, block_size=8), max_num_seqs=1)
+    address = f"ipc://{tmp_path}/core"
+
+    async def run() -> None:
+        (client,) = await _clients(address, EngineLimits.of(engine), 1)  # nothing bound yet
+        service = OpenAIService(client, ByteTokenizer(), model_name="tiny", max_waiting=0)
+        job = await service.start(CompletionRequest(prompt=[5, 6, 7], max_tokens=2),
+                                  [5, 6, 7], None, "text")
+        engine_core = EngineCoreProc(engine, address, os.getppid())  # the core comes up
+        thread = threading.Thread(target=engine_core.run, daemon=True)
+        thread.start()
+        try:
+            async for _ in job.generation.updates():
+                pass
+            assert not job.generation.failed and len(job.generation.choices[0].token_ids) == 2
+        finally:
+            client.stop()
+            engine_core.drain()
+            await asyncio.to_thread(thread.join, 60)
+            engine.close()
+        assert not thread.is_alive()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
 
 
 def test_a_send_that_fails_leaves_no_count(core):

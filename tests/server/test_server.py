@@ -32,6 +32,7 @@ from paged_kv.serving import Engine, SamplingParams, TinyLlama  # noqa: E402
 from ..conftest import ROOT, prometheus_value  # noqa: E402
 
 VOCAB = 2048  # TinyLlama()'s default
+MODEL = "paged-kv-tiny-llama"  # the name it is served under (another is a 404)
 
 
 def _free_port() -> int:
@@ -139,7 +140,7 @@ def sse_events(lines) -> list[dict]:
 def test_greedy_token_prompt_equals_engine_generate(server, reference):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     prompt = make_prompt(37, seed=1)
-    response = client.completions.create(model="any", prompt=prompt, max_tokens=12,
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
                                          temperature=0,
                                          extra_body={"return_token_ids": True,
                                                      "ignore_eos": True})
@@ -154,7 +155,7 @@ def test_greedy_token_prompt_equals_engine_generate(server, reference):
 
 def test_stream_concatenates_to_the_non_streamed_result(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
-    kwargs = dict(model="any", prompt="The paged cache", max_tokens=20, temperature=0.9,
+    kwargs = dict(model=MODEL, prompt="The paged cache", max_tokens=20, temperature=0.9,
                   seed=7, extra_body={"return_token_ids": True, "ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0]
     chunks = list(client.completions.create(stream=True, **kwargs))
@@ -303,14 +304,14 @@ def test_bad_chat_input(server):
 def test_chat_on_the_embedded_model(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
-    response = client.chat.completions.create(model="any", messages=messages, max_tokens=5,
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
                                               temperature=0,
                                               extra_body={"return_token_ids": True})
     choice = response.choices[0]
     assert choice.message.role == "assistant"
     assert choice.model_extra["prompt_token_ids"] == ByteTokenizer().apply_chat_template(
         messages)
-    stream = client.chat.completions.create(model="any", messages=messages, max_tokens=5,
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
                                             temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == choice.message.content
 

@@ -85,8 +85,10 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
 
 
 def model_name(args: argparse.Namespace) -> str:
-    """The id ``/v1/models`` reports: the checkpoint directory's name, or the embedded
-    model's."""
+    """The id ``/v1/models`` reports: the first ``--served-model-name``, else the checkpoint
+    directory's name, or the embedded model's."""
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name[0]
     return "paged-kv-tiny-llama" if args.model is None else Path(args.model).name
 
 

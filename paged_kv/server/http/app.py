@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -27,6 +27,7 @@ from .service import ApiError, OpenAIService
 
 
 def create_app(engine: EngineClient, tokenizer, *, model_name: str,
+               served_model_names: Sequence[str] = (),
                api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                input_limits: InputLimits = DEFAULT_LIMITS, admin_keys: Iterable[str] = (),
                tenant_names: Iterable[str] = ()) -> FastAPI:
@@ -36,6 +37,7 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     checked before its body is read. The admin and warm-up routes (`admin.router`) are
     served by FastAPI, not the fast path."""
     service = OpenAIService(engine, tokenizer, model_name=model_name, api_keys=api_keys,
+                            served_model_names=served_model_names,
                             max_waiting=max_waiting, input_limits=input_limits,
                             admin_keys=admin_keys, tenant_names=tenant_names)
     app = FastAPI(title="paged_kv", lifespan=_lifespan(engine))
@@ -56,11 +58,17 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     return app
 
 
+# OpenAI's error types by status (a 429's code too: OpenAI's clients and dashboards read a
+# rate limit from it, not from invalid_request_error); any other status is a bad request
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 429: "rate_limit_exceeded", 503: "server_error"}
+_ERROR_CODES = {429: "rate_limit_exceeded"}
+
+
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    kind = {401: "authentication_error", 403: "permission_error",
-            503: "server_error"}.get(exc.status, "invalid_request_error")
     return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers,
-                          type_=kind)
+                          type_=_ERROR_TYPES.get(exc.status, "invalid_request_error"),
+                          code=_ERROR_CODES.get(exc.status))
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -63,6 +63,22 @@ class InputLimits:
 DEFAULT_LIMITS = InputLimits()
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: usage once at the end of a stream (``include_usage``), and with
+    it, vLLM's usage so far in every chunk (``continuous_usage_stats``; alone it asks for
+    nothing, as in vLLM)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+    @property
+    def continuous(self) -> bool:
+        """Whether every chunk carries the usage so far."""
+        return bool(self.include_usage and self.continuous_usage_stats)
+
+
 def _no_stream(info: ValidationInfo) -> None:
     if info.data.get("stream"):
         raise ValueError("not supported with stream: true; ask for a whole completion")
@@ -80,7 +96,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 2**16)  # torch's range
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None  # metadata only
     response_format: dict | None = None
     # vLLM's extensions
@@ -143,8 +159,8 @@ class _Sampling(BaseModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_a_stream(cls, value: dict | None, info: ValidationInfo,
-                                      ) -> dict | None:
+    def _stream_options_need_a_stream(cls, value: StreamOptions | None, info: ValidationInfo,
+                                      ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("only allowed with stream: true")
         return value

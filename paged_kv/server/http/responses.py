@@ -142,17 +142,20 @@ _HOLE = "\x00delta\x00"  # where a chunk template takes its text (no real text i
 _DONE = "data: [DONE]\n\n"
 
 
-def _chunk_encoder(head: dict, kind: str) -> Callable[[int, str, str | None, dict], str]:
-    """``encode(index, delta, reason, extra)``: the SSE event of one token's chunk.
+def _chunk_encoder(head: dict, kind: str,
+                   ) -> Callable[[int, str, str | None, dict, dict | None], str]:
+    """``encode(index, delta, reason, extra, usage)``: the SSE event of one token's chunk
+    (`usage`: the chunk's own, with ``continuous_usage_stats``; None: none).
 
     A chunk mid-stream differs from the last only in its text, so it is a template made
     once per choice with the JSON-escaped text put in; the same bytes as dumping the whole
-    object, for a fraction of the per-token cost. Final chunks and chat's empty deltas are
-    dumped whole."""
+    object, for a fraction of the per-token cost. Final chunks, chat's empty deltas and
+    chunks with usage are dumped whole."""
     hole = json.dumps(_HOLE)
     templates: dict[int, list[str]] = {}
 
-    def whole(index: int, delta: str, reason: str | None, extra: dict) -> str:
+    def whole(index: int, delta: str, reason: str | None, extra: dict,
+              usage: dict | None = None) -> str:
         if kind == "chat":
             choice = {"index": index, "delta": {"content": delta} if delta else {},
                       "finish_reason": reason, "logprobs": None}
@@ -160,11 +163,15 @@ def _chunk_encoder(head: dict, kind: str) -> Callable[[int, str, str | None, dic
             choice = {"index": index, "text": delta, "finish_reason": reason,
                       "logprobs": None}
         choice.update(extra)
-        return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        chunk = {**head, "choices": [choice]}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
 
-    def encode(index: int, delta: str, reason: str | None, extra: dict) -> str:
-        if reason is not None or extra or (kind == "chat" and not delta):
-            return whole(index, delta, reason, extra)
+    def encode(index: int, delta: str, reason: str | None, extra: dict,
+               usage: dict | None = None) -> str:
+        if reason is not None or extra or usage is not None or (kind == "chat" and not delta):
+            return whole(index, delta, reason, extra, usage)
         parts = templates.get(index)
         if parts is None:
             parts = templates[index] = whole(index, _HOLE, None, {}).split(hole)
@@ -183,12 +190,12 @@ async def stream_events(job: Job, model_name: str, observe: Callable[[Generation
             "model": model_name}
 
     chunk = _chunk_encoder(head, kind)
+    options = body.stream_options
+    usage_so_far = _usage_so_far(generation) if options and options.continuous else None
     try:
         if kind == "chat":
-            for c in generation.choices:
-                role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None}
-                yield f"data: {json.dumps({**head, 'choices': [role]})}\n\n"
+            for event in _role_chunks(head, generation, usage_so_far):
+                yield event
         tail = ""  # the request's last chunk leaves with the end of the stream: one write
         async for choice, delta, _ in generation.updates():
             if choice.finish_reason == "error":
@@ -198,7 +205,8 @@ async def stream_events(job: Job, model_name: str, observe: Callable[[Generation
                 extra = {"prompt_token_ids": generation.prompt_token_ids,
                          "token_ids": choice.token_ids}
             # one chunk per token, text or not, so clients can time every token
-            event = chunk(choice.index, delta, choice.finish_reason, extra)
+            event = chunk(choice.index, delta, choice.finish_reason, extra,
+                          usage_so_far and usage_so_far(len(choice.token_ids)))
             if generation.output is None:
                 yield event
             else:
@@ -206,11 +214,34 @@ async def stream_events(job: Job, model_name: str, observe: Callable[[Generation
         observe(generation)
         if generation.failed:
             tail += f"data: {json.dumps(error_body(generation))}\n\n"
-        elif body.stream_options and body.stream_options.get("include_usage"):
+        elif options and options.include_usage:
             tail += f"data: {json.dumps({**head, 'choices': [], 'usage': generation.usage()})}\n\n"
         yield tail + _DONE
     finally:
         generation.abort()  # the client left mid-stream: free the request's blocks
+
+
+def _usage_so_far(generation: Generation) -> Callable[[int], dict]:
+    """``usage(completion_tokens)``: vLLM's usage of a chunk with ``continuous_usage_stats``,
+    where `completion_tokens` are those of the chunk's choice so far."""
+    prompt = len(generation.prompt_token_ids)
+    return lambda completion: {"prompt_tokens": prompt, "completion_tokens": completion,
+                               "total_tokens": prompt + completion}
+
+
+def _role_chunks(head: dict, generation: Generation,
+                 usage_so_far: Callable[[int], dict] | None) -> list[str]:
+    """A chat stream's first chunk of each choice: the assistant's role, no text yet (with
+    continuous usage, no completion token yet)."""
+    events = []
+    for c in generation.choices:
+        role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None}
+        chunk = {**head, "choices": [role]}
+        if usage_so_far is not None:
+            chunk["usage"] = usage_so_far(0)
+        events.append(f"data: {json.dumps(chunk)}\n\n")
+    return events
 
 
 class EventStream(StreamingResponse):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from .metrics_scope import metrics_viewer, scoped_exposition
 from .protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
     ChatCompletionRequest,
@@ -213,8 +214,14 @@ async def kv_events(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body = await service(request).metrics_text()
-    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
+    """Prometheus exposition; with API keys, tenants' series only for a key that may see
+    them (`metrics_scope`: an admin's every tenant, a tenant's its own; 401 for an unknown
+    key; none: the pool's series alone)."""
+    svc = service(request)
+    tenant, whole = metrics_viewer(svc, request.headers.get("authorization", ""))
+    body = await svc.metrics_text()
+    return PlainTextResponse(body if whole else scoped_exposition(body, tenant),
+                             media_type=CONTENT_TYPE_LATEST)
 
 
 async def _answer(svc: OpenAIService, job: Job, request: Request) -> Response:

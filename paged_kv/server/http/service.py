@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import Counter, Histogram
 
@@ -52,7 +52,10 @@ class OpenAIService:
     engine : EngineClient
     tokenizer : ByteTokenizer or HFTokenizer
     model_name : str
-        The id ``/v1/models`` reports.
+        The id ``/v1/models`` reports first, and every response's ``model``.
+    served_model_names : sequence of str
+        Every name a request's ``model`` may give (``--served-model-name``, vLLM's rule:
+        `model_name` is always one; another is a 404; none given: `model_name`).
     api_keys : dict, optional
         ``{key: tenant}``; the tenant is the prefix-cache salt. None: single tenant, no auth.
     max_waiting : int
@@ -67,10 +70,12 @@ class OpenAIService:
     """
 
     def __init__(self, engine: EngineClient, tokenizer, *, model_name: str,
+                 served_model_names: Sequence[str] = (),
                  api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                  input_limits: InputLimits = DEFAULT_LIMITS, admin_keys: Iterable[str] = (),
                  tenant_names: Iterable[str] = ()) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.served_model_names = tuple(dict.fromkeys((model_name, *served_model_names)))
         self.api_keys, self.max_waiting = api_keys, max_waiting
         self.admin_keys = frozenset(admin_keys)
         self.tenant_names = frozenset({*tenant_names, *(api_keys or {}).values()})
@@ -126,6 +131,7 @@ class OpenAIService:
                  kind: str) -> SamplingParams:
         """The engine's parameters for `body`, checked against the engine (400) and the
         queue (429) before anything reaches it."""
+        self._check_model(body)
         if not prompt:
             raise ApiError(400, "prompt: empty; give at least one token or character",
                            param="prompt")
@@ -148,6 +154,14 @@ class OpenAIService:
                                 f"(--max-waiting {self.max_waiting}); retry later",
                            headers={"Retry-After": "1"})
         return params
+
+    def _check_model(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """404 for a ``model`` this server does not serve (vLLM's answer; before, any name
+        was served as if it were this one). A request without ``model`` gets the first
+        served name, as in vLLM: many clients leave it out (this repository's benchmarks
+        and tests among them)."""
+        if body.model is not None and body.model not in self.served_model_names:
+            raise ApiError(404, f"The model `{body.model}` does not exist.", param="model")
 
     def _check_logprobs(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """400 naming the first field that asks for more top log-probabilities than
@@ -197,9 +211,10 @@ class OpenAIService:
             self.itl.observe(gap)
 
     def models(self, created: int) -> dict:
-        """``/v1/models``."""
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": created, "owned_by": "paged_kv"}]}
+        """``/v1/models``: every served name, the one responses report first."""
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "paged_kv"}
+                                           for name in self.served_model_names]}
 
     def kv_events_info(self) -> dict | None:
         """``/kv_events``: the publisher's bound endpoints, pool size and how its hashes are
