@@ -317,8 +317,10 @@ def _add_request_limits(serve: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .handoff import HandoffConfig
     from .server.serve import serve
 
+    HandoffConfig.from_args(args)  # a role without its secret: exit 2 before anything starts
     return serve(args)
 
 

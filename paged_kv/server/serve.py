@@ -80,7 +80,9 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
                      admin_keys=() if tenants is None else tenants.admin_keys,
                      tenant_names=() if tenants is None else tenants.tenant_names,
                      max_waiting=args.max_waiting,
-                     input_limits=InputLimits(args.max_logprobs, args.max_request_bytes))
+                     input_limits=InputLimits(args.max_logprobs, args.max_request_bytes),
+                     handoff_secret=(None if getattr(args, "role", "both") == "both"
+                                     else args.handoff_secret))
     # access_log off: warning level prints none, but uvicorn would still consult the logger
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=args.drain_timeout))

@@ -30,7 +30,7 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
                served_model_names: Sequence[str] = (),
                api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                input_limits: InputLimits = DEFAULT_LIMITS, admin_keys: Iterable[str] = (),
-               tenant_names: Iterable[str] = ()) -> FastAPI:
+               tenant_names: Iterable[str] = (), handoff_secret: str | None = None) -> FastAPI:
     """The server's app over a started-or-not `InprocClient` or `CoreClient` (started and
     stopped with the app); the arguments are `OpenAIService`'s. With `api_keys`, every /v1
     request needs ``Authorization: Bearer KEY`` (a tenant's, or one of `admin_keys`),
@@ -39,7 +39,8 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     service = OpenAIService(engine, tokenizer, model_name=model_name, api_keys=api_keys,
                             served_model_names=served_model_names,
                             max_waiting=max_waiting, input_limits=input_limits,
-                            admin_keys=admin_keys, tenant_names=tenant_names)
+                            admin_keys=admin_keys, tenant_names=tenant_names,
+                            handoff_secret=handoff_secret)
     app = FastAPI(title="paged_kv", lifespan=_lifespan(engine))
     app.state.service, app.state.created = service, int(time.time())
     app.add_exception_handler(ApiError, _api_error)

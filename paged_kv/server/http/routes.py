@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from ...handoff.trust import HEADER as HANDOFF_HEADER
 from .metrics_scope import metrics_viewer, scoped_exposition
 from .protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -53,7 +54,7 @@ async def parse_body(request: Request, model: type[_Body],
     naming the field: a body that is not UTF-8, an integer literal too long for Python (more
     than 4300 digits), a lone surrogate (``"\\ud800"``: valid JSON, not text); and a body
     past `max_bytes` is a 413 (`ApiError`) before it is read whole."""
-    raw = await read_body(request, max_bytes)
+    raw = request.state.raw_body = await read_body(request, max_bytes)  # (signatures)
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",),
                                        "msg": "Field required", "input": None}])
@@ -176,7 +177,8 @@ def _find(data: Any, match) -> tuple[tuple, Any] | None:
 async def completions(request: Request) -> Response:
     svc = service(request)
     body = await parse_body(request, CompletionRequest, svc.input_limits.max_request_bytes)
-    job = await svc.start(body, svc.completion_prompt(body), tenant(request), "text")
+    handoff = svc.handoff_of(body, request.headers.get(HANDOFF_HEADER), request.state.raw_body)
+    job = await svc.start(body, svc.completion_prompt(body), tenant(request), "text", handoff)
     return await _answer(svc, job, request)
 
 
@@ -184,7 +186,8 @@ async def completions(request: Request) -> Response:
 async def chat(request: Request) -> Response:
     svc = service(request)
     body = await parse_body(request, ChatCompletionRequest, svc.input_limits.max_request_bytes)
-    job = await svc.start(body, svc.chat_prompt(body), tenant(request), "chat")
+    handoff = svc.handoff_of(body, request.headers.get(HANDOFF_HEADER), request.state.raw_body)
+    job = await svc.start(body, svc.chat_prompt(body), tenant(request), "chat", handoff)
     return await _answer(svc, job, request)
 
 

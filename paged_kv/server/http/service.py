@@ -9,7 +9,8 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client import Counter, Histogram
 
-from ...handoff.params import parse_params
+from ...handoff.params import HandoffParams, parse_params
+from ...handoff.trust import HandoffTrust
 from ...keys import HASH_SCHEME
 from ...serving import EngineDeadError, SamplingParams
 from ..engine.engine_client import EngineClient
@@ -67,19 +68,24 @@ class OpenAIService:
         their own). Without `api_keys` everyone is admin (one tenant, no auth).
     tenant_names : iterable of str
         Tenants an admin may name besides those of `api_keys` (the policy's).
+    handoff_secret : str, optional
+        A prefill or decode engine's hand-off secret: a request that asks it for a hand-off
+        (``kv_transfer_params.do_remote_*``) must carry the router's signature under it
+        (`handoff_of`). None: no role, ``kv_transfer_params`` mean nothing here.
     """
 
     def __init__(self, engine: EngineClient, tokenizer, *, model_name: str,
                  served_model_names: Sequence[str] = (),
                  api_keys: dict[str, str] | None = None, max_waiting: int = 256,
                  input_limits: InputLimits = DEFAULT_LIMITS, admin_keys: Iterable[str] = (),
-                 tenant_names: Iterable[str] = ()) -> None:
+                 tenant_names: Iterable[str] = (), handoff_secret: str | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.served_model_names = tuple(dict.fromkeys((model_name, *served_model_names)))
         self.api_keys, self.max_waiting = api_keys, max_waiting
         self.admin_keys = frozenset(admin_keys)
         self.tenant_names = frozenset({*tenant_names, *(api_keys or {}).values()})
         self.input_limits = input_limits
+        self.handoff_trust = None if handoff_secret is None else HandoffTrust(handoff_secret)
         registry = engine.registry
         self.requests = Counter("paged_kv_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=registry)
@@ -184,15 +190,32 @@ class OpenAIService:
             return 16
         return self.engine.limits.room(len(prompt))
 
-    async def start(self, body, prompt: list[int], salt: str | None, kind: str) -> Job:
-        """Validate and queue a generation (400 / 429 / 503 before anything runs)."""
+    def handoff_of(self, body, header: str | None, raw: bytes) -> HandoffParams | None:
+        """The body's ``kv_transfer_params``; on a prefill or decode engine, a hand-off
+        (``do_remote_decode`` / ``do_remote_prefill``) only with the router's signature of
+        the `raw` body in `header` (`paged_kv.handoff.trust`): 403 otherwise, so a client
+        can neither lease pages nor name where a decode engine pulls from."""
+        params = parse_params(body.kv_transfer_params)
+        if params is None or self.handoff_trust is None \
+                or not (params.do_remote_decode or params.do_remote_prefill):
+            return params
+        error = self.handoff_trust.router_error(header, raw)
+        if error is not None:
+            raise ApiError(403, f"kv_transfer_params: a hand-off is the router's to ask "
+                                f"for: {error}", param="kv_transfer_params")
+        return params
+
+    async def start(self, body, prompt: list[int], salt: str | None, kind: str,
+                    handoff: HandoffParams | None = None) -> Job:
+        """Validate and queue a generation (400 / 429 / 503 before anything runs);
+        `handoff` is the body's checked ``kv_transfer_params`` (`handoff_of`)."""
         if self.engine.dead is not None:
             raise ApiError(503, f"engine dead: {self.engine.dead}")
         params = self.sampling(body, prompt, kind)
         generation = Generation(self.engine, self.tokenizer, prompt, params, body.stop_strings,
                                 salt, priority=body.priority,
                                 retention_seconds=body.retention_seconds,
-                                handoff=parse_params(body.kv_transfer_params))
+                                handoff=handoff)
         try:
             await generation.start()
         except (TypeError, ValueError) as exc:  # what check_request could not foresee
