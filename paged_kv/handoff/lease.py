@@ -5,7 +5,8 @@ releases them or they expire.
 Only host bytes are leased: the device blocks were freed as usual (they stay in the prefix
 cache as cached blocks), so a decode engine that never comes can hold nothing but these
 bytes, and only until the lease expires. The table is bounded by bytes: a new lease that
-does not fit pushes the oldest out (counted as evicted). Thread-safe: the engine's thread
+does not fit pushes out the oldest lease of the tenant holding the most bytes (counted as
+evicted), so one tenant's flood of hand-offs pushes out its own leases before another's. Thread-safe: the engine's thread
 adds leases, the hand-off server's thread reads, extends and drops them.
 """
 
@@ -63,7 +64,7 @@ class LeaseTable:
         with self._lock:
             self._expire()
             while self.nbytes + nbytes > self.max_bytes and self._leases:
-                self._drop(next(iter(self._leases)), "evicted")
+                self._drop(self._victim(tenant, nbytes), "evicted")
                 self.evicted += 1
             self._leases[lease_id] = Lease(values, self._clock() + self.lease_s, tenant, nbytes)
             self.nbytes += nbytes
@@ -107,6 +108,19 @@ class LeaseTable:
     def live(self) -> int:
         """Leases held now."""
         return len(self._leases)
+
+    def _victim(self, tenant: str | None, nbytes: int) -> str:
+        """The lease to push out: the oldest of the tenant holding the most bytes, the new
+        lease's `nbytes` counted to its `tenant`."""
+        held: dict[str | None, int] = {tenant: nbytes}
+        for lease in self._leases.values():
+            held[lease.tenant] = held.get(lease.tenant, 0) + lease.nbytes
+        ranked = sorted(held, key=held.__getitem__, reverse=True)
+        for heaviest in ranked:  # (the new lease's tenant may hold nothing yet)
+            for lease_id, lease in self._leases.items():
+                if lease.tenant == heaviest:
+                    return lease_id
+        raise AssertionError("a full lease table without a lease")
 
     def _expire(self) -> None:
         now = self._clock()

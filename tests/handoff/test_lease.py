@@ -58,6 +58,21 @@ def test_the_table_is_bounded_by_bytes_oldest_lease_first():
     assert table.live == 2
 
 
+def test_a_full_table_pushes_out_the_heaviest_tenants_oldest_lease():
+    """One tenant flooding the table with hand-offs pushes out its own leases, not the
+    lease another tenant made before the flood."""
+    table = LeaseTable(lease_s=60.0, max_bytes=100)
+    bob = table.create({b"b": b"x" * 20}, "bob")
+    flood = [table.create({b"a%d" % i: b"x" * 20}, "alice") for i in range(4)]
+    assert table.nbytes == 100
+    table.create({b"a4": b"x" * 20}, "alice")
+    assert table.get(bob, [b"b"]) == [b"x" * 20]  # oldest of all, kept
+    assert table.get(flood[0], [b"a0"]) == "expired" and table.evicted == 1
+    # a tenant new to the table pushes out the heaviest one's, not its own nothing
+    table.create({b"c": b"x" * 40}, "carol")
+    assert table.get(bob, [b"b"]) == [b"x" * 20] and table.evicted == 3
+
+
 def test_the_server_answers_only_to_the_secrets_mac_and_never_sees_the_secret():
     table = LeaseTable(lease_s=10.0, max_bytes=1 << 20)
     key, value = b"k" * 32, b"v" * 10
