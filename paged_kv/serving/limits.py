@@ -41,7 +41,7 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
         The pool, which must hold the longest sequence the request can reach.
     max_num_batched_tokens : int, optional
         The most tokens a step computes: a window layer holds its window and one step's
-        tokens (default: the whole prompt in one step).
+        tokens (default: the whole prompt in one step; see `request_blocks`).
 
     Raises
     ------
@@ -70,10 +70,9 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = "
                          f"{total} exceeds the model's max_position "
                          f"({model_config.max_position})")
-    # a window group holds its window and a step's tokens
     step = len(prompt) if max_num_batched_tokens is None else min(len(prompt),
                                                                   max_num_batched_tokens)
-    needed = cache_config.blocks_for_sequence(total - 1, step)
+    needed = request_blocks(cache_config, len(prompt), params.max_tokens, step)
     room, reserved = _room_blocks(cache_config)
     if needed > room:
         less = f" less the tenants' reservations ({reserved})" if reserved else ""
@@ -81,6 +80,49 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
                          f"{needed} blocks, more than the pool's "
                          f"{cache_config.num_usable_blocks}{less}; raise num_blocks")
     return prompt
+
+
+def request_blocks(cache_config: CacheConfig, prompt_len: int, max_tokens: int,
+                   step_tokens: int) -> int:
+    """The most blocks one sequence of a request holds at once, over every layer group.
+
+    A window group holds its window and a step's tokens (`CacheConfig.blocks_for_sequence`),
+    so the peak is either a step of the prompt (at most `step_tokens`, the prompt's blocks
+    in every group) or a decode step at the longest (the full groups' blocks): after its
+    prompt a sequence gains one token a step, and one recomputed after a preemption catches
+    up in steps that stay within the pool (`catch_up_tokens`). Counting the full groups at
+    the longest together with a prompt-sized step there, as one bound, refused requests
+    that fit (a 75-token prompt and 30 new tokens, 3 window layers and a full one at block
+    size 4: 89 blocks counted, 76 held at most).
+
+    Examples
+    --------
+    >>> from paged_kv.config import LayerKind
+    >>> window = LayerKind.sliding(4)
+    >>> cfg = CacheConfig(num_layers=4, num_kv_heads=1, head_dim=4, block_size=4,
+    ...                   layer_kinds=(window,) * 3 + (LayerKind(),))
+    >>> request_blocks(cfg, 75, 30, 75)  # the prefill: 19 blocks in each of 4 groups
+    76
+    >>> request_blocks(cfg, 10, 200, 10)  # the last decode: 53 full blocks, 2 per window
+    59
+    """
+    return max(cache_config.blocks_for_sequence(prompt_len, step_tokens),
+               cache_config.blocks_for_sequence(prompt_len + max_tokens - 1, 1))
+
+
+def catch_up_tokens(cache_config: CacheConfig, num_tokens: int, left: int) -> int:
+    """The most of `left` tokens one step of a sequence of `num_tokens` (a recomputed one,
+    catching up) may take, so that it holds no more blocks than one request may
+    (`request_blocks`): at least 1, as a decode step at the longest was counted."""
+    room = _room_blocks(cache_config)[0]
+    need = cache_config.blocks_for_sequence
+    if need(num_tokens, left) <= room:
+        return left  # always, for full attention
+    low, high = 1, left  # a window group's blocks grow with the step: the largest that fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if need(num_tokens, middle) <= room else (low, middle - 1)
+    return low
 
 
 def _room_blocks(cache_config: CacheConfig) -> tuple[int, int]:

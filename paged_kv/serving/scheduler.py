@@ -3,7 +3,7 @@
 Each sequence's computed tokens catch up with its tokens: a step gives every running
 sequence ``min(len(tokens) - num_computed, budget left)`` new tokens, then swapped-in and
 waiting ones get what is left (a sequence recomputed in a pool its window layers could
-not hold in one step: at most its prompt's length a step). When blocks run out, the most
+not hold in one step: in the largest steps the pool holds). When blocks run out, the most
 recently admitted running sequence is preempted: freed and requeued (recompute), or moved
 to the host pool (swap).
 """
@@ -21,6 +21,7 @@ from ..cache import PagedKVCache
 from ..errors import OutOfBlocksError
 from ..step.batch import StepBatch
 from ..step.plan import Admission, fits
+from .limits import catch_up_tokens
 from .misses import CacheReports
 from .request import Request, Sequence, Status
 
@@ -124,19 +125,15 @@ class Scheduler:
         """The tokens `seq` may take in its next step, before the budget: all it has not
         computed, except where a window layer would then hold more blocks than the request
         was accepted for. A window group holds its window plus a step's tokens, and the
-        request limit (`CacheConfig.blocks_for_sequence`) counted steps of at most its
-        prompt's length; a sequence recomputed after a preemption has more tokens than
-        that, and in one step could need more blocks than the whole pool (it then waited
-        forever). Such a sequence catches up in steps of its prompt's length instead."""
+        request limit (`limits.request_blocks`) counted the prompt's steps and decode steps
+        only; a sequence recomputed after a preemption has more tokens than its prompt, and
+        in one step could need more blocks than the whole pool (it then waited forever),
+        even in a step of its prompt's length near its end. Such a sequence catches up in
+        steps that fit (`limits.catch_up_tokens`) instead."""
         left = len(seq.token_ids) - seq.num_computed
-        prompt_len = len(seq.request.prompt_token_ids)
-        if left <= prompt_len:  # decodes and first prefills: what the limit counted
-            return left
-        config = self.cache.config
-        longest = prompt_len + seq.request.params.max_tokens - 1
-        if config.blocks_for_sequence(longest, left) <= config.num_usable_blocks:
-            return left  # the pool holds it in one step (always, for full attention)
-        return prompt_len
+        if left == 1 or len(seq.token_ids) <= len(seq.request.prompt_token_ids):
+            return left  # decodes and the prompt's steps: what the limit counted
+        return catch_up_tokens(self.cache.config, len(seq.token_ids), left)
 
     def _num_slots(self) -> int:
         """Running sequences plus the samples still to be forked off them."""

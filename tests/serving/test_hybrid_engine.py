@@ -13,6 +13,7 @@ import torch
 
 from paged_kv import PagedKVCache
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.serving.limits import request_blocks
 
 from ..conftest import make_engine
 from ..conftest import prometheus_value as metric
@@ -170,7 +171,7 @@ def test_long_decode_holds_the_window_and_reports_it(gemma, reference):
     each of ``cdiv(W, bs) + 1``; the rest went back to the pool, and the metrics say so."""
     tokens, max_tokens, window = prompt(40, seed=7, vocab_size=SHAPE["vocab_size"]), 200, 16
     config = gemma.cache_config(block_size=BLOCK)
-    need = config.blocks_for_sequence(len(tokens) + max_tokens - 1, len(tokens))
+    need = request_blocks(config, len(tokens), max_tokens, len(tokens))
     assert need < len(config.layer_groups) * cdiv(len(tokens) + max_tokens - 1, BLOCK)
     engine = make_engine(gemma, num_blocks=need + 1, block_size=BLOCK, num_threads=1)
     params = SamplingParams(max_tokens=max_tokens)
