@@ -208,7 +208,7 @@ class PrefillProxy:
 class PeerProxy:
     """A ZMQ ROUTER in front of a prefill engine's page server (`target`) that forwards
     every message, except that a ``get`` is held (``hold``: never answered), answered
-    late (``delay`` seconds) or answered with its first value's last byte flipped
+    late (``delay`` seconds) or answered with its second value's last byte flipped
     (``tamper``). `verbs` records what came, `gets` is set at the first ``get``."""
 
     def __init__(self, mode: str, delay: float = 0.0) -> None:
@@ -251,10 +251,10 @@ class PeerProxy:
         answer = self._call(self._context, self.target, frames[1:], 2.0)
         if answer is None:
             return
-        if tamper and answer[0] == b"ok" and len(answer) > 2:
-            value = bytearray(answer[2])
+        if tamper and answer[0] == b"ok" and len(answer) > 3:  # [ok, macs, value, value...]
+            value = bytearray(answer[3])
             value[-1] ^= 0xFF
-            answer[2] = bytes(value)
+            answer[3] = bytes(value)
         self._sock.send_multipart([frames[0], *answer])
 
     def close(self) -> None:
