@@ -6,8 +6,9 @@ Only host bytes are leased: the device blocks were freed as usual (they stay in 
 cache as cached blocks), so a decode engine that never comes can hold nothing but these
 bytes, and only until the lease expires. The table is bounded by bytes: a new lease that
 does not fit pushes out the oldest lease of the tenant holding the most bytes (counted as
-evicted), so one tenant's flood of hand-offs pushes out its own leases before another's. Thread-safe: the engine's thread
-adds leases, the hand-off server's thread reads, extends and drops them.
+evicted), so one tenant's flood of hand-offs pushes out its own leases before another's.
+Thread-safe: the engine's thread adds leases, the hand-off server's thread reads, extends
+and drops them.
 """
 
 from __future__ import annotations
