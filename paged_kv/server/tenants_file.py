@@ -22,7 +22,9 @@ Two formats:
 
 Every mistake is a ValueError naming the field (``tenants.acme.quota: ...``): ``paged-kv
 serve`` prints it as one line and exits 2. Quotas that sum past the pool are found once the
-pool's size is known (`TenantPolicy.check`, in the engine core at start-up).
+pool's size is known (`TenantPolicy.check`, in the engine core at start-up), and a tier's
+reservations past half of it once the tier is open (`TenantPolicy.check_tier`): the file is
+never checked against a size it does not know.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ _TOP = {"admin_keys", "tenants", "default"}
 _LIMITS = {"quota", "reservation", "priority", "retention_seconds", "retention_budget", "tiers"}
 _TIER = {"quota", "reservation"}
 _TIERS = ("host", "disk", "remote")
-_UNCHECKED_POOL = 2**62  # ranges are checked at parse time; sums once the pool is known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,9 @@ def parse_tenants_toml(text: str, where: str = "tenants file") -> TenantsFile:
     default = _table("default", data.get("default", {}))
     _known("default", default, _LIMITS)
     policy = TenantPolicy(limits, _limits("default", default))
-    policy.check(_UNCHECKED_POOL)  # ranges, named; sums need the pool (engine start-up)
+    # each value on its own, named; the sums need the pool's size (`TenantPolicy.check`
+    # at engine start-up), so none is checked here against a pool it does not know
+    policy.check_fields()
     if not keys and not admin:
         raise ValueError(f"{where}: no keys: give admin_keys or a tenant's keys")
     return TenantsFile(keys, admin, policy)

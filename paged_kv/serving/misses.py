@@ -6,6 +6,10 @@ again keeps it): the device's hits, the blocks a tier fetch loaded before it (pe
 and for the prompt's first block that was neither, the reason: the fetch's failure
 (``tier_timeout`` / ``verify_failed``), else the deepest tier that remembers evicting it,
 else the device pool's ghost list (``evicted`` / ``diverged`` / ``cold``).
+
+A miss under another tenant's pressure names that tenant (``by``) for the operator; a
+tenant's own view of its usage leaves the name out (`miss_seen_by`), since it would tell
+who else uses the server.
 """
 
 from __future__ import annotations
@@ -74,3 +78,23 @@ class CacheReports:
             return Miss("evicted", block, *entry)
         parent = admission.keys[block - 1] if block else admission.root
         return self.ghost.miss(key, parent, block, first=block == 0)
+
+
+def miss_seen_by(miss: dict | None, viewer: str | None) -> dict | None:
+    """`miss` (`Miss.as_dict`, or None) as `viewer` may see it: for a tenant (a request's
+    salt under a tenant's key) without ``by``, the name of the other tenant whose pressure
+    evicted its block (``pressure: "tenant"`` still says it was another tenant's); whole
+    for None (an admin key's requests and a server without keys carry no salt).
+
+    Examples
+    --------
+    >>> miss = {"reason": "evicted", "block": 2, "tier": "device", "pressure": "tenant",
+    ...         "by": "beta"}
+    >>> miss_seen_by(miss, "acme")
+    {'reason': 'evicted', 'block': 2, 'tier': 'device', 'pressure': 'tenant'}
+    >>> miss_seen_by(miss, None)["by"]
+    'beta'
+    """
+    if miss is None or viewer is None or "by" not in miss:
+        return miss
+    return {field: value for field, value in miss.items() if field != "by"}

@@ -106,10 +106,10 @@ class TenantPolicy:
         """The blocks every reservation together keeps (the default's once)."""
         return sum(t.reservation for t in [*self.tenants.values(), self.default])
 
-    def check(self, num_blocks: int) -> None:
-        """Raise ValueError naming the field out of range for a pool of `num_blocks`
-        (null block included): a bad value, or quotas / reservations that sum past it."""
-        usable = num_blocks - 1
+    def check_fields(self) -> None:
+        """Raise ValueError naming the first field out of range on its own (a negative
+        count, a reservation above its quota, ...): what can be checked before the pool's
+        size is known, as a tenants file is read. `check` adds the sums."""
         for name, limits in self.tenants.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"tenants: a tenant name must be a non-empty string, got "
@@ -119,14 +119,46 @@ class TenantPolicy:
                                 f"{type(limits).__name__}")
             limits.check(f"tenants.{name}")
         self.default.check("default")
+
+    def check(self, num_blocks: int) -> None:
+        """Raise ValueError naming the field out of range for a pool of `num_blocks`
+        (null block included): a bad value (`check_fields`), or quotas / reservations that
+        sum past the pool's blocks, which the message names."""
+        self.check_fields()
+        usable = num_blocks - 1
         quotas = sum(t.quota for t in self.tenants.values() if t.quota is not None)
         if quotas > usable:
             raise ValueError(f"tenants: quota: the quotas sum to {quotas} blocks, past the "
-                             f"pool's {usable}")
+                             f"pool's {usable} ({num_blocks} blocks less the null block); "
+                             "lower them, or give the pool more memory")
         reserved = self.reserved_blocks
         if reserved > usable // 2:  # room left for every other tenant's requests
             raise ValueError(f"tenants: reservation: the reservations sum to {reserved} "
-                             f"blocks, past half the pool ({usable // 2})")
+                             f"blocks, past half the pool ({usable // 2} of its {usable}: "
+                             f"{num_blocks} blocks less the null block); lower them, or give "
+                             "the pool more memory")
+
+    def check_tier(self, tier: str, capacity: int, num_blocks: int) -> None:
+        """Raise ValueError when the reservations in `tier` (of `capacity` blocks) sum past
+        half of it, as the pool's may not: it names the first tenant's own reservation for
+        the tier (``tenants.NAME.tiers.TIER.reservation``) that takes the sum past it, its
+        value and the tier's size. A reservation scaled from the pool's never does (those
+        sum to at most half the pool, so scaled to at most half the tier)."""
+        half = capacity // 2
+        own = [(name, limits.tiers[tier].reservation)
+               for name, limits in [*self.tenants.items(), (None, self.default)]
+               if tier in limits.tiers]
+        named = {name for name, _ in own}
+        total = sum(self.tier_limits(name, tier, capacity, num_blocks).reservation
+                    for name in [*self.tenants, None] if name not in named)
+        for name, reservation in own:
+            total += reservation
+            if total > half:
+                where = "default" if name is None else f"tenants.{name}"
+                raise ValueError(
+                    f"{where}.tiers.{tier}.reservation: {reservation} blocks take the {tier} "
+                    f"tier's reservations to {total}, past half of its {capacity} blocks "
+                    f"({half}); lower it, or give the {tier} tier more room")
 
     def tier_limits(self, tenant: str | None, tier: str, capacity: int,
                     num_blocks: int) -> TierLimits:

@@ -206,9 +206,21 @@ def capacity_blocks(store: Store, value_bytes: int) -> int | None:
 
 def open_shares(stores: list[Store], value_bytes: int, names: list[str | None],
                 policy: TenantPolicy, num_blocks: int) -> dict[str, TierShares]:
-    """A `TierShares` for each store, under `policy`."""
-    return {store.name: TierShares(store.name, capacity_blocks(store, value_bytes), names,
-                                   policy, num_blocks) for store in stores}
+    """A `TierShares` for each store, under `policy`.
+
+    Raises
+    ------
+    ValueError
+        A tier's own reservations sum past half of its capacity, as the pool's may not
+        (`TenantPolicy.check_tier` names the field, its value and the tier's size); a tier
+        of unknown capacity (Redis) is not checked.
+    """
+    capacities = {store.name: capacity_blocks(store, value_bytes) for store in stores}
+    for tier, capacity in capacities.items():
+        if capacity is not None:
+            policy.check_tier(tier, capacity, num_blocks)
+    return {tier: TierShares(tier, capacity, names, policy, num_blocks)
+            for tier, capacity in capacities.items()}
 
 
 def _limits(policy: TenantPolicy, name: str | None, tier: str, capacity: int | None,

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 
 from ...serving import RequestOutput, SamplingParams, StepOutput
+from ...serving.misses import miss_seen_by
 from ..engine.engine_client import EngineClient
 
 
@@ -127,13 +128,15 @@ class Generation:
         """OpenAI's usage, with the prompt tokens the prefix cache served, where they came
         from (``cached_tokens_by_source``: device, host, disk, remote) and why the first
         uncached full block missed (``miss``: `paged_kv.tenants.Miss.as_dict`, null when
-        every full block hit)."""
+        every full block hit; under a tenant's key without ``by``, another tenant's name:
+        `paged_kv.serving.misses.miss_seen_by`)."""
         completion = sum(len(c.token_ids) for c in self.choices)
         output = self.output
         cached = output.prefix_hit_tokens if output else 0
         prompt = len(self.prompt_token_ids)
         details = {"cached_tokens": cached,
                    "cached_tokens_by_source": dict((output and output.cached_by_source) or {}),
-                   "miss": output.miss if output else None}
+                   # another tenant's name only for an admin's (or keyless) request
+                   "miss": miss_seen_by(output.miss if output else None, self.salt)}
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion, "prompt_tokens_details": details}
