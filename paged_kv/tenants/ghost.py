@@ -24,6 +24,7 @@ import dataclasses
 REASONS = ("cold", "evicted", "diverged", "tier_timeout", "verify_failed")
 PRESSURES = ("own_quota", "own", "tenant", "global", "flush")
 MAX_ENTRIES = 1 << 16
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,35 @@ class GhostList:
         newer, older = self._evicted
         entry = newer.get(key)
         return entry if entry is not None else older.get(key)
+
+
+class KeyMemory:
+    """A map of keys to values bounded by `capacity` entries, kept as `GhostList`'s maps
+    are (two generations): it remembers at least the newest half of its capacity.
+
+    Examples
+    --------
+    >>> memory = KeyMemory(4)
+    >>> memory.update({b"a": 1, b"b": 2})
+    >>> memory.update({b"c": 3})  # past half of 4: {a, b} becomes the older generation
+    >>> memory.get(b"a"), memory.get(b"c"), memory.get(b"z", 0)
+    (1, 3, 0)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._maps: tuple[dict, dict] = ({}, {})  # (newer, older)
+
+    def update(self, entries: dict) -> None:
+        """Remember `entries` (a key given again takes its newest value)."""
+        if self.capacity and entries:
+            self._maps = _stored(self._maps, entries, self.capacity)
+
+    def get(self, key: bytes, default: object = None) -> object:
+        """The value remembered for `key`, else `default`."""
+        newer, older = self._maps
+        value = newer.get(key, _MISSING)
+        return value if value is not _MISSING else older.get(key, default)
 
 
 def _stored(generations: tuple[dict, dict], entries: dict, capacity: int,

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import InvariantError, ensure
 from ..keys import root_hash
-from .ghost import GhostList
+from .ghost import GhostList, KeyMemory, default_capacity
 from .policy import TenantPolicy
 
 _MISSING = object()
@@ -74,8 +74,10 @@ class TenantLedger:
         self._defaults = [(t.priority, t.retention_seconds) for t in limits]
         self._budget = [(num_blocks - 1) // 4 if t.retention_budget is None
                         else t.retention_budget for t in limits]
-        # the tenant of each indexed block, set when it is indexed (stale elsewhere)
+        # the tenant of each indexed block, set when it is indexed (stale elsewhere), and
+        # of the keys tagged lately, for a block whose parent's block is gone (see `tag`)
         self.tenant_of = np.zeros(num_blocks, dtype=np.int32)
+        self._key_tenants = KeyMemory(default_capacity(num_blocks))
         self._lru: list[collections.OrderedDict[int, int]] = [
             collections.OrderedDict() for _ in self.names]
         # the first tick of each list (inf: empty), so choosing a victim reads a list of
@@ -123,31 +125,43 @@ class TenantLedger:
     def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
             index: dict[bytes, int]) -> None:
         """Record the tenant of `block_ids` (``[n]`` int64), being indexed: a block's parent
-        is its tenant's salted root, or a block indexed before it (of the same tenant: the
-        salt is in the chain). A parent no longer indexed (a rare race with eviction)
-        counts as unnamed."""
-        tenant_of, ids = self.tenant_of, self._ids
+        is its tenant's salted root, or the key of a block indexed before it (of the same
+        tenant: the salt is in the chain). That block may be gone: a sequence whose copy of
+        it was not indexed (another sequence had indexed the same key first) goes on after
+        the indexed one was evicted. So the ledger also remembers the tenant of each key it
+        tagged (the newest half of `ghost.default_capacity` keys at least); a parent older
+        than that, found nowhere, counts as unnamed."""
+        tenant_of = self.tenant_of
         if parents[1:] == keys[:-1]:  # the usual case: one chain, so one tenant
-            tenant = ids.get(parents[0])
-            if tenant is None:
-                owner = index.get(parents[0])
-                tenant = int(tenant_of[owner]) if owner is not None else 0
+            tenant = self._tenant_of_parent(parents[0], index)
             tenant_of[block_ids] = tenant
+            self._key_tenants.update(dict.fromkeys(keys, tenant))
             return
         owners = list(map(index.get, parents))
         if None not in owners and not set(owners).intersection(block_ids.tolist()):
             # a decode step's blocks: each chains from its sequence's block indexed before
-            tenant_of[block_ids] = tenant_of[owners]
+            tenants = tenant_of[owners]
+            tenant_of[block_ids] = tenants
+            self._key_tenants.update(dict(zip(keys, tenants.tolist(), strict=True)))
             return
-        last_key, tenant = None, 0
+        last_key, tenant, tagged = None, 0, {}
         for block_id, key, parent in zip(block_ids.tolist(), keys, parents, strict=True):
             if parent != last_key:
-                tenant = ids.get(parent)
-                if tenant is None:
-                    owner = index.get(parent)
-                    tenant = int(tenant_of[owner]) if owner is not None else 0
-            tenant_of[block_id] = tenant
+                tenant = self._tenant_of_parent(parent, index)
+            tenant_of[block_id] = tagged[key] = tenant
             last_key = key
+        self._key_tenants.update(tagged)
+
+    def _tenant_of_parent(self, parent: bytes, index: dict[bytes, int]) -> int:
+        """The tenant of a block chaining from `parent`: a salted root's, an indexed
+        block's, else a key's remembered by `tag` (0, the unnamed, when forgotten)."""
+        tenant = self._ids.get(parent)
+        if tenant is not None:
+            return tenant
+        owner = index.get(parent)
+        if owner is not None:
+            return int(self.tenant_of[owner])
+        return self._key_tenants.get(parent, 0)
 
     def cached(self, block_ids: list[int], priority: int | None = None,
                seconds: float | None = None) -> list[int]:

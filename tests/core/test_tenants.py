@@ -239,3 +239,96 @@ def test_a_request_larger_than_the_pool_less_the_reservations_is_refused():
     with pytest.raises(ValueError, match=r"reservations \(10\)"):
         check_request(prompt, params, model, 4, held)
     check_request(prompt, SamplingParams(max_tokens=20), model, 4, held)  # 30 blocks fit
+
+
+# -- the ledger's reservations, blame and tags --------------------------------------------------
+def _usage(cache: PagedKVCache) -> dict[str | None, int]:
+    return {u.tenant: u.cached for u in cache.allocator.tenants.usage()}
+
+
+def test_another_tenants_pressure_stops_at_the_reservation_inside_one_run():
+    """Fault: one eviction that takes two of a tenant's blocks in a run takes it below its
+    reservation (the run's length not capped at its cached blocks less its reservation)."""
+    cache = _cache(TenantPolicy({"A": TenantLimits(), "B": TenantLimits(reservation=2)}), 17)
+    rng = random.Random(6)
+    b_prompt = [rng.randrange(1, 9999) for _ in range(3 * BLOCK + 1)]
+    _serve(cache, "b", b_prompt, "B")  # B: 3 cached blocks, the pool's oldest; 2 reserved
+    _serve(cache, "a", [rng.randrange(1, 9999) for _ in range(2 * BLOCK + 1)], "A")
+    assert cache.stats().num_free_blocks == 11
+    # A needs 13: 11 free, then 2 evictions; B's blocks are oldest, but only 1 may go
+    cache.admit("a2", [rng.randrange(1, 9999) for _ in range(13 * BLOCK)], salt="A")
+    cache.check()
+    assert _usage(cache)["B"] == 2, "B was taken below its reservation"
+    assert cache.plan_admission("x", b_prompt, salt="B").num_hit == 2 * BLOCK
+
+
+def test_a_device_eviction_by_another_tenant_names_the_evicting_tenant():
+    """Fault: an eviction that takes only other tenants' blocks names the victim's tenant
+    as `by` (or its pressure as ``own``) rather than the tenant whose allocation it was."""
+    cache = _cache(TenantPolicy({"A": TenantLimits(), "B": TenantLimits()}), 13)
+    rng = random.Random(7)
+    b_prompt = [rng.randrange(1, 9999) for _ in range(3 * BLOCK + 1)]
+    _serve(cache, "b", b_prompt, "B")
+    # A holds nothing cached: its 12 blocks are the 9 free and B's 3, all B's
+    _serve(cache, "a", [rng.randrange(1, 9999) for _ in range(12 * BLOCK)], "A")
+    assert _usage(cache)["B"] == 0
+    assert _explain(cache, b_prompt, "B") == Miss("evicted", 0, "device", "tenant", "A")
+
+
+@pytest.mark.parametrize("with_other", [False, True],
+                         ids=["alone", "in a step with another tenant's block"])
+def test_a_block_whose_parent_was_evicted_stays_its_tenants(with_other):
+    """Fault: a block chaining from a key whose block was evicted (its sequence holds a
+    copy that was not indexed: another sequence indexed that key first) is counted as the
+    unnamed tenant's, so it escapes its own tenant's quota."""
+    cache = _cache(TenantPolicy({"A": TenantLimits(), "B": TenantLimits()}), 17)
+    rng = random.Random(8)
+    prompt = [rng.randrange(1, 9999) for _ in range(BLOCK + 1)]
+    cache.admit("s", prompt, salt="A")
+    cache.admit("t", prompt, salt="A")  # shares block 0; its block 1 is its own
+    same = [rng.randrange(1, 9999) for _ in range(BLOCK - 1)]
+    cache.prepare({"s": same})  # s's block 1 is indexed under K1
+    cache.prepare({"t": same})  # t's block 1 holds the same tokens: K1 is taken
+    cache.free("s")  # s's block 1 (K1) is cached
+    _serve(cache, "b", [rng.randrange(1, 9999) for _ in range(14 * BLOCK)], "B")
+    assert _usage(cache)["A"] == 0, "K1's block was evicted"
+    grow = {"t": [rng.randrange(1, 9999) for _ in range(BLOCK)]}  # t's block 2: from K1
+    if with_other:
+        cache.admit("c", [rng.randrange(1, 9999) for _ in range(BLOCK - 1)], salt="B")
+        grow["c"] = [rng.randrange(1, 9999)]
+    cache.prepare(grow)
+    cache.free("t")
+    cache.check()
+    assert _usage(cache)[None] == 0, "A's block counted as the unnamed tenant's"
+    assert _usage(cache)["A"] == 2  # t's block 0 and block 2 (its block 1 was not indexed)
+
+
+def test_a_miss_on_a_prompts_first_block_is_cold_not_diverged():
+    """Fault: a first block that misses reads ``diverged`` because its parent, the tenant's
+    root, is the parent of every block 0 the tenant indexed before."""
+    cache = _cache(TenantPolicy({"A": TenantLimits()}), 17)
+    rng = random.Random(9)
+    _serve(cache, "a", [rng.randrange(1, 9999) for _ in range(2 * BLOCK + 1)], "A")
+    other = [rng.randrange(1, 9999) for _ in range(2 * BLOCK + 1)]
+    assert _explain(cache, other, "A") == Miss("cold", 0)
+
+
+@pytest.mark.parametrize("num_blocks_in_prompt", [1, 2, 3])
+def test_a_full_hit_on_a_prompt_of_whole_blocks_is_no_miss(num_blocks_in_prompt):
+    """Fault: a prompt of an exact number of blocks that hits every block it can (all but
+    the one holding its last token, which is always computed) reports a miss."""
+    cache = _cache(TenantPolicy({"A": TenantLimits()}), 17)
+    rng = random.Random(10)
+    prompt = [rng.randrange(1, 9999) for _ in range(num_blocks_in_prompt * BLOCK)]
+    _serve(cache, "a", prompt, "A")
+    plan = cache.plan_admission("x", prompt, salt="A")
+    assert plan.num_hit == (num_blocks_in_prompt - 1) * BLOCK
+    assert _explain(cache, prompt, "A") is None
+
+
+def test_tier_limits_scale_by_the_pools_usable_blocks():
+    """Fault: a tier's default limits scaled by a pool size that counts the null block."""
+    policy = TenantPolicy({"A": TenantLimits(quota=5, reservation=2)})
+    # 10 usable blocks (11 with the null block), a tier of 20: twice the pool
+    assert policy.tier_limits("A", "host", 20, 11) == TierLimits(quota=10, reservation=4)
+    assert policy.tier_limits("B", "host", 20, 11) == TierLimits(quota=None, reservation=0)
