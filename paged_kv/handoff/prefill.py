@@ -84,14 +84,14 @@ class PrefillRole:
         up to the first it lacks; every leased key's encoded value; and, on a hybrid
         layout, ``group_starts`` (else None).
 
-        A hybrid layout's fetch (`paged_kv.hybrid.admission.HybridAdmission.missing`)
-        never asks for the block holding the prompt's last token, and asks each other
-        group for the blocks a hit at the leading run's end reads (`_group_run`)."""
+        A fetch never asks for the block holding the prompt's last token (the decode
+        engine computes it: `paged_kv.step.plan`, `HybridAdmission.missing`), so a
+        prompt of whole blocks leases all but its last; a hybrid layout's fetch asks
+        each other group for the blocks a hit at the leading run's end reads
+        (`_group_run`)."""
         size, groups = self.cache.config.block_size, getattr(self.cache, "groups", ())
         tokens = np.asarray(prompt, dtype=np.int64)
-        keys = block_keys(tokens, size, root_hash(salt))
-        if groups:
-            keys = keys[:(len(prompt) - 1) // size]
+        keys = block_keys(tokens, size, root_hash(salt))[:(len(prompt) - 1) // size]
         ids = self._run(keys, tokens, size)
         keys = keys[:len(ids)]
         leased, starts = list(keys), None
