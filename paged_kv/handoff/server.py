@@ -5,7 +5,7 @@ A message is multipart: ``[verb, mac, lease, key, key, ...]`` (keys raw, 32 byte
 ``mac`` the secret's MAC of verb, lease and keys, `trust.HandoffTrust.request_mac`: the
 secret itself never travels); the answer ``[status, ...]``, a ``get``'s ``[b"ok", macs,
 value, value, ...]``. Verbs: ``get`` (the leased values of the keys, in order, raw: no
-per-token framing, and ``macs``: each value's `trust.HandoffTrust.value_mac`, 32 bytes
+per-token framing, and ``macs``: each value's `trust.HandoffTrust.value_mac`, 16 bytes
 each, binding it to the lease), ``heartbeat`` (extends the lease), ``release`` (drops it:
 the decode engine's ack). Statuses: ``ok``; ``refused`` (a wrong MAC, or a malformed
 message); ``expired`` / ``unknown`` (no such lease now); ``missing`` (a key not in the
