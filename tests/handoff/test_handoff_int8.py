@@ -36,6 +36,8 @@ from paged_kv.handoff.params import parse_params
 from paged_kv.keys import block_keys, encode_tokens, root_hash
 from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
+from .test_handoff_engine import run
+
 CONFIG = TinyLlamaConfig(num_layers=2, hidden_size=64, intermediate_size=64, vocab_size=100,
                          num_heads=4, head_dim=16)
 BLOCK = 4
@@ -52,14 +54,6 @@ def engine(role: str, dtype: str) -> Engine:
     return Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK,
                                             kv_cache_dtype=dtype),
                   num_threads=1, handoff=handoff)
-
-
-def run(e: Engine, request_id: int, limit: int = 5000):
-    for _ in range(limit):
-        for out in e.step():
-            if out.request_id == request_id:
-                return out
-    raise AssertionError("the request did not finish")
 
 
 def cached_pages(e: Engine, prompt: list[int]) -> np.ndarray:

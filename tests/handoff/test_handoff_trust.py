@@ -45,7 +45,8 @@ def engines(tmp_path_factory):
 
 
 class Listener:
-    """A ZMQ ROUTER that records every message and answers ``ok`` (an attacker's)."""
+    """A ZMQ ROUTER that records every message and answers ``ok`` (an attacker's);
+    `answer` says what it sends back."""
 
     def __init__(self) -> None:
         self.frames: list[list[bytes]] = []
@@ -57,12 +58,15 @@ class Listener:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
+    def answer(self, frames: list[bytes]) -> list[bytes]:
+        return [b"ok"]
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self._sock.poll(20):
                 frames = self._sock.recv_multipart()
                 self.frames.append(frames[1:])
-                self._sock.send_multipart([frames[0], b"ok"])
+                self._sock.send_multipart([frames[0], *self.answer(frames[1:])])
 
     def close(self) -> None:
         self._stop.set()
@@ -162,36 +166,20 @@ def test_parameters_the_secret_did_not_sign_are_never_pulled(engines, signature)
         assert peer.frames == []
 
 
-class Relay:
+class Relay(Listener):
     """An attacker on the path to the prefill engine's page server: forwards each message,
     then answers with every value's payload replaced by its own bytes under a well-formed
     header (fresh checksum), the MACs left as they came. Records every frame it sees."""
 
     def __init__(self, target: str) -> None:
-        self.target, self.frames = target, []
-        self._context = zmq.Context()
-        self._sock = self._context.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        self.target = target
+        super().__init__()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if self._sock.poll(20):
-                frames = self._sock.recv_multipart()
-                self.frames.append(frames[1:])
-                answer = call(self._context, self.target, frames[1:], 5.0) or [b"expired"]
-                if answer[0] == b"ok" and len(answer) > 2:
-                    answer = [*answer[:2], *(forge(v) for v in answer[2:])]
-                self._sock.send_multipart([frames[0], *answer])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-        self._context.term()
+    def answer(self, frames: list[bytes]) -> list[bytes]:
+        answer = call(self._context, self.target, frames, 5.0) or [b"expired"]
+        if answer[0] == b"ok" and len(answer) > 2:
+            answer = [*answer[:2], *(forge(v) for v in answer[2:])]
+        return answer
 
 
 def forge(value: bytes) -> bytes:
