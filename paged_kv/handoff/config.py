@@ -56,8 +56,8 @@ class HandoffConfig:
             raise ValueError(f"role: expected one of {ROLES}, got {self.role!r}")
         if self.failure not in POLICIES:
             raise ValueError(f"failure: expected one of {POLICIES}, got {self.failure!r}")
-        if not self.lease_s > 0:
-            raise ValueError(f"lease_s: expected seconds > 0, got {self.lease_s!r}")
+        if not 0 < self.lease_s < float("inf"):  # (nan fails too)
+            raise ValueError(f"lease_s: expected finite seconds > 0, got {self.lease_s!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: expected 0..65535, got {self.port!r}")
         if self.role != "both" and not self.secret:

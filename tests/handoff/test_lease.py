@@ -155,6 +155,9 @@ def test_serve_flags_make_the_config():
             parser.parse_args(["serve", *bad])
     with pytest.raises(ValueError, match=r"^failure:"):
         HandoffConfig("prefill", failure="retry", secret="x")
+    for lease_s in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^lease_s:"):
+            HandoffConfig("prefill", secret="x", lease_s=lease_s)
     for role in ("prefill", "decode"):  # a role without the secret: anyone could forge
         with pytest.raises(ValueError, match=r"^secret: role .* needs the hand-off secret"):
             HandoffConfig(role)
