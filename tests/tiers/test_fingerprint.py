@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from paged_kv.config import CacheConfig
 from paged_kv.serving import TinyLlama, TinyLlamaConfig
 from paged_kv.tiers import TierConfig
 from paged_kv.tiers.identity import config_id, model_fingerprint, weights_id
@@ -99,6 +100,72 @@ def test_hf_weights_differing_in_one_row():
     with torch.no_grad():
         second.model.model.embed_tokens.weight[77, 3] += 1e-3
     assert fingerprint_of(first) != fingerprint_of(second)
+
+
+@pytest.mark.parametrize("model", ["tiny", "hf"])
+def test_a_buffer_counts_like_a_weight(model):
+    """RoPE tables are buffers, not parameters (TinyLlama's ``cos`` / ``sin``, a transformers
+    model's ``inv_freq``): two models with the same parameters and config whose tables
+    differ write other K/V for the same tokens, so their fingerprints differ."""
+    if model == "tiny":
+        first, second = tiny(), tiny()
+        buffer = second.cos
+    else:
+        first, second = hf_pair()
+        buffer = second.model.model.rotary_emb.inv_freq
+    assert fingerprint_of(first) == fingerprint_of(second)  # the control
+    with torch.no_grad():
+        buffer[-1] *= 1.5  # the slowest-turning frequency: one element of one table
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(),
+                                                 strict=True)), "same parameters"
+    assert config_id(first) == config_id(second)
+    assert weights_id(first) != weights_id(second)
+    assert fingerprint_of(first) != fingerprint_of(second)
+
+
+class Composite(torch.nn.Module):
+    """A module under a composite transformers config (Llava: a Llama text config nested
+    in it), one fixed weight: what a multimodal model's config looks like to
+    `config_fields`."""
+
+    def __init__(self, **text_fields) -> None:
+        transformers = pytest.importorskip("transformers")
+        super().__init__()
+        text = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+        self.config = transformers.LlavaConfig(text_config={**text, **text_fields})
+        self.proj = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.arange(16.0).reshape(4, 4))
+            self.proj.bias.zero_()
+
+
+def composite_fingerprint(model: Composite) -> str:
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
+                         num_blocks=8)
+    return model_fingerprint(model, config).namespace
+
+
+@pytest.mark.parametrize("field", [{"eos_token_id": 5}, {"pad_token_id": 0},
+                                   {"_name_or_path": "/elsewhere/the-same-model"},
+                                   {"initializer_range": 0.5}])
+def test_fields_that_cannot_change_kv_are_left_out_of_nested_configs_too(field):
+    """A text config nested in a composite config is filtered like a top-level one: it
+    differing only in a field `IGNORED_CONFIG_FIELDS` names leaves the fingerprint as it
+    is."""
+    first, second = Composite(), Composite(**field)
+    assert first.config.to_dict()["text_config"] != second.config.to_dict()["text_config"]
+    assert config_id(first) == config_id(second), field
+    assert composite_fingerprint(first) == composite_fingerprint(second), field
+
+
+@pytest.mark.parametrize("field", [{"rms_norm_eps": 1e-5},
+                                   {"rope_parameters": {"rope_type": "default",
+                                                        "rope_theta": 500000.0}}])
+def test_nested_config_fields_that_change_kv_count(field):
+    first, second = Composite(), Composite(**field)
+    assert config_id(first) != config_id(second), field
+    assert composite_fingerprint(first) != composite_fingerprint(second), field
 
 
 # -- engines on one disk directory ------------------------------------------------------------
