@@ -5,8 +5,11 @@ attention, a sliding window, chunked local attention — with learned attention 
 soft-capped logits on any of them. `layer_kinds` maps a config's ``layer_types`` (or its
 ``sliding_window`` / ``attention_chunk_size`` when it has none) to those kinds. A model
 whose layers ask for more — linear (recurrent, Mamba) layers, cross-attention,
-bidirectional attention, a layer type this module does not know — would be served wrong
-tokens, so it is refused by name (`require_supported`).
+bidirectional attention, a layer type this module does not know, keys and values of head
+dims other than the pages' one ``head_dim`` (DeepSeek's multi-head latent attention), shapes
+that vary by layer — would be served wrong tokens or fail every step, so it is refused by
+name (`require_supported`). The engine refuses more, by model type
+(`paged_kv.integrations.hf_architectures`): what a config does not say.
 
 Only the config is read (no weights), so the command line refuses a checkpoint before it
 loads one.
@@ -27,6 +30,11 @@ LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding",
                "chunked_attention": "chunked"}
 # the legacy spellings transformers still reads (configuration_utils._LEGACY_LAYER_TYPE_REMAP)
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}
+# settings that decide a layer's K/V shape or its kind, or skip its attention: transformers'
+# per_layer_config may vary them, paged_kv's pool and layer kinds have one of each
+PER_LAYER_ATTENTION_SETTINGS = ("head_dim", "num_key_value_heads", "num_attention_heads",
+                                "v_head_dim", "sliding_window", "attention_chunk_size",
+                                "layer_types", "skip")
 
 
 class UnsupportedModelError(ValueError):
@@ -98,7 +106,9 @@ def window_of(config: object) -> int:
 
 def unsupported_features(config: object) -> list[str]:
     """Every setting of `config` paged_kv does not serve: layer types other than full,
-    sliding and chunked attention, cross-attention, bidirectional attention.
+    sliding and chunked attention, cross-attention, bidirectional attention, keys or values
+    of another head dim than the pages' one (latent attention), and attention shapes or
+    kinds that transformers' ``per_layer_config`` varies by layer.
 
     Parameters
     ----------
@@ -121,23 +131,71 @@ def unsupported_features(config: object) -> list[str]:
         found.append(f"cross_attention_layers={list(text.cross_attention_layers)}")
     if getattr(text, "use_bidirectional_attention", False):
         found.append("use_bidirectional_attention=True (not causal)")
+    per_layer = _per_layer_settings(text)
+    found += per_layer + _head_dim_mismatches(text)
     blocks = getattr(text, "layers_block_type", None)  # Jamba-style hybrid layer lists
     if isinstance(blocks, list | tuple):
         found += [f"layers_block_type has {sum(b == kind for b in blocks)} {kind!r} layers"
                   for kind in sorted(set(map(str, blocks)) - {"attention"})]
     try:
-        layer_kinds(text)
+        if not per_layer:  # a window set per layer cannot be read globally
+            layer_kinds(text)
     except UnsupportedModelError as exc:
         found += exc.features
     return list(dict.fromkeys(found))
 
 
-def require_supported(config: object, who: str, features: Iterable[str] | None = None) -> None:
+def require_supported(config: object, who: str, features: Iterable[str] | None = None,
+                      note: str = "") -> None:
     """Raise `UnsupportedModelError` naming the model type and every setting in `features`
-    (default `unsupported_features(config)`); return when there is none."""
+    (default `unsupported_features(config)`), `note` appended to its message; return when
+    there is none."""
     found = list(unsupported_features(config) if features is None else features)
     if found:
-        raise UnsupportedModelError(_message(config, found, who), found)
+        raise UnsupportedModelError(_message(config, found, who) + note, found)
+
+
+def _per_layer_settings(text: object) -> list[str]:
+    """Settings transformers' ``per_layer_config`` gives other values on some layers (a
+    heterogeneous config, Gemma 4's): the pool holds one K/V shape for every layer and the
+    layer kinds are read from the global settings."""
+    if not getattr(text, "is_heterogeneous", False):
+        return []
+    layers = list(text.per_layer_config)
+    return [f"{name} varying by layer (per_layer_config)" for name in PER_LAYER_ATTENTION_SETTINGS
+            if len({repr(getattr(layer, name, None)) for layer in layers}) > 1]
+
+
+def _head_dim_mismatches(text: object) -> list[str]:
+    """Keys or values whose head dim is not the one head_dim the pages hold both in
+    (``head_dim``, else ``hidden_size // num_attention_heads``): multi-head latent attention
+    (DeepSeek V2 / V3: keys of ``qk_nope_head_dim + qk_rope_head_dim``, values of
+    ``v_head_dim``, from a ``kv_lora_rank`` latent) or a ``v_head_dim`` of its own."""
+    page_dim = _global(text, "head_dim") or _default_head_dim(text)
+    nope, rope = _global(text, "qk_nope_head_dim"), _global(text, "qk_rope_head_dim")
+    key_dim = _global(text, "qk_head_dim") or (nope or 0) + (rope or 0) or page_dim
+    value_dim = _global(text, "v_head_dim") or page_dim
+    rank = _global(text, "kv_lora_rank")
+    if not rank and key_dim == value_dim == page_dim:
+        return []
+    latent = f"multi-head latent attention (kv_lora_rank={rank}): " if rank else ""
+    return [f"{latent}keys of head dim {key_dim} and values of head dim {value_dim}, where "
+            f"paged_kv's pages hold keys and values of one head_dim ({page_dim})"]
+
+
+def _default_head_dim(text: object) -> int | None:
+    hidden, heads = _global(text, "hidden_size"), _global(text, "num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _global(config: object, name: str) -> object:
+    """``config.name``, None when unset or set per layer: a heterogeneous config raises
+    transformers' ``AmbiguousGlobalPerLayerAttributeError`` (a RuntimeError) on reading a
+    per-layer setting globally, and `_per_layer_settings` reports those."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:
+        return None
 
 
 def _kind_of_type(text: object, layer_type: str) -> LayerKind:
@@ -146,10 +204,14 @@ def _kind_of_type(text: object, layer_type: str) -> LayerKind:
         return LayerKind.full()
     name = "sliding_window" if attention == "sliding" else "attention_chunk_size"
     raw = getattr(text, name, None)
-    if raw is None or (attention == "sliding"
-                       and getattr(text, "use_sliding_window", True) is False):
-        # transformers' own mask builder fails on such a layer: never guess a span for it
+    if raw is None:  # transformers' own mask builder fails on such a layer
         _refuse(text, [f"{layer_type!r} layers with no {name}"])
+    if attention == "sliding" and getattr(text, "use_sliding_window", True) is False:
+        # the model contradicts itself: SmolLM3's mask still windows such a layer by
+        # sliding_window while its module passes no window (flash attention reads none),
+        # Qwen2-MoE's sliding_window=0 fails the mask builder; never guess which is meant
+        _refuse(text, [f"{layer_type!r} layers with use_sliding_window=False "
+                       f"(sliding_window={raw})"])
     span = window_of(text) if attention == "sliding" else _bites(text, raw)
     return LayerKind(attention, span) if span else LayerKind.full()
 

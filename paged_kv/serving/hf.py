@@ -16,7 +16,8 @@ import torch
 
 from ..cache import PagedKVCache
 from ..config import CacheConfig, LayerKind
-from ..integrations.hf_support import UnsupportedModelError, layer_kinds, require_supported
+from ..integrations.hf_architectures import require_served
+from ..integrations.hf_support import UnsupportedModelError, layer_kinds
 from ..page_table import StepBatch
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -88,8 +89,9 @@ class HFCausalLM(torch.nn.Module):
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        A decoder-only model whose attention modules dispatch through
-        ``config._attn_implementation`` (Llama, Mistral, Qwen2 and most others).
+        A decoder-only model of a model type the engine serves
+        (`paged_kv.integrations.hf_architectures.SERVED_MODEL_TYPES`: Llama, Mistral, Qwen2,
+        Gemma, gpt-oss and about a hundred others, each checked against ``generate``).
 
     Attributes
     ----------
@@ -101,14 +103,16 @@ class HFCausalLM(torch.nn.Module):
     ------
     UnsupportedModelError
         A ValueError: the model has layers paged_kv does not serve — linear (recurrent)
-        layers, cross-attention, an unknown layer type — and would be served wrong tokens
-        (see `paged_kv.integrations.hf_support`). Full, sliding-window and chunked layers,
-        attention sinks and soft-capped logits are served.
+        layers, cross-attention, an unknown layer type, keys and values of other head dims
+        (latent attention) — or is of a model type the engine does not serve, and would be
+        served wrong tokens or fail every step (see `paged_kv.integrations.hf_support` and
+        `hf_architectures`). Full, sliding-window and chunked layers, attention sinks and
+        soft-capped logits are served.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        require_supported(model.config, type(self).__name__)
+        require_served(model.config, type(self).__name__)
         self.layer_kinds = layer_kinds(model.config)
         _register()
         model.config._attn_implementation = ATTN_IMPLEMENTATION
@@ -132,7 +136,8 @@ class HFCausalLM(torch.nn.Module):
             `path` is not a local directory.
         UnsupportedModelError
             A ValueError: the config has layers paged_kv does not serve (linear layers,
-            cross-attention, an unknown layer type), checked before any weight is read.
+            cross-attention, an unknown layer type, latent attention) or a model type the
+            engine does not serve, checked before any weight is read.
         """
         from transformers import AutoModelForCausalLM
 
@@ -179,8 +184,9 @@ class HFCausalLM(torch.nn.Module):
 
 
 def check_checkpoint(path: str | Path) -> None:
-    """Refuse a local checkpoint whose config has layers paged_kv does not serve, reading
-    only its ``config.json`` (no weights).
+    """Refuse a local checkpoint whose config has layers paged_kv does not serve, or whose
+    model type the engine does not serve (`hf_architectures.require_served`), reading only
+    its ``config.json`` (no weights).
 
     Raises
     ------
@@ -190,7 +196,7 @@ def check_checkpoint(path: str | Path) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    require_supported(config, f"model {Path(path).name!r}")
+    require_served(config, f"model {Path(path).name!r}")
 
 
 def _eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
