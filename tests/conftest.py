@@ -59,3 +59,13 @@ def make_engine(model, num_blocks: int = 256, block_size: int = 16, num_host_blo
 
     return Engine(model, model.cache_config(num_blocks=num_blocks, block_size=block_size,
                                             num_host_blocks=num_host_blocks), **kwargs)
+
+
+def save_configs(tmp_path_factory, configs: dict) -> dict[str, Path]:
+    """Each ``name: (config, ...)`` of `configs` saved alone (``config.json``, no weights)
+    in a folder of its own: a refusal at load reads the config, never a weight."""
+    paths = {}
+    for name, (config, *_) in configs.items():
+        paths[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        config.save_pretrained(paths[name])
+    return paths

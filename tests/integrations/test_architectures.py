@@ -32,7 +32,7 @@ from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams  # noqa: E402
 from paged_kv.serving.hf import HFCausalLM  # noqa: E402
 
-from ..conftest import ROOT  # noqa: E402
+from ..conftest import ROOT, save_configs  # noqa: E402
 
 PROMPT_LEN, MAX_TOKENS, BLOCK_SIZE = 40, 6, 6
 # every field any served config class names for its size; each class takes those it has
@@ -167,11 +167,7 @@ REFUSED = sorted(_refused())
 @pytest.fixture(scope="module")
 def refused_checkpoints(tmp_path_factory):
     """Each refused config saved alone (``config.json``, no weights)."""
-    paths = {}
-    for name, (config, _) in _refused().items():
-        paths[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        config.save_pretrained(paths[name])
-    return paths
+    return save_configs(tmp_path_factory, _refused())
 
 
 @pytest.mark.parametrize("family", REFUSED)

@@ -28,6 +28,7 @@ from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 from paged_kv.serving import Engine, SamplingParams  # noqa: E402
 from paged_kv.serving.hf import HFCausalLM  # noqa: E402
 
+from ..conftest import save_configs  # noqa: E402
 from .conftest import prompt  # noqa: E402
 from .test_hybrid_models import COMMON, hybrid_configs, save_checkpoint  # noqa: E402
 
@@ -57,11 +58,7 @@ REFUSED = sorted(_refused())
 @pytest.fixture(scope="module")
 def refused_checkpoints(tmp_path_factory):
     """Each refused config saved alone: the refusal reads config.json, never the weights."""
-    paths = {}
-    for name, (config, _) in _refused().items():
-        paths[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        config.save_pretrained(paths[name])
-    return paths
+    return save_configs(tmp_path_factory, _refused())
 
 
 @pytest.mark.parametrize("name", REFUSED)
