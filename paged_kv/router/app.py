@@ -14,13 +14,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from ..server.http.graceful import GracefulServer
-from ..server.http.protocol import error_response
+from ..server.http.protocol import error_response, status_error
 from .proxy import Router, RouterError, forward_headers
 
 logger = logging.getLogger("paged_kv.router")
 
 CLIENT_GONE = 499  # nginx's "client closed request", as the replicas count it
-_ERROR_TYPES = {401: "authentication_error", 503: "server_error"}  # as the replicas type them
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -79,9 +78,8 @@ async def _forward(router: Router, request: Request, path: str) -> Response:
         response = await _unless_client_leaves(request, router.forward(
             path, body, forward_headers(dict(request.headers)), tenant))
     except RouterError as exc:
-        kind = _ERROR_TYPES.get(exc.status, "invalid_request_error")
-        response = error_response(exc.status, exc.message, type_=kind, param=exc.param,
-                                  headers=exc.headers)
+        response = status_error(exc.status, exc.message, param=exc.param,
+                                headers=exc.headers)
     except ClientDisconnect:  # gone while sending its body
         response = Response(status_code=CLIENT_GONE)
     router.requests.labels(endpoint=path, status=str(response.status_code)).inc()

@@ -120,6 +120,9 @@ def test_when_every_replica_is_busy_the_router_answers_429_with_their_retry_afte
             assert answer.status_code == 429, answer.text
             assert answer.headers["retry-after"] == "7"
             assert "busy" in answer.json()["error"]["message"]
+            # typed as the replicas type theirs (OpenAI's clients read a rate limit from it)
+            assert (answer.json()["error"]["type"], answer.json()["error"]["code"]) == (
+                "rate_limit_exceeded", "rate_limit_exceeded")
             assert [r.requests for r in replicas] == [1, 1]
             assert router.replicas.up() == router.replicas.replicas, "busy is not down"
             replicas[0].retry_after = "soon"  # nonsense: the router's own default

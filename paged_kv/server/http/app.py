@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.engine_client import EngineClient
 from .admin import router as admin_router
 from .dashboard import router as dashboard_router
-from .protocol import DEFAULT_LIMITS, InputLimits, error_response
+from .protocol import DEFAULT_LIMITS, InputLimits, error_response, status_error
 from .routes import router
 from .service import ApiError, OpenAIService
 
@@ -59,17 +59,8 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     return app
 
 
-# OpenAI's error types by status (a 429's code too: OpenAI's clients and dashboards read a
-# rate limit from it, not from invalid_request_error); any other status is a bad request
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 429: "rate_limit_exceeded", 503: "server_error"}
-_ERROR_CODES = {429: "rate_limit_exceeded"}
-
-
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers,
-                          type_=_ERROR_TYPES.get(exc.status, "invalid_request_error"),
-                          code=_ERROR_CODES.get(exc.status))
+    return status_error(exc.status, exc.message, param=exc.param, headers=exc.headers)
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -299,6 +299,22 @@ def bearer_tenant(api_keys: dict[str, str] | None, authorization: str) -> str | 
     return api_keys[key.strip()]
 
 
+# OpenAI's error types by status (a 429's code too: OpenAI's clients and dashboards read a
+# rate limit from it, not from invalid_request_error); any other status is a bad request.
+# One table for the server and the router, so a client reads both alike.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               429: "rate_limit_exceeded", 503: "server_error"}
+ERROR_CODES = {429: "rate_limit_exceeded"}
+
+
+def status_error(status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> JSONResponse:
+    """`error_response` typed (and coded) by `status` as OpenAI types it (`ERROR_TYPES`)."""
+    return error_response(status, message, param=param, headers=headers,
+                          type_=ERROR_TYPES.get(status, "invalid_request_error"),
+                          code=ERROR_CODES.get(status))
+
+
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
