@@ -45,7 +45,7 @@ def main() -> None:
     timed(Engine, "step", "step")
     timed(Scheduler, "schedule", "schedule")
     timed(Scheduler, "prepare", "prepare")
-    timed(engine_module, "_draw_rows", "sample")
+    timed(engine_module, "draw_rows", "sample")
     best = None
     for _ in range(args.repeats):
         spent.update(dict.fromkeys(spent, 0.0))

@@ -20,6 +20,7 @@ import time
 import zmq
 
 from ..keys import BlockEvent
+from ..parts import EnginePart
 from .config import KVEventsConfig
 from .replay import ReplayLimiter
 from .schema import MEDIUM_DEVICE, encode_batch, to_wire
@@ -31,8 +32,9 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 REQUESTS_PER_PASS = 32  # replay requests read between two batches: a flood waits its turn
 
 
-class EventPublisher:
-    """Publishes a cache's index events (see `paged_kv.events.schema` for the schema).
+class EventPublisher(EnginePart):
+    """Publishes a cache's index events (see `paged_kv.events.schema` for the schema); as an
+    engine's part, each step's (`after_step`).
 
     Parameters
     ----------
@@ -47,6 +49,8 @@ class EventPublisher:
     ValueError
         An endpoint that cannot be bound (in use, malformed), before any thread starts.
     """
+
+    wants_events = True
 
     def __init__(self, config: KVEventsConfig, *, block_size: int,
                  medium: str = MEDIUM_DEVICE) -> None:
@@ -99,6 +103,10 @@ class EventPublisher:
                 self._queue.put_nowait((seq, time.time(), events, medium or self.medium))
             except queue.Full:  # the sequence number is spent: subscribers see the gap
                 self.num_dropped += 1
+
+    def after_step(self, events: list[BlockEvent]) -> None:
+        """The engine's step's events: the index's changes, for routers."""
+        self.publish(events)
 
     def publish_tier(self, medium: str, stored: list[bytes], removed: list[bytes]) -> None:
         """A tier's change (`TierManager.watch`): blocks written to it, blocks it dropped.

@@ -12,7 +12,7 @@ by reason (`params.REASONS`), never silently.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .config import HandoffConfig, add_handoff_flags
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..cache import PagedKVCache
+    from ..parts import EnginePart
     from ..tiers.base import TierConfig
     from ..tiers.manager import TierManager
 
@@ -28,7 +29,7 @@ __all__ = ["HandoffConfig", "add_handoff_flags", "open_role", "open_tiers_and_ro
 
 def open_tiers_and_role(tiers: TierConfig | None, config: HandoffConfig | None,
                         cache: PagedKVCache, model: torch.nn.Module,
-                        ) -> tuple[TierManager | None, Any]:
+                        ) -> tuple[TierManager | None, EnginePart | None]:
     """An engine's tiers (`paged_kv.tiers.manager.open_tiers`; a decode engine always has
     them: its hand-offs come through their fetch path) and its hand-off role (`open_role`);
     the tiers are closed again when the role cannot start."""
@@ -44,7 +45,7 @@ def open_tiers_and_role(tiers: TierConfig | None, config: HandoffConfig | None,
 
 
 def open_role(config: HandoffConfig | None, cache: PagedKVCache, tiers: TierManager | None,
-              model: torch.nn.Module) -> Any:
+              model: torch.nn.Module) -> EnginePart | None:
     """The engine's hand-off role: a `prefill.PrefillRole` or a `peer.DecodeRole` (None for
     ``both``: no hand-off). Imported here, as they need the serve extra (pyzmq, msgspec).
     Its blocks' fingerprint is the tiers' (a decode engine always has tiers), else the

@@ -16,6 +16,7 @@ import zmq
 
 from ..cache import PagedKVCache
 from ..keys import block_keys, root_hash
+from ..parts import EnginePart
 from ..tiers import codec
 from ..tiers.base import Store
 from . import config as P
@@ -97,7 +98,7 @@ class PeerSource(Store):
         pass
 
 
-class DecodeRole:
+class DecodeRole(EnginePart):
     """Checks each request's parameters, heartbeats waiting ones' leases, settles fetches.
 
     Parameters

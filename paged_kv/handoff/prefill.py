@@ -16,6 +16,7 @@ import numpy as np
 from ..cache import PagedKVCache
 from ..hybrid.rules import group_key, skipped_blocks
 from ..keys import block_keys, encode_tokens, root_hash
+from ..parts import EnginePart
 from ..tiers import codec
 from .config import HandoffConfig
 from .lease import LeaseTable
@@ -27,7 +28,7 @@ MIB = 1 << 20
 logger = logging.getLogger("paged_kv.handoff")
 
 
-class PrefillRole:
+class PrefillRole(EnginePart):
     """Leases the pages of finished hand-off requests and serves them.
 
     Parameters

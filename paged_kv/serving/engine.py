@@ -15,16 +15,18 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..events import KVEventsConfig, open_publisher
 from ..handoff import HandoffConfig, open_tiers_and_role
+from ..parts import EnginePart
 from ..tiers import TierConfig
+from .draw import Sample, by_request, draw_rows
 from .errors import EngineDeadError
 from .limits import check_limits, check_request
 from .metrics import EngineMetrics
 from .outputs import EngineStats, RequestOutput, StepOutput
 from .request import Request, Sequence
 from .runner import ModelRunner, ModelStep, TensorParallelRunner
-from .sampling import SamplingParams, sample_generator, sample_rows, token_logprobs
+from .sampling import SamplingParams, sample_generator
 from .scheduler import Scheduler
-from .sizing import DEFAULT_MEMORY_FRACTION, cache_config_for_free_memory
+from .sizing import given_or_sized
 from .tenant_stats import tenant_blocks
 from .threads import ThreadGovernor, intra_op_threads
 
@@ -33,8 +35,6 @@ if TYPE_CHECKING:  # the hand-off needs the serve extra (pyzmq, msgspec): import
 
 logger = logging.getLogger(__name__)
 
-# one sampled token: its sequence, the token, its log-probabilities (when asked for)
-Sample = tuple[Sequence, int, dict[int, float] | None]
 
 
 class Engine:
@@ -97,11 +97,7 @@ class Engine:
                  num_threads: int | None = None, tensor_parallel_size: int = 1,
                  kv_tiers: TierConfig | None = None, kv_events: KVEventsConfig | None = None,
                  handoff: HandoffConfig | None = None) -> None:
-        if cache_config is not None and memory_fraction is not None:
-            raise ValueError("memory_fraction: give it or cache_config, not both")
-        if cache_config is None:
-            cache_config = cache_config_for_free_memory(
-                model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
+        cache_config = given_or_sized(model, cache_config, memory_fraction)
         check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
         _refuse_with_tensor_parallel(tensor_parallel_size, kv_tiers=kv_tiers is not None
                                      and kv_tiers.enabled, handoff=handoff is not None)
@@ -114,6 +110,7 @@ class Engine:
             model, cache_config, group = TensorParallelRunner.start(model, cache_config,
                                                                     tensor_parallel_size)
         self.tiers = self.handoff = None
+        self.parts: list[EnginePart] = []  # the optional parts, each hook called on each
         try:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
@@ -125,6 +122,7 @@ class Engine:
                                        preemption=preemption, tiers=self.tiers)
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
             self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
+            self.parts = [p for p in (self.tiers, self.events, self.handoff) if p is not None]
         except BaseException:
             self._close_parts(group)
             raise
@@ -138,7 +136,7 @@ class Engine:
         """Undo a constructor that failed part-way: no half-built engine leaves the group
         initialised, or the tiers' threads running and their disk directory locked (a retry
         in this process would be refused it)."""
-        for part in (self.tiers, self.handoff):
+        for part in (self.tiers, self.handoff):  # (the publisher is opened last)
             if part is not None:
                 part.close()
         if group is not None:
@@ -188,9 +186,11 @@ class Engine:
         self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
         self._requests[request.request_id] = request
         self._next_id += 1
-        error = None if self.handoff is None else self.handoff.admit(request, handoff)
-        if error is not None:
-            self.abort(request.request_id, error=error)
+        for part in self.parts:
+            error = part.admit(request, handoff)
+            if error is not None:
+                self.abort(request.request_id, error=error)
+                break
         return request.request_id
 
     def flush_tenant(self, tenant: str, *, retention_only: bool = False) -> int:
@@ -213,8 +213,8 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        if self.handoff is not None:
-            self.handoff.forget(request)
+        for part in self.parts:
+            part.forget(request)
         self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
         return True
 
@@ -278,8 +278,8 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if self.handoff is not None:  # heartbeats; hand-offs the `fail` policy fails
-            for request_id, error in self.handoff.tick(self.scheduler):
+        for part in self.parts:  # e.g. heartbeats; hand-offs the `fail` policy fails
+            for request_id, error in part.tick(self.scheduler):
                 self.abort(request_id, error=error)
         if not plan:
             if self.scheduler.loading:  # only fetches to wait for: let their thread run
@@ -289,16 +289,16 @@ class Engine:
         samples, finished = self._sample(step), []
         for sample in samples:  # each sample's output streams as soon as it is updated
             done = self.scheduler.update_from_output([sample], self.eos_token_ids)
-            for request in done if self.handoff is not None else ():  # a prefill's lease
-                self.handoff.finished(request)  # (before its last output is emitted)
+            for part in self.parts if done else ():  # e.g. a prefill's lease, before
+                for request in done:  # the request's last output is emitted
+                    part.finished(request)
             finished += done
             self._emit(sample[0], [sample[1]])
-        if self.tiers is not None or self.events is not None:
+        watching = [part for part in self.parts if part.wants_events]
+        if watching:  # e.g. the blocks this step wrote, copied out; the index's changes
             events = self.cache.take_events()
-            if self.tiers is not None:  # the blocks this step wrote, copied out
-                self.tiers.after_step(events)
-            if self.events is not None:  # the index's changes, for routers
-                self.events.publish(events)
+            for part in watching:
+                part.after_step(events)
         self.metrics.after_step(self.stats, len(samples))
         return [request.output(request.finish_time) for request in finished
                 if self._requests.pop(request.request_id, None)]
@@ -311,13 +311,14 @@ class Engine:
             batch = self.scheduler.prepare(plan)
             start = time.perf_counter()
             step = self.runner.run(plan, batch)  # on an error it gave the slots back
-            if self.tiers is not None:  # the recompute rate a fetch must beat
-                self.tiers.observe_prefill(batch.num_tokens, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            for part in self.parts:  # e.g. the recompute rate a fetch must beat
+                part.observe_prefill(batch.num_tokens, seconds)
         except EngineDeadError as exc:  # the runner cannot go on (a rank died, or is behind)
             self._dead = f"{exc}; restart the engine"
             raise
         except Exception as exc:
-            parts = _by_request(plan)
+            parts = by_request(plan)
             if len(parts) == 1:
                 self._fail(plan, f"the model failed on this step: {exc!r}")
                 return []
@@ -337,9 +338,9 @@ class Engine:
         fails, request by request, failing only the requests whose own call fails."""
         states = [(t.generator, t.generator.get_state()) for _, t in targets if t.generator]
         try:
-            return _draw_rows(logits, targets)
+            return draw_rows(logits, targets)
         except Exception as exc:
-            parts = _by_request({target: row for row, target in targets})
+            parts = by_request({target: row for row, target in targets})
             if len(parts) == 1:
                 self._fail([t for _, t in targets], f"sampling failed on this step: {exc!r}")
                 return []
@@ -403,9 +404,8 @@ class Engine:
         (`step` raises `EngineDeadError`)."""
         self._dead = self._dead or "the engine was closed"
         self.runner.close()
-        for part in (self.tiers, self.events, self.handoff):
-            if part is not None:
-                part.close()
+        for part in self.parts:
+            part.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -438,7 +438,7 @@ class Engine:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""
         self.metrics.observe(self.stats(), 0)
         text = self.metrics.text(self.cache)
-        return text if self.handoff is None else text + self.handoff.text()
+        return text + "".join(part.text() for part in self.parts)
 
 
 def _refuse_with_tensor_parallel(tensor_parallel_size: int, **parts: bool) -> None:
@@ -446,28 +446,3 @@ def _refuse_with_tensor_parallel(tensor_parallel_size: int, **parts: bool) -> No
     for name, on in parts.items():
         if on and tensor_parallel_size != 1:
             raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet")
-
-
-def _draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:
-    """One batched `sample_rows` call over `targets` (row of `logits`, sample), with each
-    token's log-probabilities when its request asks for them."""
-    if not targets:
-        return []
-    rows = [row for row, _ in targets]
-    # every row once, in order: the common case needs no copy
-    drawn = (logits if rows == list(range(len(logits)))
-             else logits.index_select(0, torch.tensor(rows)))
-    picked = sample_rows(drawn, [t.request.params for _, t in targets],
-                         [t.generator for _, t in targets])
-    return [(seq, token, None if seq.request.params.logprobs is None else
-             token_logprobs(logits[row], token, seq.request.params.logprobs))
-            for (row, seq), token in zip(targets, picked, strict=True)]
-
-
-def _by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
-    """`plan` (samples to token counts or logits rows) cut into one part per request (a
-    request's samples stay together), in order."""
-    parts: dict[int, dict[Sequence, int]] = {}
-    for seq, n in plan.items():
-        parts.setdefault(seq.request.request_id, {})[seq] = n
-    return list(parts.values())

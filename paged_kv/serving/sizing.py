@@ -155,3 +155,22 @@ def pool_config(model: torch.nn.Module, *, block_size: int, memory_mib: float,
                                 num_host_blocks=num_blocks if preemption == "swap" else 0,
                                 kv_cache_dtype=kv_cache_dtype)
     return config, budget
+
+
+def given_or_sized(model: torch.nn.Module, cache_config: CacheConfig | None,
+                   memory_fraction: float | None) -> CacheConfig:
+    """The engine's cache config: `cache_config` as given, or (None) sized from
+    `memory_fraction` of the free memory (`cache_config_for_free_memory`; default
+    `DEFAULT_MEMORY_FRACTION`).
+
+    Raises
+    ------
+    ValueError
+        When both are given.
+    """
+    if cache_config is not None and memory_fraction is not None:
+        raise ValueError("memory_fraction: give it or cache_config, not both")
+    if cache_config is not None:
+        return cache_config
+    return cache_config_for_free_memory(
+        model, DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)

@@ -31,6 +31,7 @@ import torch
 from ..cache import PagedKVCache
 from ..keys import root_hash
 from ..offload import stored_blocks
+from ..parts import EnginePart
 from ..tenants.policy import TenantPolicy
 from . import codec
 from .base import Store, TierConfig
@@ -73,8 +74,10 @@ class TiersStats:
     recent_fetch_seconds: tuple[float, ...]  # the last (up to 256) fetches' durations
 
 
-class TierManager:
-    """The tiers behind one cache (one process, tensor parallelism refused by the engine).
+class TierManager(EnginePart):
+    """The tiers behind one cache (one process, tensor parallelism refused by the engine);
+    an engine's part (the step's written blocks copied out, `after_step`; the recompute
+    rate, `observe_prefill`), and its scheduler's source of fetches.
 
     Parameters
     ----------
@@ -89,6 +92,8 @@ class TierManager:
         the cache's tenant ledger (``CacheConfig.tenants``), whose ``tenant_of`` names each
         stored block's tenant. None and no ledger: each store's own LRU, as ever.
     """
+
+    wants_events = True
 
     def __init__(self, config: TierConfig, cache: PagedKVCache,
                  fingerprint: codec.Fingerprint, tenants: TenantPolicy | None = None) -> None:

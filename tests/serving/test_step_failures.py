@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from paged_kv.serving import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
-from paged_kv.serving import engine as engine_module
+from paged_kv.serving import draw as draw_module
 
 from ..conftest import make_engine
 from .conftest import prompt
@@ -110,7 +110,7 @@ def test_a_sampling_error_fails_only_its_request(model, monkeypatch):
     good = [(prompt(10, 6, VOCAB), seeded), (prompt(17, 7, VOCAB), GREEDY),
             (prompt(4, 8, VOCAB), seeded)]
     want = [alone(model, p, params) for p, params in good]
-    real = engine_module.sample_rows
+    real = draw_module.sample_rows
 
     def sample_rows(logits, params, generators):
         tokens = real(logits, params, generators)  # draws first: the retry must undo it
@@ -118,7 +118,7 @@ def test_a_sampling_error_fails_only_its_request(model, monkeypatch):
             raise RuntimeError("sampling blew up")
         return tokens
 
-    monkeypatch.setattr(engine_module, "sample_rows", sample_rows)
+    monkeypatch.setattr(draw_module, "sample_rows", sample_rows)
     engine = make_engine(model, **POOL)
     streams = run(engine, {0: good[:2], 1: [(prompt(8, 9, VOCAB), culprit)], 2: good[2:]})
     _, reason, error = final(streams[2])
