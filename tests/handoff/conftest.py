@@ -205,21 +205,13 @@ class PrefillProxy:
         self._thread.join(10)
 
 
-class PeerProxy:
-    """A ZMQ ROUTER in front of a prefill engine's page server (`target`) that forwards
-    every message, except that a ``get`` is held (``hold``: never answered), answered
-    late (``delay`` seconds) or answered with its second value's last byte flipped
-    (``tamper``). `verbs` records what came, `gets` is set at the first ``get``."""
+class ZmqPeer:
+    """A ZMQ ROUTER on a free 127.0.0.1 port served by a thread running `_loop` (a
+    subclass's) until `close`: what stands where a prefill engine's page server would."""
 
-    def __init__(self, mode: str, delay: float = 0.0) -> None:
+    def __init__(self) -> None:
         import zmq
 
-        from paged_kv.handoff.server import call
-
-        self.mode, self.delay, self.target = mode, delay, ""
-        self.verbs: list[bytes] = []
-        self.gets = threading.Event()
-        self._zmq, self._call = zmq, call
         self._context = zmq.Context()
         self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -227,6 +219,31 @@ class PeerProxy:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close()
+        self._context.term()
+
+
+class PeerProxy(ZmqPeer):
+    """A ZMQ ROUTER in front of a prefill engine's page server (`target`) that forwards
+    every message, except that a ``get`` is held (``hold``: never answered), answered
+    late (``delay`` seconds) or answered with its second value's last byte flipped
+    (``tamper``). `verbs` records what came, `gets` is set at the first ``get``."""
+
+    def __init__(self, mode: str, delay: float = 0.0) -> None:
+        from paged_kv.handoff.server import call
+
+        self.mode, self.delay, self.target = mode, delay, ""
+        self.verbs: list[bytes] = []
+        self.gets = threading.Event()
+        self._call = call
+        super().__init__()
 
     def _loop(self) -> None:
         late: list[tuple[float, list[bytes]]] = []
@@ -245,7 +262,6 @@ class PeerProxy:
             for item in [x for x in late if x[0] <= time.monotonic()]:
                 late.remove(item)
                 self._forward(item[1])
-        self._sock.close()
 
     def _forward(self, frames: list[bytes], tamper: bool = False) -> None:
         answer = self._call(self._context, self.target, frames[1:], 2.0)
@@ -256,11 +272,6 @@ class PeerProxy:
             value[-1] ^= 0xFF
             answer[3] = bytes(value)
         self._sock.send_multipart([frames[0], *answer])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self._context.term()
 
 
 @contextlib.contextmanager

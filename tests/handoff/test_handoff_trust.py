@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import threading
 import time
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 from ..server.test_server import httpx, make_prompt, metric, running_server
-from .conftest import HANDOFF_SECRET, post_as_router, signed
+from .conftest import HANDOFF_SECRET, ZmqPeer, post_as_router, signed
 
 zmq = pytest.importorskip("zmq")
 
@@ -44,19 +43,13 @@ def engines(tmp_path_factory):
         yield prefill, dec, both
 
 
-class Listener:
+class Listener(ZmqPeer):
     """A ZMQ ROUTER that records every message and answers ``ok`` (an attacker's);
     `answer` says what it sends back."""
 
     def __init__(self) -> None:
         self.frames: list[list[bytes]] = []
-        self._context = zmq.Context()
-        self._sock = self._context.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        super().__init__()
 
     def answer(self, frames: list[bytes]) -> list[bytes]:
         return [b"ok"]
@@ -67,12 +60,6 @@ class Listener:
                 frames = self._sock.recv_multipart()
                 self.frames.append(frames[1:])
                 self._sock.send_multipart([frames[0], *self.answer(frames[1:])])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-        self._context.term()
 
 
 @contextlib.contextmanager
