@@ -120,6 +120,12 @@ class PagedKVCache(LayerAccess):
         """The K/V tensors."""
         return self._pool
 
+    @property
+    def groups(self) -> tuple:
+        """A hybrid layout's layer groups, the leading one first (`paged_kv.hybrid`); none
+        for a uniform layout, whose one group is the cache itself."""
+        return ()
+
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
 
@@ -516,5 +522,5 @@ def snapshot(cache: PagedKVCache) -> tuple:
     host = None if cache._swap is None else cache._swap.snapshot()
     # a hybrid layout's every layer group: its rows, and the blocks its window gave back
     groups = tuple((g.tables.snapshot(), g.released.tobytes())
-                   for g in getattr(cache, "groups", ()))
+                   for g in cache.groups)
     return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors, groups

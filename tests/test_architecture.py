@@ -131,7 +131,21 @@ def test_no_import_cycle():
 
 def test_facade_surface():
     public = [n for n, _ in inspect.getmembers(PagedKVCache) if not n.startswith("_")]
-    assert len(public) <= 24, f"PagedKVCache has {len(public)} public names: {public}"
+    # 25: `groups` (a hybrid layout's layer groups, () for a uniform one) replaced probing
+    assert len(public) <= 25, f"PagedKVCache has {len(public)} public names: {public}"
+
+
+def test_no_module_probes_the_cache_for_groups():
+    """`PagedKVCache.groups` is always there (empty for a uniform layout): a module that
+    probes for it (``getattr(cache, "groups", ...)``, ``hasattr``) reads a layout the
+    facade already states."""
+    probes = [f"{_name(path)}:{node.lineno}" for path in MODULES
+              for node in ast.walk(_tree(path))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr",
+                                                                                 "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value == "groups"]
+    assert not probes, f"probing for the cache's groups: {probes}"
 
 
 # other libraries' names that start with an underscore: transformers' attributes the

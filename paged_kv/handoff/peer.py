@@ -123,7 +123,7 @@ class DecodeRole(EnginePart):
     def admit(self, request: Any, handoff: HandoffParams | None) -> str | None:
         """Give `request` its `PeerSource`, or fall back: the error message when the
         policy fails it (the engine fails the request), else None."""
-        lacks = handoff.lacks(len(getattr(self.cache, "groups", ()))) if handoff else []
+        lacks = handoff.lacks(len(self.cache.groups)) if handoff else []
         if handoff is None or not handoff.do_remote_prefill or lacks:
             detail = ("no kv_transfer_params" if handoff is None or not handoff.do_remote_prefill
                       else f"kv_transfer_params lacks {', '.join(lacks)}")

@@ -90,7 +90,7 @@ class PrefillRole(EnginePart):
         prompt of whole blocks leases all but its last; a hybrid layout's fetch asks
         each other group for the blocks a hit at the leading run's end reads
         (`_group_run`)."""
-        size, groups = self.cache.config.block_size, getattr(self.cache, "groups", ())
+        size, groups = self.cache.config.block_size, self.cache.groups
         tokens = np.asarray(prompt, dtype=np.int64)
         keys = block_keys(tokens, size, root_hash(salt))[:(len(prompt) - 1) // size]
         ids = self._run(keys, tokens, size)
