@@ -7,7 +7,6 @@ leading group's blocks and each other group's under its `group_key`s.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -25,7 +24,6 @@ from .server import HandoffServer
 from .trust import HandoffTrust
 
 MIB = 1 << 20
-logger = logging.getLogger("paged_kv.handoff")
 
 
 class PrefillRole(EnginePart):

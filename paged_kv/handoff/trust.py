@@ -142,7 +142,10 @@ class HandoffTrust:
     def router_header(self, body: bytes, now: float | None = None) -> str:
         """The value of `HEADER` for a body the router sends to a role engine."""
         stamp = str(int(time.time() if now is None else now))
-        return f"{stamp}:{self._mac('router', [stamp.encode(), body]).hex()}"
+        return f"{stamp}:{self._router_mac(stamp, body)}"
+
+    def _router_mac(self, stamp: str, body: bytes) -> str:
+        return self._mac("router", [stamp.encode(), body]).hex()
 
     def router_error(self, header: str | None, body: bytes,
                      now: float | None = None) -> str | None:
@@ -157,7 +160,6 @@ class HandoffTrust:
         if skew > MAX_SKEW_S:
             return f"{HEADER}: signed {skew:.0f} s from now, past {MAX_SKEW_S:.0f} s " \
                    f"(a replay, or the clocks of router and engine disagree)"
-        expected = self._mac("router", [stamp.encode(), body]).hex()
-        if not hmac.compare_digest(expected, mac):
+        if not hmac.compare_digest(self._router_mac(stamp, body), mac):
             return f"{HEADER}: the signature does not match this engine's hand-off secret"
         return None

@@ -62,54 +62,10 @@ def default_capacity(num_blocks: int) -> int:
     return min(4 * num_blocks, MAX_ENTRIES)
 
 
-class GhostList:
-    """Bounded memory of evicted keys and of parents of indexed blocks (see the module)."""
-
-    def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity: expected an int >= 0, got {capacity!r}")
-        self.capacity = capacity
-        # (newer, older) generations of each map; a lookup tries the newer first
-        self._evicted: tuple[dict[bytes, tuple], dict[bytes, tuple]] = ({}, {})
-        self._parents: tuple[dict[bytes, None], dict[bytes, None]] = ({}, {})
-
-    def __len__(self) -> int:
-        return sum(map(len, self._evicted + self._parents))
-
-    def evicted(self, keys: list[bytes], tier: str, pressure: str,
-                by: str | None = None) -> None:
-        """Remember `keys` as evicted from `tier` under `pressure` (by tenant `by`); a key
-        evicted again is remembered with its newest entry."""
-        if self.capacity and keys:
-            self._evicted = _stored(self._evicted, dict.fromkeys(keys, (tier, pressure, by)),
-                                    self.capacity)
-
-    def seen(self, parents: list[bytes]) -> None:
-        """Remember that blocks chaining from `parents` were indexed."""
-        if self.capacity and parents:
-            self._parents = _stored(self._parents, dict.fromkeys(parents), self.capacity)
-
-    def miss(self, key: bytes, parent: bytes, block: int, *, first: bool = False) -> Miss:
-        """Why the block `key` (chaining from `parent`, index `block` of its prompt) is not
-        cached. `first`: it is the prompt's first block, whose parent is the tenant's root
-        (every prompt of the tenant chains from it, so no block diverges from another)."""
-        entry = self.entry(key)
-        if entry is not None:
-            return Miss("evicted", block, *entry)
-        if not first and (parent in self._parents[0] or parent in self._parents[1]):
-            return Miss("diverged", block)
-        return Miss("cold", block)
-
-    def entry(self, key: bytes) -> tuple | None:
-        """``(tier, pressure, by)`` of `key` if remembered as evicted."""
-        newer, older = self._evicted
-        entry = newer.get(key)
-        return entry if entry is not None else older.get(key)
-
-
 class KeyMemory:
-    """A map of keys to values bounded by `capacity` entries, kept as `GhostList`'s maps
-    are (two generations): it remembers at least the newest half of its capacity.
+    """A map of keys to values bounded by `capacity` entries, in two generations of plain
+    dicts (`_stored`): it remembers at least the newest half of its capacity. `GhostList`'s
+    two maps are two of these.
 
     Examples
     --------
@@ -129,11 +85,58 @@ class KeyMemory:
         if self.capacity and entries:
             self._maps = _stored(self._maps, entries, self.capacity)
 
+    def __len__(self) -> int:
+        return len(self._maps[0]) + len(self._maps[1])
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._maps[0] or key in self._maps[1]
+
     def get(self, key: bytes, default: object = None) -> object:
         """The value remembered for `key`, else `default`."""
         newer, older = self._maps
         value = newer.get(key, _MISSING)
         return value if value is not _MISSING else older.get(key, default)
+
+
+class GhostList:
+    """Bounded memory of evicted keys and of parents of indexed blocks (see the module)."""
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity: expected an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self._evicted = KeyMemory(capacity)  # key -> (tier, pressure, by)
+        self._parents = KeyMemory(capacity)  # parent key -> None
+
+    def __len__(self) -> int:
+        return len(self._evicted) + len(self._parents)
+
+    def evicted(self, keys: list[bytes], tier: str, pressure: str,
+                by: str | None = None) -> None:
+        """Remember `keys` as evicted from `tier` under `pressure` (by tenant `by`); a key
+        evicted again is remembered with its newest entry."""
+        if self.capacity and keys:
+            self._evicted.update(dict.fromkeys(keys, (tier, pressure, by)))
+
+    def seen(self, parents: list[bytes]) -> None:
+        """Remember that blocks chaining from `parents` were indexed."""
+        if self.capacity and parents:
+            self._parents.update(dict.fromkeys(parents))
+
+    def miss(self, key: bytes, parent: bytes, block: int, *, first: bool = False) -> Miss:
+        """Why the block `key` (chaining from `parent`, index `block` of its prompt) is not
+        cached. `first`: it is the prompt's first block, whose parent is the tenant's root
+        (every prompt of the tenant chains from it, so no block diverges from another)."""
+        entry = self.entry(key)
+        if entry is not None:
+            return Miss("evicted", block, *entry)
+        if not first and parent in self._parents:
+            return Miss("diverged", block)
+        return Miss("cold", block)
+
+    def entry(self, key: bytes) -> tuple | None:
+        """``(tier, pressure, by)`` of `key` if remembered as evicted."""
+        return self._evicted.get(key)
 
 
 def _stored(generations: tuple[dict, dict], entries: dict, capacity: int,
