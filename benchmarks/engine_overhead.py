@@ -15,10 +15,10 @@ import time
 import torch
 
 from paged_kv.demo.run import run_demo
-from paged_kv.serving import engine as engine_module
-from paged_kv.serving.engine import Engine
-from paged_kv.serving.model import TinyLlama
-from paged_kv.serving.scheduler import Scheduler
+from paged_kv.engine import engine as engine_module
+from paged_kv.engine.engine import Engine
+from paged_kv.engine.model import TinyLlama
+from paged_kv.engine.scheduler import Scheduler
 
 PARTS = ("schedule", "prepare", "sample")
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama
 from paged_kv.events import KVEventsConfig
-from paged_kv.serving import Engine, SamplingParams, TinyLlama
 
 
 def _run(model: TinyLlama, prompts: list[list[int]], events: bool) -> tuple[float, int]:

@@ -11,7 +11,7 @@ from paged_kv.bench.workloads.serving import SLABS, serve
 
 pytest.importorskip("prometheus_client")
 
-from paged_kv.serving import TinyLlama, TinyLlamaConfig
+from paged_kv.engine import TinyLlama, TinyLlamaConfig
 
 MODEL = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=128))
 REQUESTS = scale_trace(make_trace(TraceSpec(num_requests=32), seed=0), 16,

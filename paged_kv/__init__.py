@@ -7,16 +7,16 @@ Three owners, composed by `PagedKVCache`:
 - `KVPool` owns the tensors: one ``[layers, 2, blocks, block_size, heads, head_dim]`` buffer.
 """
 
-from .accounting import CacheStats, SequenceStats
-from .allocator import BlockAllocator
-from .cache import PagedKVCache
 from .config import CacheConfig, LayerKind
+from .core.accounting import CacheStats, SequenceStats
+from .core.allocator import BlockAllocator
+from .core.batch import StepBatch
+from .core.cache import PagedKVCache
+from .core.groups import HybridKVCache
+from .core.page_table import PageTables
+from .core.pool import KVPool
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
-from .hybrid import HybridKVCache
 from .keys import BlockEvent
-from .page_table import PageTables
-from .pool import KVPool
-from .step.batch import StepBatch
 
 __all__ = [
     "BlockAllocator",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .accounting import CacheStats
 from .bench.cli import add_bench_parser
 from .config import KV_CACHE_DTYPES, CacheConfig
+from .core.accounting import CacheStats
 from .demo.synthetic import run_synthetic
 from .handoff import add_handoff_flags
 from .router.cli import add_route_parser
@@ -72,7 +72,7 @@ def _demo(args: argparse.Namespace) -> int:
         return _synthetic_demo(args)
     from .demo.report import format_report
     from .demo.run import run_demo
-    from .serving import TinyLlamaConfig
+    from .engine import TinyLlamaConfig
 
     model_config = TinyLlamaConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                    num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
@@ -80,7 +80,7 @@ def _demo(args: argparse.Namespace) -> int:
                                    intermediate_size=2 * args.hidden_size)
     model = None
     if args.model is not None:
-        from .serving.hf import HFCausalLM
+        from .engine.hf import HFCausalLM
 
         model = HFCausalLM.from_pretrained(args.model)
     report = run_demo(model=model, num_requests=args.num_requests, block_size=args.block_size,
@@ -152,7 +152,7 @@ def _model_dir(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory (a local Hugging Face "
                                          "checkpoint: config.json and weights)")
     try:  # refuse a model the kernels would serve wrong tokens, before anything starts
-        from .serving.hf import UnsupportedModelError, check_checkpoint
+        from .engine.hf import UnsupportedModelError, check_checkpoint
     except ImportError:  # no hf extra: loading the model says so
         return text
     try:
@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``paged-kv`` command line; returns the exit code."""
     if int(os.environ.get("RANK", "0")) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # a torchrun rank other than 0: serve rank 0's tensor-parallel plans until it stops
-        from .serving.parallel import torchrun_worker
+        from .engine.parallel import torchrun_worker
 
         torchrun_worker()
         return 0

@@ -21,7 +21,7 @@ def tiny_config(**overrides) -> CacheConfig:
 
 
 def assert_same_snapshot(before: tuple, after: tuple, what: str = "") -> None:
-    """Compare two `paged_kv.cache.snapshot(cache)` values, tensors by exact equality."""
+    """Compare two `paged_kv.core.cache.snapshot(cache)` values, tensors by exact equality."""
     assert len(before) == len(after)
     for i, (a, b) in enumerate(zip(before, after, strict=True)):
         if isinstance(a, tuple) and any(isinstance(x, torch.Tensor) for x in a):
@@ -55,7 +55,7 @@ def prometheus_value(text: str, name: str, labels: str = "") -> float:
 def make_engine(model, num_blocks: int = 256, block_size: int = 16, num_host_blocks: int = 0,
                 **kwargs):
     """An `Engine` over `model` with a pool of `num_blocks` (and a host pool for swap)."""
-    from paged_kv.serving import Engine
+    from paged_kv.engine import Engine
 
     return Engine(model, model.cache_config(num_blocks=num_blocks, block_size=block_size,
                                             num_host_blocks=num_host_blocks), **kwargs)

@@ -185,9 +185,9 @@ def _private_names(tree: ast.Module) -> set[str]:
 
 
 # -- the facade's rule: the owners it exposes are read outside the core, never mutated --------
-# The core: the facade, the owners and the step, which change the owners by design.
-CORE = {"paged_kv.cache", "paged_kv.allocator", "paged_kv.page_table", "paged_kv.pool",
-        "paged_kv.swap", "paged_kv.offload", "paged_kv.accounting"}
+# The core is the package `paged_kv.core`: the facade, the owners, the step and the layer
+# groups, which change the owners by design.
+CORE = "paged_kv.core"
 # the owners' public methods that only read; every other public method is a mutator, so a
 # new one is caught without this list changing
 OWNER_QUERIES = {
@@ -212,9 +212,7 @@ def _owner_mutators() -> dict[str, set[str]]:
 
 
 def _is_core(module: str) -> bool:
-    # the step and the hybrid layout (a facade of several layer groups' owners) are core
-    return module in CORE or any(module == package or module.startswith(f"{package}.")
-                                 for package in ("paged_kv.step", "paged_kv.hybrid"))
+    return module == CORE or module.startswith(f"{CORE}.")
 
 
 def owner_mutations(tree: ast.Module, mutators: dict[str, set[str]]) -> list[str]:
@@ -266,3 +264,44 @@ def test_owner_mutation_check_finds_direct_and_aliased_calls():
     found = owner_mutations(ast.parse(source), _owner_mutators())
     assert found == ["3: self.cache.allocator.take_events", "5: allocator.free",
                      "7: tables.plan_decode"]
+
+
+# -- floors: each package imports only from its own floor or the ones below ----------------
+# (the longest prefix names a module's floor; docs/architecture.md draws them)
+FLOORS = {
+    # 0, the base: shapes, errors, keys, kernels, policies and the parts' interface
+    "paged_kv.errors": 0, "paged_kv.config": 0, "paged_kv.keys": 0, "paged_kv._checks": 0,
+    "paged_kv.kernels": 0, "paged_kv.tenants": 0, "paged_kv.parts": 0,
+    # 1-4, the cache core: owners, then the step over them, then layer groups, then the facade
+    "paged_kv.core": 1, "paged_kv.core.step": 2, "paged_kv.core.groups": 3,
+    "paged_kv.core.cache": 4,
+    # 5, what sits on the cache: tiers, KV events, the hand-off, the transformers integration
+    "paged_kv.tiers": 5, "paged_kv.events": 5, "paged_kv.handoff": 5, "paged_kv.integrations": 5,
+    # 6, the engine (scheduler, runner, model, its process and clients); 7, the HTTP server
+    "paged_kv.engine": 6, "paged_kv.server": 7,
+    # 8, the router over servers; 9, the tools and the package's own re-exports
+    "paged_kv.router": 8, "paged_kv.bench": 9, "paged_kv.demo": 9, "paged_kv.cli": 9,
+    "paged_kv": 9,
+}
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in FLOORS:
+            return FLOORS[".".join(parts[:end])]
+    raise AssertionError(f"{module} has no floor: add it to FLOORS")
+
+
+def test_no_import_runs_back_up():
+    """A module imports from its own floor or lower ones: the core never reaches the engine,
+    the engine never the HTTP server, an owner never the step that drives it."""
+    packages = {_name(p) for p in MODULES if p.name == "__init__.py"}
+    up = [f"{_name(path)} -> {dep}" for path in MODULES for dep in _imports(path)
+          if dep not in packages and floor_of(dep) > floor_of(_name(path))]
+    assert not up, f"imports from a higher floor: {up}"
+
+
+def test_every_floor_is_named():
+    assert all(floor_of(_name(path)) >= 0 for path in MODULES)
+    assert floor_of("paged_kv.core.step.plan") == 2 and floor_of("paged_kv.core.allocator") == 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..accounting import CacheStats
-from ..serving.engine import Engine
+from ..core.accounting import CacheStats
+from ..engine.engine import Engine
 from ..tiers.manager import TiersStats
 
 

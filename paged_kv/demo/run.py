@@ -8,11 +8,11 @@ import time
 import numpy as np
 import torch
 
-from ..accounting import CacheStats
-from ..serving.engine import Engine
-from ..serving.model import TinyLlama, TinyLlamaConfig
-from ..serving.sampling import SamplingParams
-from ..serving.sizing import pool_config
+from ..core.accounting import CacheStats
+from ..engine.engine import Engine
+from ..engine.model import TinyLlama, TinyLlamaConfig
+from ..engine.sampling import SamplingParams
+from ..engine.sizing import pool_config
 from ..tiers import TierConfig
 from .report import make_report, tiers_report
 from .workload import make_workload

@@ -12,10 +12,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..accounting import CacheStats
 from ..bench.trace import LognormalLengths, PromptSource, PromptSpec, UniformLengths
-from ..cache import PagedKVCache
 from ..config import CacheConfig
+from ..core.accounting import CacheStats
+from ..core.cache import PagedKVCache
 from ..errors import OutOfBlocksError
 
 # prompts of 1 + lognormal(5, 0.8) tokens (median ~150, at most 2049) after the system

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..serving.sampling import SamplingParams
+from ..engine.sampling import SamplingParams
 
 
 def make_workload(num_requests: int, *, vocab_size: int, seed: int = 0,

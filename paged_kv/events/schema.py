@@ -10,7 +10,7 @@ vLLM omits defaults); an event is an array whose first item is its type name:
 - ``["AllBlocksCleared"]``.
 
 Hashes are this cache's 32-byte chained sha256 keys (tenant salt at the root), as bytes.
-A hybrid layout (layers of several kinds: `paged_kv.hybrid`) indexes each further layer
+A hybrid layout (layers of several kinds: `paged_kv.core.groups`) indexes each further layer
 group's blocks under the same key with the group's number appended as a 33rd byte, so a
 consumer tells a window group's blocks (gone from its window, or evicted on their own)
 from the leading group's: a prompt hits only as far as every group still holds it.

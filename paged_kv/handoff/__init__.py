@@ -19,7 +19,7 @@ from .config import HandoffConfig, add_handoff_flags
 if TYPE_CHECKING:
     import torch
 
-    from ..cache import PagedKVCache
+    from ..core.cache import PagedKVCache
     from ..parts import EnginePart
     from ..tiers.base import TierConfig
     from ..tiers.manager import TierManager

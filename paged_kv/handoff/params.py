@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from ..hybrid.rules import group_key
+from ..core.groups.rules import group_key
 
 _HEX = re.compile(r"^[0-9a-f]+$")
 # a host name, an IPv4 address or a bracketed IPv6 one, and a port: what ZMQ can connect to
@@ -36,8 +36,8 @@ class HandoffParams(msgspec.Struct, omit_defaults=True):
 
     ``block_keys`` are the leading layer group's keys (the chained keys of the prompt's
     full blocks: what the decode engine checks against its own, tenant salt included).
-    A hybrid layout (layer groups, `paged_kv.hybrid`) leases each other group's blocks
-    too, under their `paged_kv.hybrid.rules.group_key`: ``group_starts[i - 1]`` is the
+    A hybrid layout (layer groups, `paged_kv.core.groups`) leases each other group's blocks
+    too, under their `paged_kv.core.groups.rules.group_key`: ``group_starts[i - 1]`` is the
     first column of ``block_keys`` whose block of group ``i`` is leased, every column
     from there to the end of ``block_keys`` is (a window group's last window only: what
     a prefix hit at the prompt's end reads). Absent for a uniform layout.

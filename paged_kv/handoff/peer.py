@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..cache import PagedKVCache
+from ..core.cache import PagedKVCache
 from ..keys import block_keys, root_hash
 from ..parts import EnginePart
 from ..tiers import codec

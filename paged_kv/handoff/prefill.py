@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import PagedKVCache
-from ..hybrid.rules import group_key, skipped_blocks
+from ..core.cache import PagedKVCache
+from ..core.groups.rules import group_key, skipped_blocks
 from ..keys import block_keys, encode_tokens, root_hash
 from ..parts import EnginePart
 from ..tiers import codec
@@ -84,7 +84,7 @@ class PrefillRole(EnginePart):
         layout, ``group_starts`` (else None).
 
         A fetch never asks for the block holding the prompt's last token (the decode
-        engine computes it: `paged_kv.step.plan`, `HybridAdmission.missing`), so a
+        engine computes it: `paged_kv.core.step.plan`, `HybridAdmission.missing`), so a
         prompt of whole blocks leases all but its last; a hybrid layout's fetch asks
         each other group for the blocks a hit at the leading run's end reads
         (`_group_run`)."""

@@ -1,6 +1,6 @@
 """Which transformers model types paged_kv's engine serves, and why the others are refused.
 
-The engine (`paged_kv.serving.hf.HFCausalLM`, ``paged-kv demo|serve --model``) runs a
+The engine (`paged_kv.engine.hf.HFCausalLM`, ``paged-kv demo|serve --model``) runs a
 model's own modules and swaps its attention function for the paged one, which writes each
 layer's K/V into the pool and attends from the pages. That gives the model's own tokens
 only when every layer reaches that function with keys and values of the pool's one shape

@@ -31,11 +31,11 @@ except ImportError as exc:  # optional dependency: say which extra brings it
                       "pip install 'paged_kv[hf]'") from exc
 
 from .._checks import check_tensor
-from ..accounting import CacheStats
-from ..cache import PagedKVCache
 from ..config import CacheConfig, LayerKind
+from ..core.accounting import CacheStats
+from ..core.batch import StepBatch
+from ..core.cache import PagedKVCache
 from ..errors import OutOfBlocksError
-from ..step.batch import StepBatch
 from .hf_support import layer_kinds, require_supported
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ The engine knows sequences and the cache blocks. Tenancy reaches the cache only 
 of each request.
 """
 
-from .engine.inproc_client import InprocClient
+from ..engine.process.inproc_client import InprocClient
 from .http.tokenizer import ByteTokenizer, HFTokenizer
 
 # the in-process client's name before the server was split into rooms (README, user code)

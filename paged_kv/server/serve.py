@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .engine.engine_core import model_name
+from ..engine.process.engine_core import model_name
 from .http.graceful import GracefulServer
 from .tenants_file import TenantsFile, read_tenants_file
 
@@ -35,7 +35,7 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT (running requests get `--drain-timeout` s) or
     until the engine core stops: 0 after a clean drain, 1 when the core died."""
-    from .engine.processes import CoreProcess, bind_socket, start_fronts, stop_fronts
+    from ..engine.process.processes import CoreProcess, bind_socket, start_fronts, stop_fronts
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tokenizer, name = _tokenizer(args)
@@ -67,7 +67,7 @@ def run_front(index: int, args: argparse.Namespace, core, sock, tokenizer, name:
               peers: list | None = None) -> int:
     """One API server process: the app over a `CoreClient`, under uvicorn on `sock`.
     Returns the exit code (1 when the engine core, or one of `peers`, died)."""
-    from .engine.core_client import CoreClient
+    from ..engine.process.core_client import CoreClient
     from .http.app import create_app
     from .http.protocol import InputLimits
 

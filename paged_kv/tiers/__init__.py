@@ -6,9 +6,9 @@ fetched back from them before it is admitted, when the engine's own measured rat
 fetch beats recomputing, and under a deadline. Every stored value verifies itself
 (`codec`): a value whose header or checksum does not match is a miss, never served.
 
-The core (`paged_kv.cache` and its owners) knows none of this: the manager reads the
+The core (`paged_kv.core.cache` and its owners) knows none of this: the manager reads the
 allocator's stored events and the pool's bytes, and loads fetched blocks as cached device
-blocks (`paged_kv.offload`).
+blocks (`paged_kv.core.load_cached`).
 """
 
 from .base import Store, TierConfig

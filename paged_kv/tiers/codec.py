@@ -82,7 +82,7 @@ CHAIN_BYTES = 32  # a chained key (sha256); a layer group's key appends its numb
 
 def store_key(namespace: str, key: bytes) -> str:
     """The store's key of the block chained to `key` (a sha256, or a layer group's key:
-    `paged_kv.hybrid.rules.group_key`) under `namespace`. The group's number follows the
+    `paged_kv.core.groups.rules.group_key`) under `namespace`. The group's number follows the
     chain's hex, so the groups' blocks of one prompt never share a store key.
 
     Examples
@@ -117,7 +117,7 @@ def encode(key: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
     digest : bytes
         `Fingerprint.digest` of the writer.
     payload : bytes
-        The block's bytes (`paged_kv.offload.read_blocks`: all layers, K and V, scales).
+        The block's bytes (`paged_kv.core.load_cached.read_blocks`: all layers, K and V, scales).
     """
     kind, value = checksum(payload)
     return b"".join((HEADER.pack(MAGIC, VERSION, kind, header_key(key), digest, len(payload),

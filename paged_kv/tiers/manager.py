@@ -28,9 +28,9 @@ import time
 import numpy as np
 import torch
 
-from ..cache import PagedKVCache
+from ..core.cache import PagedKVCache
+from ..core.load_cached import stored_blocks
 from ..keys import root_hash
-from ..offload import stored_blocks
 from ..parts import EnginePart
 from ..tenants.policy import TenantPolicy
 from . import codec

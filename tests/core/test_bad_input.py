@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from paged_kv import CacheConfig, OutOfBlocksError, PagedKVCache
-from paged_kv.cache import snapshot
-from paged_kv.step import decode
+from paged_kv.core import decode_rows as decode
+from paged_kv.core.cache import snapshot
 
 from ..conftest import assert_same_snapshot, tiny_config
 
-# the decode bookkeeping's two variants (`paged_kv.step.decode`): each checks rows its own way
+# the decode bookkeeping's two variants (`paged_kv.core.decode_rows`): each checks rows its own way
 VARIANTS = [pytest.param(False, id="numpy"),
             pytest.param(True, id="numba", marks=pytest.mark.skipif(
                 decode.numba is None, reason="numba (the fast extra) is not installed"))]

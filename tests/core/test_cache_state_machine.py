@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from paged_kv import OutOfBlocksError, PagedKVCache
-from paged_kv.cache import snapshot
+from paged_kv.core.cache import snapshot
+from paged_kv.core.decode_rows import numba
 from paged_kv.kernels.quant import dequantize_reference, quantize_reference
-from paged_kv.step.decode import numba
 
 from ..conftest import assert_same_snapshot, tiny_config
 

@@ -5,7 +5,7 @@ outlives the answers that followed it). Each test names the fault it catches."""
 from __future__ import annotations
 
 from paged_kv import PagedKVCache
-from paged_kv.step.prefix import match_prefix
+from paged_kv.core.step.prefix import match_prefix
 
 from ..conftest import tiny_config
 

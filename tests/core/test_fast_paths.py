@@ -16,11 +16,11 @@ import torch
 from hypothesis import given, settings
 
 from paged_kv import OutOfBlocksError, PagedKVCache
-from paged_kv.allocator import BlockAllocator
-from paged_kv.cache import snapshot
+from paged_kv.core.allocator import BlockAllocator
+from paged_kv.core.cache import snapshot
+from paged_kv.core.decode_rows import numba
+from paged_kv.core.step.parse import parse_step, tokens_to_array
 from paged_kv.keys import hash_block, hash_chain, root_hash
-from paged_kv.step.decode import numba
-from paged_kv.step.parse import parse_step, tokens_to_array
 
 from ..conftest import assert_same_snapshot, tiny_config
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from paged_kv import CacheConfig, PagedKVCache
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.keys import KEY_BYTES, TOKEN_BYTES, block_keys, encode_tokens, root_hash
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.tiers import TierConfig
 from paged_kv.tiers.manager import TierManager
 

@@ -10,7 +10,7 @@ import torch
 
 from paged_kv import CacheConfig, LayerKind, OutOfBlocksError, PagedKVCache
 from paged_kv.config import group_layers
-from paged_kv.hybrid.rules import accepted_hit, group_key
+from paged_kv.core.groups.rules import accepted_hit, group_key
 from paged_kv.keys import block_keys, encode_tokens, root_hash
 
 W4, W8, C8, FULL = LayerKind.sliding(4), LayerKind.sliding(8), LayerKind.chunked(8), LayerKind()

@@ -6,7 +6,7 @@ layer), so K/V a prefix hit brings from another sequence must equal what the seq
 would have written itself. After every rule the cache passes `check()`, and every resident
 sequence reads back its model in every layer at every position that layer's row still
 holds, which must include every position its next query can see
-(`paged_kv.hybrid.rules.skipped_tokens`); positions its window gave back read zeros.
+(`paged_kv.core.groups.rules.skipped_tokens`); positions its window gave back read zeros.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from paged_kv import LayerKind, OutOfBlocksError, PagedKVCache
-from paged_kv.cache import snapshot
+from paged_kv.core.cache import snapshot
 from paged_kv.kernels.quant import dequantize_reference, quantize_reference
 
 from ..conftest import assert_same_snapshot, tiny_config

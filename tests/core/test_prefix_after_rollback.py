@@ -16,8 +16,8 @@ except ImportError:  # the compiled page-table path is then not there to test
     numba = None
 
 from paged_kv import PagedKVCache
+from paged_kv.core.step.prefix import match_prefix
 from paged_kv.keys import block_keys, root_hash
-from paged_kv.step.prefix import match_prefix
 
 from ..conftest import tiny_config
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_kv import CacheConfig, PagedKVCache
-from paged_kv.cache import snapshot
+from paged_kv.core.cache import snapshot
 from paged_kv.kernels import gather_kv, gather_kv_packed, write_kv
 from paged_kv.kernels.quant import FORMATS, dequantize_reference, quantize_reference
 
@@ -223,7 +223,7 @@ def test_engine_greedy_agrees_with_a_float32_cache() -> None:
     and those are where 8-bit K/V may flip the choice (measured over 5 seeds: every first
     difference sat at an fp32 top-2 gap below 0.03). So: every request agrees until its first
     near tie, and on this workload (seed 4) the first 8 tokens of every request agree."""
-    from paged_kv.serving import Engine, SamplingParams, TinyLlama
+    from paged_kv.engine import Engine, SamplingParams, TinyLlama
 
     model = TinyLlama()
     rng = np.random.default_rng(4)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from paged_kv import PagedKVCache
-from paged_kv.serving.misses import CacheReports
+from paged_kv.engine.misses import CacheReports
 from paged_kv.tenants import GhostList, Miss, TenantLimits, TenantPolicy, TierLimits
 
 from ..conftest import tiny_config
@@ -227,8 +227,8 @@ def test_bad_retention_arguments_change_nothing(kwargs, field):
 def test_a_request_larger_than_the_pool_less_the_reservations_is_refused():
     from types import SimpleNamespace
 
-    from paged_kv.serving import SamplingParams
-    from paged_kv.serving.limits import check_request
+    from paged_kv.engine import SamplingParams
+    from paged_kv.engine.limits import check_request
 
     model = SimpleNamespace(vocab_size=500, max_position=10_000)
     plain = tiny_config(block_size=4, num_blocks=41, num_host_blocks=0)

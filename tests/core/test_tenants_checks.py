@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from paged_kv import PagedKVCache
+from paged_kv.engine import SamplingParams
+from paged_kv.engine.misses import miss_seen_by
 from paged_kv.server.http.generation import Generation
 from paged_kv.server.tenants_file import parse_tenants_toml
-from paged_kv.serving import SamplingParams
-from paged_kv.serving.misses import miss_seen_by
 from paged_kv.tenants import TenantLimits, TenantPolicy, TierLimits
 from paged_kv.tiers.disk import DiskStore
 from paged_kv.tiers.memory import HostStore

@@ -1,5 +1,5 @@
 """KV events of a hybrid layout: each further layer group's blocks are published under the
-leading group's key with the group's number as a 33rd byte (`paged_kv.hybrid.rules.
+leading group's key with the group's number as a 33rd byte (`paged_kv.core.groups.rules.
 group_key`), chained like the leading group's; a prompt's 32-byte keys are the ones a router
 computes from its tokens (`paged_kv.keys.block_keys`), so prefix routing still works."""
 
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from paged_kv import CacheConfig, LayerKind, PagedKVCache
+from paged_kv.core.groups.rules import group_key
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.events import KVEventsConfig, decode_batch
-from paged_kv.hybrid.rules import group_key
 from paged_kv.keys import block_keys, root_hash
 from paged_kv.router import PrefixIndex
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
 from .test_kv_events import ANY, _drain, _sub
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import zmq
 
-from paged_kv.allocator import BlockAllocator
+from paged_kv.core.allocator import BlockAllocator
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.events import KVEventsConfig, decode_batch
 from paged_kv.events.publisher import EventPublisher
 from paged_kv.events.subscriber import EventSubscriber
 from paged_kv.keys import root_hash
 from paged_kv.router import PrefixIndex
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
 BLOCK = 4
 ANY = "tcp://127.0.0.1:*"
@@ -285,7 +285,7 @@ def test_bad_endpoints_are_refused_before_anything_starts():
 def test_serve_flags_default_the_replay_port_and_the_topic():
     import argparse
 
-    from paged_kv.server.engine.engine_core import events_config
+    from paged_kv.engine.process.engine_core import events_config
 
     args = argparse.Namespace(kv_events="tcp://*:5557", kv_events_replay=None,
                               kv_events_topic=None, kv_events_token_ids=False,

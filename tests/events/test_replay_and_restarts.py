@@ -10,7 +10,7 @@ import time
 
 import zmq
 
-from paged_kv.allocator import BlockAllocator
+from paged_kv.core.allocator import BlockAllocator
 from paged_kv.events import KVEventsConfig, encode_batch, to_wire
 from paged_kv.events.publisher import EventPublisher
 from paged_kv.events.subscriber import EventSubscriber

@@ -13,9 +13,9 @@ zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
 from paged_kv.handoff import HandoffConfig  # noqa: E402
 from paged_kv.handoff.params import parse_params  # noqa: E402
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
 
 from ..conftest import prometheus_value  # noqa: E402
 from .conftest import signed  # noqa: E402

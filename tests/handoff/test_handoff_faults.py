@@ -18,12 +18,12 @@ pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
 from paged_kv import CacheConfig, PagedKVCache  # noqa: E402
+from paged_kv.core.groups.rules import group_key, skipped_blocks  # noqa: E402
+from paged_kv.engine import SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
 from paged_kv.handoff import HandoffConfig  # noqa: E402
 from paged_kv.handoff.params import HandoffParams, parse_params  # noqa: E402
 from paged_kv.handoff.peer import DecodeRole, PeerSource  # noqa: E402
-from paged_kv.hybrid.rules import group_key, skipped_blocks  # noqa: E402
 from paged_kv.keys import block_keys, encode_tokens, root_hash  # noqa: E402
-from paged_kv.serving import SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
 from paged_kv.tiers.codec import Fingerprint  # noqa: E402
 
 from ..conftest import prometheus_value  # noqa: E402

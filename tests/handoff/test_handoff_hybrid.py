@@ -20,10 +20,10 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.threads import intra_op_threads
 from paged_kv.handoff import HandoffConfig
 from paged_kv.handoff.params import parse_params
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
-from paged_kv.serving.threads import intra_op_threads
 
 from ..conftest import prometheus_value
 from ..serving.conftest import prompt
@@ -222,7 +222,7 @@ def test_hf_hybrid_checkpoints_give_generates_tokens(family, tmp_path):
     """Tiny random Gemma 2, Gemma 3 and gpt-oss checkpoints (window 16, blocks of 6): the
     decode engine's tokens after a hand-off equal the single engine's and ``generate``'s."""
     transformers = pytest.importorskip("transformers")
-    from paged_kv.serving.hf import HFCausalLM
+    from paged_kv.engine.hf import HFCausalLM
 
     from ..serving.test_hybrid_models import hybrid_configs, save_checkpoint
 

@@ -31,10 +31,10 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.handoff import HandoffConfig
 from paged_kv.handoff.params import parse_params
 from paged_kv.keys import block_keys, encode_tokens, root_hash
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
 from .test_handoff_engine import run
 

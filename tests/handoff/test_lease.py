@@ -186,8 +186,8 @@ def test_a_fallback_is_counted_every_time_and_logged_once_a_minute_per_reason(ca
 
 
 def test_a_hand_off_role_with_tensor_parallelism_is_refused_before_anything_starts():
+    from paged_kv.engine import Engine, TinyLlama
     from paged_kv.handoff import HandoffConfig
-    from paged_kv.serving import Engine, TinyLlama
 
     model = TinyLlama()
     config = model.cache_config(num_blocks=16, block_size=16)

@@ -22,6 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from paged_kv.engine import Engine, SamplingParams  # noqa: E402
+from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.integrations.hf_architectures import (  # noqa: E402
     CAUSAL_ONLY_AS_DECODER,
     SERVED_MODEL_TYPES,
@@ -29,8 +31,6 @@ from paged_kv.integrations.hf_architectures import (  # noqa: E402
 )
 from paged_kv.integrations.hf_support import UnsupportedModelError  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
-from paged_kv.serving import Engine, SamplingParams  # noqa: E402
-from paged_kv.serving.hf import HFCausalLM  # noqa: E402
 
 from ..conftest import ROOT, save_configs  # noqa: E402
 

@@ -9,13 +9,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.integrations.hf_support import (  # noqa: E402
     UnsupportedModelError,
     layer_kinds,
     unsupported_features,
 )
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
-from paged_kv.serving.hf import HFCausalLM  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -48,7 +48,7 @@ def test_a_sliding_layer_that_use_sliding_window_turns_off_is_refused():
     Served as full attention — what ``use_sliding_window=False`` alone says — its tokens
     would not be the model's; so the layer is refused, by model type and setting, in
     `layer_kinds`, `HFCausalLM` and `PagedCache`. (Qwen2 and Qwen3 drop the window
-    themselves when it is off: their layers are full, tests/serving/test_hybrid_models.py.)"""
+    themselves when it is off: their layers are full, tests/engine/test_hybrid_models.py.)"""
     config = smollm3(use_sliding_window=False, layer_types=SLIDING_SECOND)
     windowed = greedy(smollm3(use_sliding_window=True, layer_types=SLIDING_SECOND))
     all_full = greedy(smollm3(use_sliding_window=False, layer_types=["full_attention"] * 2))

@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paged_kv import OutOfBlocksError  # noqa: E402
-from paged_kv.cache import snapshot  # noqa: E402
 from paged_kv.config import LayerKind  # noqa: E402
+from paged_kv.core.cache import snapshot  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
 from ..conftest import assert_same_snapshot  # noqa: E402

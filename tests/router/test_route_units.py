@@ -8,9 +8,9 @@ import itertools
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.router import PrefixIndex, choose, prompt_keys
 from paged_kv.router.index import TIER_WEIGHTS
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
 KEYS = [bytes([i]) * 32 for i in range(6)]
 REPLICAS = ["a", "b", "c"]

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from paged_kv.serving import TinyLlama
+from paged_kv.engine import TinyLlama
 
 POISON = 299
 

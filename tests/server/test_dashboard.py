@@ -232,10 +232,10 @@ def test_an_admin_key_sees_every_tenant_and_a_bad_key_nothing(monkeypatch):
     missing plotly answered with a 500 rather than a 404 naming the package."""
     from starlette.testclient import TestClient
 
+    from paged_kv.engine import Engine, TinyLlama, TinyLlamaConfig
     from paged_kv.server import ByteTokenizer, InprocClient
     from paged_kv.server.http import dashboard
     from paged_kv.server.http.app import create_app
-    from paged_kv.serving import Engine, TinyLlama, TinyLlamaConfig
 
     model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
                                       vocab_size=300, num_heads=4, num_kv_heads=2,

@@ -14,12 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.testclient import TestClient
 
-from paged_kv.server.engine.core_client import CoreClient
+from paged_kv.engine import StepOutput
+from paged_kv.engine.limits import EngineLimits
+from paged_kv.engine.process.core_client import CoreClient
 from paged_kv.server.http.protocol import ChatCompletionRequest, CompletionRequest
 from paged_kv.server.http.responses import _chunk_encoder
 from paged_kv.server.http.routes import parse_body
-from paged_kv.serving import StepOutput
-from paged_kv.serving.limits import EngineLimits
 
 BODIES = [
     (b"{not json", "application/json"), (b'{"prompt": 5}', "application/json"),

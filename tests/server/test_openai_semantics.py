@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.server import ByteTokenizer, InprocClient
 from paged_kv.server.http.app import create_app
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 
 CONFIG = TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64, vocab_size=300,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position=512)

@@ -328,7 +328,7 @@ def test_a_client_leaving_while_the_core_drains_is_aborted(tmp_path):
 
 
 def test_exit_codes_are_logged_as_codes_or_signals():
-    from paged_kv.server.engine.processes import describe_exit
+    from paged_kv.engine.process.processes import describe_exit
 
     assert describe_exit(1) == "exit code 1"
     assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from paged_kv.server.engine.core_client import CoreClient
-from paged_kv.server.engine.engine_core import EngineCoreProc
-from paged_kv.serving import Engine, SamplingParams, TinyLlama
-from paged_kv.serving.limits import EngineLimits
+from paged_kv.engine import Engine, SamplingParams, TinyLlama
+from paged_kv.engine.limits import EngineLimits
+from paged_kv.engine.process.core_client import CoreClient
+from paged_kv.engine.process.engine_core import EngineCoreProc
 
 from .test_openai_semantics import CONFIG
 from .test_server import httpx, make_prompt, metric, running_server

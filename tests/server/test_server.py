@@ -26,8 +26,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama  # noqa: E402
 from paged_kv.server import ByteTokenizer  # noqa: E402
-from paged_kv.serving import Engine, SamplingParams, TinyLlama  # noqa: E402
 
 from ..conftest import ROOT, prometheus_value  # noqa: E402
 
@@ -430,7 +430,7 @@ def test_chat_completions_on_a_local_checkpoint(tmp_path):
     _save_tiny_llama_with_tokenizer(tmp_path / "ckpt")
     from transformers import AutoTokenizer
 
-    from paged_kv.serving.hf import HFCausalLM
+    from paged_kv.engine.hf import HFCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi!"}]

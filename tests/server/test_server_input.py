@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("fastapi")
 
+from paged_kv.engine import RequestOutput, SamplingParams, StepOutput, TinyLlama
 from paged_kv.server import ByteTokenizer
 from paged_kv.server.http.generation import Generation
 from paged_kv.server.http.protocol import InputLimits
-from paged_kv.serving import RequestOutput, SamplingParams, StepOutput, TinyLlama
 
 from .test_openai_semantics import CONFIG, PROMPT, make_client, sse
 from .test_openai_semantics import word_tokenizer as semantics_word_tokenizer

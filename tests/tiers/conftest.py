@@ -83,7 +83,7 @@ def serve_prompts(engine, prompts: list[list[int]], salt: str | None = None,
     """`RequestOutput` of each prompt (greedy, `MAX_TOKENS`), stepping the engine by hand
     (so a tenant's `salt` can be given) until all finished, bounded by `timeout_s`."""
 
-    from paged_kv.serving import SamplingParams
+    from paged_kv.engine import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS)
     ids = [engine.add_request(prompt, params, salt=salt) for prompt in prompts]
@@ -137,7 +137,7 @@ def store_keys(engine, prompt: list[int], salt: str | None = None) -> list[str]:
 @pytest.fixture(scope="session")
 def tier_model():
     """``tier_model(seed=0)``: the small `TinyLlama` of `TIER_MODEL`, built once per seed."""
-    from paged_kv.serving import TinyLlama, TinyLlamaConfig
+    from paged_kv.engine import TinyLlama, TinyLlamaConfig
 
     models: dict[int, object] = {}
 
@@ -153,7 +153,7 @@ def tier_engines(tier_model):
     """``tier_engines(tiers=None, seed=0, block_size=16, kv_cache_dtype="auto",
     num_blocks=128)``: an `Engine` over `tier_model(seed)`; every one made is closed (its
     tier threads stopped) at teardown."""
-    from paged_kv.serving import Engine
+    from paged_kv.engine import Engine
 
     engines: list = []
 
@@ -176,7 +176,7 @@ def reference_tokens(tier_model):
     """``reference_tokens(prompts, seed=0, block_size=16, kv_cache_dtype="auto")``: the
     greedy tokens of each prompt on an engine without tiers, each computed from scratch
     (the device prefix cache dropped first); memoised."""
-    from paged_kv.serving import Engine
+    from paged_kv.engine import Engine
 
     engines: dict[tuple, object] = {}
     memo: dict[tuple, list[int]] = {}

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from paged_kv.config import KV_CACHE_DTYPES
-from paged_kv.serving import Engine
-from paged_kv.serving import engine as engine_module
+from paged_kv.engine import Engine
+from paged_kv.engine import engine as engine_module
 from paged_kv.tiers import TierConfig, codec
 from paged_kv.tiers.fetcher import TierFetcher
 

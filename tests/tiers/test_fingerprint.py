@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paged_kv.config import CacheConfig
-from paged_kv.serving import TinyLlama, TinyLlamaConfig
+from paged_kv.engine import TinyLlama, TinyLlamaConfig
 from paged_kv.tiers import TierConfig
 from paged_kv.tiers.identity import config_id, model_fingerprint, weights_id
 
@@ -67,7 +67,7 @@ def hf_pair(**changed):
     """Two `HFCausalLM` over tiny Llamas with the same weights; the second's config has
     `changed` fields."""
     transformers = pytest.importorskip("transformers")
-    from paged_kv.serving.hf import HFCausalLM
+    from paged_kv.engine.hf import HFCausalLM
 
     torch.manual_seed(0)
     first = transformers.LlamaForCausalLM(tiny_llama_config())
@@ -172,7 +172,7 @@ def test_nested_config_fields_that_change_kv_count(field):
 @pytest.mark.usefixtures("fetch_always")
 @pytest.mark.parametrize("variant", ["rope_theta", "embedding_row"])
 def test_engines_whose_kv_differ_share_nothing_on_one_disk(tmp_path, variant):
-    from paged_kv.serving import Engine
+    from paged_kv.engine import Engine
 
     config = TierConfig(disk_dir=str(tmp_path / "disk"), disk_mib=8, fetch_deadline_s=5.0)
     prompts = random_prompts(3, PROMPT_LEN, seed=43)
@@ -196,7 +196,7 @@ def test_engines_whose_kv_differ_share_nothing_on_one_disk(tmp_path, variant):
 
 @pytest.mark.usefixtures("fetch_always")
 def test_hf_engines_with_another_rope_theta_share_nothing(tmp_path):
-    from paged_kv.serving import Engine
+    from paged_kv.engine import Engine
 
     config = TierConfig(disk_dir=str(tmp_path / "disk"), disk_mib=8, fetch_deadline_s=5.0)
     prompts = random_prompts(2, PROMPT_LEN, seed=47, vocab=128)

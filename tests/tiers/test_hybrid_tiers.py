@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_kv.hybrid.rules import group_key
-from paged_kv.serving import Engine, TinyLlama, TinyLlamaConfig
+from paged_kv.core.groups.rules import group_key
+from paged_kv.engine import Engine, TinyLlama, TinyLlamaConfig
 from paged_kv.tiers import TierConfig, codec
 
 from .conftest import MAX_TOKENS, random_prompts, serve_prompts, tier_stats, tokens_of

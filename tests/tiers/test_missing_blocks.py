@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_kv import CacheConfig, LayerKind, PagedKVCache
-from paged_kv.hybrid.rules import group_key
+from paged_kv.core.groups.rules import group_key
 from paged_kv.keys import block_keys, root_hash
 
 BLOCK = 4

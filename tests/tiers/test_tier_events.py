@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.events import KVEventsConfig
 from paged_kv.events.subscriber import EventSubscriber
 from paged_kv.router import PrefixIndex, prompt_keys
-from paged_kv.serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from paged_kv.tiers import TierConfig
 from paged_kv.tiers.memory import HostStore
 

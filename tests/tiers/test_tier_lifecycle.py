@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from paged_kv.cache import PagedKVCache
+from paged_kv.core.cache import PagedKVCache
+from paged_kv.core.step.prefix import match_prefix
+from paged_kv.engine import SamplingParams
 from paged_kv.keys import encode_tokens, hash_block, root_hash
-from paged_kv.serving import SamplingParams
-from paged_kv.step.prefix import match_prefix
 from paged_kv.tiers import TierConfig
 
 from ..conftest import tiny_config
@@ -190,8 +190,8 @@ def test_an_engine_that_fails_to_start_releases_its_disk_directory(tmp_path, tie
     """A constructor failing after the tiers opened (here: the events port is taken) closes
     them, so a retry in the same process gets the disk directory back."""
     zmq = pytest.importorskip("zmq")
+    from paged_kv.engine import Engine
     from paged_kv.events import KVEventsConfig
-    from paged_kv.serving import Engine
     from paged_kv.tiers.disk import DiskStore
 
     config = TierConfig(disk_dir=str(tmp_path / "disk"), disk_mib=1)

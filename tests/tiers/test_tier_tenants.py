@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from paged_kv.serving import Engine
+from paged_kv.engine import Engine
 from paged_kv.tenants import TenantLimits, TenantPolicy, TierLimits
 from paged_kv.tiers import TierConfig, codec
 from paged_kv.tiers.shares import TierGhosts, TierShares, tenant_prefix

@@ -347,7 +347,7 @@ def test_torn_values_are_counted_deleted_and_rewritten(request, tmp_path, monkey
 def serve_stepping(engine, prompts, between=None, steps_before: int = 2,
                    timeout_s: float = 30.0) -> list:
     """Like `serve_prompts`, calling `between()` once after `steps_before` steps."""
-    from paged_kv.serving import SamplingParams
+    from paged_kv.engine import SamplingParams
 
     from .conftest import MAX_TOKENS
 

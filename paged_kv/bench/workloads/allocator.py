@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ...cache import PagedKVCache
 from ...config import CacheConfig
+from ...core.cache import PagedKVCache
 from ..baselines import SimpleBlockManager
 from ..replay import ReplayResult, paged_block_ops, replay, simple_block_ops
 from ..results import Plot, Series, WorkloadResult

@@ -67,7 +67,7 @@ def batch_tokens(scale: Scale) -> int:
 
 
 def _engine(runner: torch.nn.Module, num_blocks: int, scale: Scale):
-    from ...serving import Engine  # the serve extra: imported when used
+    from ...engine import Engine  # the serve extra: imported when used
 
     config = runner.cache_config(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     return Engine(runner, config, max_num_seqs=256, max_num_batched_tokens=batch_tokens(scale),
@@ -75,7 +75,7 @@ def _engine(runner: torch.nn.Module, num_blocks: int, scale: Scale):
 
 
 def _greedy(max_tokens: int):
-    from ...serving import SamplingParams
+    from ...engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 

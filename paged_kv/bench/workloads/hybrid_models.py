@@ -106,7 +106,7 @@ def build_pair(shape: Shape, scale: Scale, workdir: Path) -> ModelPair:
     through `HFCausalLM`, or two TinyLlamas without transformers."""
     if not has_transformers():
         return _tiny_pair(shape, scale)
-    from ...serving.hf import HFCausalLM
+    from ...engine.hf import HFCausalLM
 
     hybrid_dir, full_dir = save_checkpoints(shape, scale, workdir / shape.key)
     family = "GptOssForCausalLM (4 experts, 2 per token)" if shape.sinks else "Gemma3ForCausalLM"
@@ -120,7 +120,7 @@ def _dims(shape: Shape) -> str:
 
 
 def _tiny_pair(shape: Shape, scale: Scale) -> ModelPair:
-    from ...serving import TinyLlama, TinyLlamaConfig
+    from ...engine import TinyLlama, TinyLlamaConfig
 
     common = dict(num_layers=shape.num_layers, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                   head_dim=HEAD_DIM, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,

@@ -132,7 +132,7 @@ def make_prompts(num_requests: int, *, vocab: int, seed: int = 0,
 def run_engine(runner: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
                num_blocks: int) -> PeerRun:
     """The engine on `runner` (an `HFCausalLM`), all requests queued at once."""
-    from ...serving import Engine, SamplingParams
+    from ...engine import Engine, SamplingParams
 
     with PeakRSS() as rss:
         start = time.perf_counter()
@@ -218,7 +218,7 @@ def run(scale: Scale) -> WorkloadResult | None:
         return None
     import transformers
 
-    from ...serving.hf import HFCausalLM
+    from ...engine.hf import HFCausalLM
 
     prompts = make_prompts(scale.peers_requests, vocab=scale.peers_vocab)
     num_blocks = sum(-(-(len(p) + scale.peers_new_tokens) // BLOCK_SIZE) for p in prompts) + 1

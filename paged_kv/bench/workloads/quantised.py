@@ -38,7 +38,7 @@ DESCRIPTION = (
     "8-bit pages store one code per element and one bfloat16 scale per (token, layer, K/V, "
     "KV head). Capacity: blocks CacheConfig.for_memory fits in {capacity_gib} GiB, scales "
     "included, for the serving model's shape (head_dim {head_dim}) and Llama-2-7B's (head_dim "
-    "128). Serving: paged_kv.serving.Engine with TinyLlama ({layers} layers, {kv_heads} KV "
+    "128). Serving: paged_kv.engine.Engine with TinyLlama ({layers} layers, {kv_heads} KV "
     "heads x {head_dim}, float32 math) on the trace's first {num_requests} requests, lengths "
     "divided by {factor}, greedy, all queued at once, block size 16, in a KV budget of "
     "{slabs} longest requests in float16 ({budget_mib:.2f} MiB); each format gets the blocks "

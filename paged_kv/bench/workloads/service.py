@@ -61,7 +61,7 @@ def _summary(start: float, arrivals: list[float], times: list[list[float]]) -> d
 
 def in_process(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
     """Serve `prompts` arriving at `arrivals` (seconds from start) through `engine`."""
-    from ...serving import SamplingParams
+    from ...engine import SamplingParams
 
     params = SamplingParams(max_tokens=OUTPUT_LEN)
     times: list[list[float]] = [[] for _ in prompts]
@@ -149,8 +149,8 @@ def run(scale: Scale) -> WorkloadResult:
     """Three arrival rates over HTTP against the engine in-process."""
     import torch
 
-    from ...server.engine.engine_core import build_engine
-    from ...serving import TinyLlama
+    from ...engine import TinyLlama
+    from ...engine.process.engine_core import build_engine
 
     num_requests = 24 if scale.name == "quick" else 96
     model = TinyLlama()

@@ -24,7 +24,7 @@ BLOCK_SIZE = 16
 SLABS = 8  # the memory budget: this many max-length sequences
 PAGED, CONTIGUOUS = "paged cache", "contiguous max-length cache"
 DESCRIPTION = (
-    "paged_kv.serving.Engine with TinyLlama on the trace's first {num_requests} requests, every "
+    "paged_kv.engine.Engine with TinyLlama on the trace's first {num_requests} requests, every "
     "length divided by {factor} (system prompt included), greedy, all queued at once. Same KV "
     "budget for both: {slabs} max-length sequences ({budget} token slots). Paged: block size "
     "{block_size}, prefix caching on. Contiguous max-length preallocation: block size = the "
@@ -72,7 +72,7 @@ def serve(model, requests: Sequence[TraceRequest], *, paged: bool,
 def serve_config(model, config, requests: Sequence[TraceRequest]) -> tuple[ServingRun, list]:
     """Serve `requests` (greedy, their output lengths) on a fresh engine over `config`; the
     run's figures and the outputs in request order."""
-    from ...serving import Engine  # the serve extra: imported when used
+    from ...engine import Engine  # the serve extra: imported when used
 
     engine = Engine(model, config, max_num_seqs=256)
     outputs, running, elapsed = run_to_completion(engine, requests)
@@ -90,7 +90,7 @@ def serve_config(model, config, requests: Sequence[TraceRequest]) -> tuple[Servi
 def run_to_completion(engine, requests: Sequence[TraceRequest]) -> tuple[list, list[int], float]:
     """Queue `requests` on `engine` and step until all finish: the outputs (in finishing
     order), the sequences running at each step, and the seconds the steps took."""
-    from ...serving import SamplingParams  # the serve extra: imported when used
+    from ...engine import SamplingParams  # the serve extra: imported when used
 
     for r in requests:
         engine.add_request(list(r.prompt_token_ids), SamplingParams(max_tokens=r.output_len))
@@ -107,7 +107,7 @@ def served_model(scale: Scale, trace: Sequence[TraceRequest], **shape,
     """The serving workloads' TinyLlama at `scale` (seed 0; `shape` sets its heads), the
     first ``scale.serving_requests`` requests with lengths divided by ``scale.serving_scale``,
     and the longest one's total length."""
-    from ...serving import TinyLlama, TinyLlamaConfig
+    from ...engine import TinyLlama, TinyLlamaConfig
 
     config = TinyLlamaConfig(num_layers=scale.serving_layers, hidden_size=scale.serving_hidden,
                              intermediate_size=2 * scale.serving_hidden, **shape)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import PagedKVCache
 from ...config import CacheConfig
+from ...core.cache import PagedKVCache
 from ..baselines import ContiguousKVCache, ListKVCache
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale

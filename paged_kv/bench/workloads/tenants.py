@@ -57,7 +57,7 @@ def _shape(scale: Scale) -> dict:
 
 def _memory_mib(blocks: int) -> float:
     """The --memory-mib that gives the embedded model's pool `blocks` blocks."""
-    from ...serving import TinyLlama
+    from ...engine import TinyLlama
 
     per_block = TinyLlama().cache_config(num_blocks=2, block_size=BLOCK).bytes_per_block
     return blocks * per_block / 2**20

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ...serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from ...engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat

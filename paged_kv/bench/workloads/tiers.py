@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...serving import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from ...engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
 from ...tiers import TierConfig, codec
 from ..netdelay import DelayProxy, free_port, redis_server
 from ..results import Plot, Series, WorkloadResult

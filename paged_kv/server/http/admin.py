@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...serving import EngineDeadError
+from ...engine import EngineDeadError
 from .protocol import MAX_PRIORITY, ChatMessage, CompletionRequest, TokenId
 from .responses import error_body
 from .routes import parse_body, service, tenant

@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.engine_client import EngineClient
+from ...engine.process.engine_client import EngineClient
 from .admin import router as admin_router
 from .dashboard import router as dashboard_router
 from .protocol import DEFAULT_LIMITS, InputLimits, error_response, status_error

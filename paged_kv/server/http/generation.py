@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from ...serving import RequestOutput, SamplingParams, StepOutput
-from ...serving.misses import miss_seen_by
-from ..engine.engine_client import EngineClient
+from ...engine import RequestOutput, SamplingParams, StepOutput
+from ...engine.misses import miss_seen_by
+from ...engine.process.engine_client import EngineClient
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ class Generation:
         from (``cached_tokens_by_source``: device, host, disk, remote) and why the first
         uncached full block missed (``miss``: `paged_kv.tenants.Miss.as_dict`, null when
         every full block hit; under a tenant's key without ``by``, another tenant's name:
-        `paged_kv.serving.misses.miss_seen_by`)."""
+        `paged_kv.engine.misses.miss_seen_by`)."""
         completion = sum(len(c.token_ids) for c in self.choices)
         output = self.output
         cached = output.prefix_hit_tokens if output else 0

@@ -9,11 +9,11 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client import Counter, Histogram
 
+from ...engine import EngineDeadError, SamplingParams
+from ...engine.process.engine_client import EngineClient
 from ...handoff.params import HandoffParams, parse_params
 from ...handoff.trust import HandoffTrust
 from ...keys import HASH_SCHEME
-from ...serving import EngineDeadError, SamplingParams
-from ..engine.engine_client import EngineClient
 from .generation import Generation
 from .protocol import (
     DEFAULT_LIMITS,

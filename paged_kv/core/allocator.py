@@ -1,0 +1,491 @@
+"""`BlockAllocator`: block ids, refcounts, the prefix-cache index and eviction order.
+
+It never sees a tensor. Every block but the null block 0 is in exactly one state:
+
+- *live*   refcount > 0, owned by one or more sequences;
+- *cached* refcount 0 but holding a full, indexed block a later prefix can reuse (evictable);
+- *free*   refcount 0, nothing worth keeping.
+
+Free blocks are handed out first (a stack: O(1) pop and push); cached blocks are evicted
+least recently freed first from an ``OrderedDict`` (O(1) pop-front, O(1) removal from the
+middle when a prefix hit revives one). A sequence's blocks are freed tail first, so its
+tail is evicted before the prefix that other sequences are likelier to share.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable
+
+import numpy as np
+
+from .._checks import read_only
+from ..errors import OutOfBlocksError, ensure
+from ..keys import BlockEvent, chain_pieces, hash_pieces, match_chain, split_blocks
+from ..tenants import GhostList, TenantLedger, TenantPolicy, default_capacity
+
+NULL_BLOCK = 0
+
+
+class BlockAllocator:
+    """Hands out block ids of a pool of `num_blocks` (block 0 reserved), counts owners.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Blocks in the pool, the null block included.
+    enable_prefix_caching : bool
+        Keep freed full blocks indexed (cached) instead of freeing them.
+    max_events : int
+        Events kept until `take_events` drains them; older ones are dropped.
+    tenants : TenantPolicy, optional
+        Quotas, reservations and soft retention of the cached blocks by tenant (see
+        `paged_kv.tenants.TenantLedger`); None: one global LRU, as without tenants.
+    ghost_capacity : int, optional
+        Evicted keys (and parents of indexed blocks) remembered to name a miss's cause
+        (`ghost`); None: `paged_kv.tenants.default_capacity`, 0: none.
+
+    Examples
+    --------
+    >>> allocator = BlockAllocator(8)
+    >>> allocator.allocate(3).tolist()
+    [1, 2, 3]
+    >>> allocator.num_free_blocks  # 7 usable - 3
+    4
+    """
+
+    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
+                 max_events: int = 65536, tenants: TenantPolicy | None = None,
+                 ghost_capacity: int | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = np.zeros(num_blocks, dtype=np.int32)
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
+        self._ledger = TenantLedger(tenants, num_blocks) if tenants is not None else None
+        # cached blocks: their eviction order here (an OrderedDict pops the oldest in O(1)),
+        # or, under a tenant policy, in the ledger, which leaves membership alone to keep
+        # here: a plain dict stores and drops a block several times faster
+        self._cached: dict[int, None] = (
+            collections.OrderedDict() if self._ledger is None else {})
+        # per block, its key and its token bytes (valid where indexed; stale entries stay):
+        # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
+        # C-level update and evicting or comparing one a dict access, never a numpy call
+        self._key_of: dict[int, bytes] = {}
+        self._tokens_of: dict[int, bytes] = {}
+        self._indexed = np.zeros(num_blocks, dtype=bool)
+        # shared or indexed: a write must copy it first (kept up to date by every mutator,
+        # so a decode step tests its last blocks with one lookup)
+        self._protected = np.zeros(num_blocks, dtype=bool)
+        self._views = tuple(map(read_only, (self._refcount, self._indexed, self._protected)))
+        self._index: dict[bytes, int] = {}
+        self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
+        # bounded, so a user who never drains events does not leak memory; each is kept as
+        # the arguments of its BlockEvent (lists this class made and never changes again),
+        # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
+        self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
+        self._ghost = GhostList(default_capacity(num_blocks) if ghost_capacity is None
+                                else ghost_capacity)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def refcount(self) -> np.ndarray:
+        """Read-only view of the per-block owner counts ``[num_blocks]``."""
+        return self._views[0]
+
+    @property
+    def indexed(self) -> np.ndarray:
+        """Read-only ``[num_blocks]`` bool: the block is in the prefix index."""
+        return self._views[1]
+
+    @property
+    def protected(self) -> np.ndarray:
+        """Read-only ``[num_blocks]`` bool: shared (refcount > 1) or indexed, so writing into
+        the block must copy it first."""
+        return self._views[2]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks (empty, handed out first)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks: unowned but indexed, evictable least recently freed first."""
+        return len(self._cached)
+
+    @property
+    def num_obtainable_blocks(self) -> int:
+        """Blocks `allocate` can hand out now: free plus evictable cached (those that
+        tenants' reservations keep left out)."""
+        protected = self._ledger.num_protected if self._ledger is not None else 0
+        return len(self._free) + len(self._cached) - protected
+
+    @property
+    def tenants(self) -> TenantLedger | None:
+        """The cached blocks by tenant (read it), or None without a tenant policy."""
+        return self._ledger
+
+    @property
+    def ghost(self) -> GhostList:
+        """Recently evicted keys and seen parents: `GhostList.miss` names a miss's cause."""
+        return self._ghost
+
+    @property
+    def num_live_blocks(self) -> int:
+        """Blocks with at least one owner."""
+        return self.num_blocks - 1 - len(self._free) - len(self._cached)
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        """Prompt tokens whose prefix was looked up by a sequence that was then added."""
+        return self._prefix_tokens[0]
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Of those, tokens found cached."""
+        return self._prefix_tokens[1]
+
+    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted prompt of `num_tokens`, `num_hit` of them found cached."""
+        self._prefix_tokens[0] += num_tokens
+        self._prefix_tokens[1] += num_hit
+
+    def count_cached(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` are cached (unowned, evictable)."""
+        return sum(map(self._cached.__contains__, block_ids))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `allocate(num_blocks)` would succeed now."""
+        return num_blocks <= self.num_obtainable_blocks
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The prefix key `block_id` is indexed under, or None."""
+        return self._key_of[block_id] if self._indexed[block_id] else None
+
+    def lookup(self, key: bytes, token_ids: bytes) -> int | None:
+        """Block indexed under `key` whose tokens equal `token_ids`, else None."""
+        block_id = self._index.get(key)
+        if block_id is None or self._tokens_of[block_id] != token_ids:
+            return None
+        return block_id
+
+    def match(self, token_ids: bytes, num_blocks: int, keys: list[bytes], parent_key: bytes,
+              ) -> tuple[list[int], list[bytes]]:
+        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal slices,
+        consecutive full blocks), in one pass.
+
+        `keys` are the keys of the first blocks when known (the request carries them); the
+        others are hashed as the lookup reaches them (the first chained from `parent_key`),
+        and only those: it stops at the first miss.
+
+        Returns
+        -------
+        hits : list of int
+            Their block ids, in order.
+        keys : list of bytes
+            The keys known now: those given, then those hashed on the way.
+        """
+        return match_chain(self._index.get, self._tokens_of, token_ids, num_blocks, keys,
+                           parent_key)
+
+    # -- mutators -------------------------------------------------------------------------
+    def allocate(self, num_blocks: int, requester: bytes | None = None) -> np.ndarray:
+        """Take `num_blocks` blocks (refcount 1), evicting cached blocks LRU first if needed
+        (for `requester`, the salted root of the tenant asking: None for a step that mixes
+        tenants; with a tenant policy it decides whose blocks may go, see `tenants`).
+
+        Returns
+        -------
+        np.ndarray
+            ``[num_blocks]`` int64 block ids.
+
+        Raises
+        ------
+        OutOfBlocksError
+            Fewer than `num_blocks` obtainable; nothing changed.
+        """
+        obtainable = self.num_obtainable_blocks + (
+            self._ledger.reserved_for(requester) if self._ledger is not None else 0)
+        if num_blocks > obtainable:
+            raise OutOfBlocksError(num_blocks, obtainable, "allocate()")
+        free = self._free
+        start = max(len(free) - num_blocks, 0)
+        taken = free[start:]
+        taken.reverse()
+        del free[start:]
+        if len(taken) < num_blocks:
+            taken += self._evict(num_blocks - len(taken), requester)
+        ids = np.array(taken, dtype=np.int64)
+        self._refcount[ids] = 1  # a free block is neither protected nor indexed already
+        self._events.append(("allocated", taken))
+        return ids
+
+    def _evict(self, count: int, requester: bytes | None) -> list[int]:
+        """Take the `count` least recently freed cached blocks (with tenants: the ledger's
+        victims for `requester`) out of the index."""
+        if self._ledger is None:
+            popitem = self._cached.popitem
+            evicted = [popitem(False)[0] for _ in range(count)]
+            self._ghost.evicted(self._unindex(evicted), "device", "global")
+            return evicted
+        asking = self._ledger.tenant_id(requester) if requester is not None else None
+        evicted, runs = self._ledger.victims(count, asking)
+        for block_id in evicted:
+            del self._cached[block_id]
+        self._ledger.blame(self._ghost, "device", runs, self._unindex(evicted), asking)
+        return evicted
+
+    def _unindex(self, evicted: list[int]) -> list[bytes]:
+        """Take evicted (no longer cached) blocks out of the index; returns their keys."""
+        gone = list(map(self._key_of.__getitem__, evicted))
+        index = self._index
+        for key in gone:
+            del index[key]
+        ids = np.array(evicted, dtype=np.int64)
+        self._indexed[ids] = False
+        self._protected[ids] = False
+        self._events.append(("evicted", evicted, gone))
+        return gone
+
+    def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        cached = self._cached  # a distinct live or cached block is cached iff unowned
+        revived = list(filter(cached.__contains__, block_ids if type(block_ids) is list
+                              else ids.tolist()))
+        for block_id in revived:
+            del cached[block_id]
+        if revived:
+            if self._ledger is not None:
+                self._ledger.removed(revived)
+            self._events.append(("hit", revived))
+        self._refcount[ids] += 1
+        self._protected[ids] = True  # now shared, or a revived cached block (indexed)
+
+    def free(self, block_ids: Iterable[int] | np.ndarray, *, unique: bool = False,
+             priority: int | None = None, retention_seconds: float | None = None) -> None:
+        """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry;
+        ``unique=True`` promises there is none, which saves a slower scatter).
+
+        Blocks left with no owner become cached when indexed, free otherwise; they are
+        released tail first, so the tail is evicted first and the prefix outlives it. With
+        a tenant policy, `priority` and `retention_seconds` (None: the tenant's defaults)
+        retain the newly cached blocks' head, and a tenant past its quota loses its oldest
+        cached blocks at once.
+        """
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        if not unique:
+            np.subtract.at(self._refcount, ids, 1)
+            left = self._refcount[ids]
+        else:  # one gather and one scatter, not a read-modify-write per use
+            left = self._refcount[ids] - 1
+            self._refcount[ids] = left
+        indexed = self._indexed[ids]
+        if left.any():  # some blocks keep owners: only the unowned are released
+            self._protected[ids] = (left > 1) | indexed
+            gone = left == 0
+            ids, indexed = ids[gone], indexed[gone]
+        else:  # the sole owner of every block (a finished sequence, the common case)
+            self._protected[ids] = indexed
+        released, flags = ids[::-1].tolist(), indexed[::-1].tolist()
+        if not unique:
+            first = dict(zip(released, flags, strict=True))  # one entry per block
+            released, flags = list(first), list(first.values())
+        cached = list(itertools.compress(released, flags))
+        freed = [b for b, flag in zip(released, flags, strict=True) if not flag]
+        self._cached.update(dict.fromkeys(cached))
+        self._free.extend(freed)
+        if cached:
+            self._events.append(("cached", cached))
+        if freed:
+            self._events.append(("freed", freed))
+        if cached and self._ledger is not None:
+            self._drop(self._ledger.cached(cached, priority, retention_seconds), "own_quota")
+
+    def _drop(self, block_ids: list[int], pressure: str) -> None:
+        """Evict cached `block_ids` (the ledger's choice) to the free list."""
+        if block_ids:
+            for block_id in block_ids:
+                del self._cached[block_id]
+            self._ghost.evicted(self._unindex(block_ids), "device", pressure)
+            self._free.extend(block_ids)
+            self._events.append(("freed", list(block_ids)))
+
+    def flush_tenant(self, root: bytes, *, retention_only: bool = False) -> int:
+        """Evict every cached block of the tenant whose salted root is `root` (an admin
+        flush; its live blocks stay), or with `retention_only` end the soft retention of
+        the blocks it retains (they become its oldest ordinary ones); returns how many.
+        Without a tenant policy nothing is retained and nothing is done (0)."""
+        if self._ledger is None:
+            return 0
+        tenant = self._ledger.tenant_id(root)
+        if retention_only:
+            return self._ledger.unretain(tenant)
+        dropped = self._ledger.flush(tenant)
+        self._drop(dropped, "flush")
+        return len(dropped)
+
+    def register(self, block_id: int, key: bytes, token_ids: bytes,
+                 parent_key: bytes = b"") -> bool:
+        """Index a live, full block under `key` (chained from `parent_key`, which events
+        report); False when that key is already indexed."""
+        if not self.enable_prefix_caching or key in self._index:
+            return False
+        self._insert([key], [block_id], [token_ids], [parent_key], token_ids)
+        return True
+
+    def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
+                        token_ids: bytes) -> list[bytes]:
+        """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds
+        slice i of `token_ids` (equal slices, little-endian int32) and chains from
+        ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
+
+        One call per step: the hashes in one comprehension (`keys.hash_pieces`) and the
+        index updated in bulk, so the per-block work is a hash and a few C-level dict
+        stores.
+        """
+        pieces = split_blocks(token_ids, len(block_ids))
+        keys = hash_pieces(parent_keys, pieces)
+        if self.enable_prefix_caching and keys:
+            self._insert(keys, block_ids, pieces, parent_keys, token_ids)
+        return keys
+
+    def register_chain(self, block_ids: list[int], parent_key: bytes, token_ids: bytes,
+                       known: list[bytes] = (), pieces: list[bytes] | None = None,
+                       ) -> list[bytes]:
+        """Key and index consecutive full blocks of one sequence: ``block_ids[0]`` chains
+        from `parent_key`, each next one from the key before it; ``block_ids[i]`` holds
+        slice i of `token_ids` (equal slices, little-endian int32). `known` are the keys of
+        the first blocks when already hashed (the request's keys), `pieces` the slices when
+        already cut (they are the blocks' bytes the index keeps). Returns the keys."""
+        known = list(known[: len(block_ids)])
+        if pieces is None:
+            pieces = split_blocks(token_ids, len(block_ids))
+        if len(known) == len(block_ids):  # every key known: nothing to hash
+            keys = known
+        else:
+            keys = known + chain_pieces(known[-1] if known else parent_key,
+                                        pieces[len(known):])
+        if self.enable_prefix_caching and keys:
+            self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
+        return keys
+
+    def _insert(self, keys: list[bytes], block_ids: list[int], pieces: list[bytes],
+                parents: list[bytes], token_ids: bytes) -> None:
+        """Index blocks in bulk (``block_ids[i]`` holds ``pieces[i]``, the slices of
+        `token_ids`, and chains from ``parents[i]``); a key indexed before (or twice here)
+        keeps its first block."""
+        index = self._index
+        if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
+            first: dict[bytes, int] = {}
+            for i, key in enumerate(keys):
+                if key not in index:
+                    first.setdefault(key, i)
+            chosen = list(first.values())
+            keys = [keys[i] for i in chosen]
+            block_ids = [block_ids[i] for i in chosen]
+            parents = [parents[i] for i in chosen]
+            pieces = [pieces[i] for i in chosen]
+            token_ids = b"".join(pieces)
+            if not keys:
+                return
+        index.update(zip(keys, block_ids, strict=True))
+        ids = np.array(block_ids, dtype=np.int64)
+        if self._ledger is not None:
+            self._ledger.tag(ids, keys, parents, index)
+        self._ghost.seen(parents)
+        self._key_of.update(zip(block_ids, keys, strict=True))
+        self._tokens_of.update(zip(block_ids, pieces, strict=True))
+        self._indexed[ids] = True
+        self._protected[ids] = True
+        self._events.append(("stored", tuple(block_ids), tuple(keys), tuple(parents),
+                             token_ids))
+
+    def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
+        """Take `block_ids` out of the prefix index (those not indexed are skipped): their
+        K/V was never written, so no later prefix may find them. A cached one becomes free.
+        Returns how many left the index."""
+        ids = [b for b in dict.fromkeys(np.asarray(block_ids, dtype=np.int64).tolist())
+               if self._indexed[b]]
+        keys = [self._key_of[block_id] for block_id in ids]
+        for block_id, key in zip(ids, keys, strict=True):
+            del self._index[key]
+            if block_id in self._cached:
+                del self._cached[block_id]
+                self._free.append(block_id)
+                if self._ledger is not None:
+                    self._ledger.removed([block_id])
+        if ids:
+            self._indexed[ids] = False
+            self._protected[ids] = self._refcount[ids] > 1
+            self._events.append(("removed", ids, keys))
+        return len(ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Free every cached block and empty the index; returns how many blocks were dropped."""
+        dropped = list(self._cached)
+        self._cached.clear()
+        self._free.extend(reversed(dropped))
+        self._index.clear()
+        if self._ledger is not None:
+            self._ledger.clear()
+        self._indexed[:] = False
+        np.greater(self._refcount, 1, out=self._protected)
+        if dropped:
+            self._events.append(("freed", dropped))
+        self._events.append(("cleared", ()))
+        return len(dropped)
+
+    def take_events(self) -> list[BlockEvent]:
+        """Return and clear the events logged since the last call."""
+        # rest: keys (a list or tuple), then a stored event's parents and token bytes
+        events = [BlockEvent(kind, tuple(ids), *map(tuple, rest[:2]), *rest[2:])
+                  for kind, ids, *rest in self._events]
+        self._events.clear()
+        return events
+
+    # -- checking -------------------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """Comparable copy of the whole state (for tests of rejected calls)."""
+        return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
+                tuple(sorted(self._index.items())),
+                tuple(self._tokens_of[b] for b in np.flatnonzero(self._indexed).tolist()),
+                tuple(self._prefix_tokens),
+                self._ledger.snapshot() if self._ledger is not None else None)
+
+    def check_invariants(self, owners: np.ndarray | None = None) -> None:
+        """Raise `InvariantError` if the block states do not partition the pool.
+
+        Parameters
+        ----------
+        owners : np.ndarray, optional
+            ``[num_blocks]`` count of page-table rows holding each block; compared with the
+            refcounts when given.
+        """
+        free, cached = self._free, list(self._cached)
+        live = np.flatnonzero(self._refcount > 0).tolist()
+        everything = free + cached + live
+        ensure(len(set(everything)) == len(everything), "a block is in two states")
+        ensure(sorted(everything) == list(range(1, self.num_blocks)), "blocks leaked or invented")
+        ensure(self._refcount.min() >= 0, "negative refcount")
+        ensure(self._refcount[NULL_BLOCK] == 0, "the null block was handed out")
+        ensure(not self._indexed[free].any(), "a free block is still indexed")
+        ensure(self._indexed[cached].all(), "a cached block is not indexed")
+        for key, block_id in self._index.items():
+            ensure(bool(self._indexed[block_id]) and self._key_of[block_id] == key,
+                   f"index entry of {block_id} is stale")
+        ensure(len(self._index) == int(np.count_nonzero(self._indexed)),
+               "the indexed flags disagree with the index")
+        ensure(np.array_equal(self._protected, (self._refcount > 1) | self._indexed),
+               "the write-protected flags disagree with refcounts and the index")
+        if self._ledger is not None:
+            self._ledger.check(set(cached))
+        if owners is not None:
+            bad = np.flatnonzero(owners != self._refcount)
+            ensure(bad.size == 0,
+                   f"refcount differs from owners for blocks {bad[:8].tolist()}: "
+                   f"{self._refcount[bad[:8]].tolist()} vs {owners[bad[:8]].tolist()}")
+

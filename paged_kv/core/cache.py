@@ -1,0 +1,526 @@
+"""`PagedKVCache`: the facade over the owners; it holds no state of its own.
+
+    BlockAllocator  block ids, refcounts, prefix index, eviction   (ints, never tensors)
+    PageTables      per-sequence rows: block ids, token counts, prefix keys (numpy rows)
+    KVPool          the one preallocated K/V tensor (and the host pool's tensor)
+    SwapSpace       the swap area: host block ids and swapped-out sequences
+    paged_kv.core.step   a step's (or an admission's) parse -> plan -> check -> commit over
+                    the owners: StepPlanner reads them, StepCommitter changes them
+
+Every public mutator validates everything first and only then changes state, so a rejected
+call leaves every owner exactly as it was. The owners are exposed read-only in spirit
+(`allocator`, `tables`): outside the core they are read, and changed only through the
+operations here (`tests/test_architecture.py` fails on a mutator called through them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .._checks import (
+    check_retain,
+    require_known,
+    require_new,
+    require_resident,
+    require_truncatable,
+)
+from ..config import CacheConfig
+from ..errors import InvariantError, OutOfBlocksError, PagedKVError
+from ..kernels.quant import raw
+from ..keys import KEY_BYTES, BlockEvent, root_hash
+from .accounting import CacheStats, compute_stats
+from .allocator import BlockAllocator
+from .batch import SeqId, StepBatch
+from .layer_access import LayerAccess
+from .load_cached import load_blocks
+from .page_table import PageTables
+from .pool import KVPool
+from .step.commit import StepCommitter
+from .step.parse import Step, decode_columns, parse_step, tokens_to_array
+from .step.plan import Admission, StepPlanner
+from .step.prefix import forget_unwritten
+from .swap import SwapSpace
+
+_NO_TOKENS = np.empty(0, dtype=np.int32)
+
+
+class PagedKVCache(LayerAccess):
+    """A paged KV cache for many sequences at once.
+
+    Parameters
+    ----------
+    config : CacheConfig
+        Pool shape, dtype, device, prefix caching, host pool size.
+
+    Examples
+    --------
+    >>> cfg = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4,
+    ...                   num_blocks=16, dtype=torch.float32)
+    >>> cache = PagedKVCache(cfg)
+    >>> cache.add_sequence("a", [1, 2, 3, 4, 5])
+    0
+    >>> batch = cache.prepare({"a": [1, 2, 3, 4, 5]})
+    >>> batch.slot_mapping.tolist()  # block 1 holds tokens 0-3, block 2 token 4
+    [4, 5, 6, 7, 8]
+    >>> k = torch.randn(5, 2, 8)
+    >>> cache.write(0, k, -k, batch)
+    >>> keys, values = cache.gather(0, ["a"])
+    >>> torch.equal(keys[0], k)
+    True
+    >>> cache.stats().num_live_blocks, cache.stats().num_empty_slots
+    (2, 3)
+    """
+
+    _layout_of_kinds: type | None = None  # the subclass that serves layer kinds
+
+    def __init_subclass__(cls, *, serves_layer_kinds: bool = False, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if serves_layer_kinds:  # paged_kv.core.groups's, registered as the package loads
+            PagedKVCache._layout_of_kinds = cls
+
+    def __new__(cls, config: CacheConfig, *args, **kwargs) -> PagedKVCache:
+        # a config with window or chunked layers gets per-group block tables
+        if cls is PagedKVCache and isinstance(config, CacheConfig) and config.layer_kinds:
+            return super().__new__(PagedKVCache._layout_of_kinds)
+        return super().__new__(cls)
+
+    def __init__(self, config: CacheConfig, *, compiled: bool | None = None) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self._allocator = BlockAllocator(config.num_blocks,
+                                         enable_prefix_caching=config.enable_prefix_caching,
+                                         tenants=config.tenants)
+        self._tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
+        self._pool = KVPool(config)
+        self._swap = (SwapSpace(config.num_host_blocks, self._tables, self._allocator,
+                                self._pool) if config.num_host_blocks else None)
+        self._planner = StepPlanner(self._tables, self._allocator, config)
+        self._committer = StepCommitter(self._tables, self._allocator, self._pool, config)
+        self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
+        self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
+
+    # -- read-only views of the owners ----------------------------------------------------
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The block-id owner (read it; mutate only through the cache)."""
+        return self._allocator
+
+    @property
+    def tables(self) -> PageTables:
+        """The per-sequence rows (read it; mutate only through the cache)."""
+        return self._tables
+
+    @property
+    def pool(self) -> KVPool:
+        """The K/V tensors."""
+        return self._pool
+
+    @property
+    def groups(self) -> tuple:
+        """A hybrid layout's layer groups, the leading one first (`paged_kv.core.groups`); none
+        for a uniform layout, whose one group is the cache itself."""
+        return ()
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks are obtainable now (free plus evictable cached)."""
+        return self._allocator.can_allocate(num_blocks)
+
+    # -- sequence lifecycle ---------------------------------------------------------------
+    def add_sequence(self, seq_id: SeqId, prompt_token_ids: Sequence[int] | None = None, *,
+                     salt: str | None = None, keys: Sequence[bytes] = ()) -> int:
+        """Register a sequence and map its longest cached prefix of full blocks.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            New, unique id.
+        prompt_token_ids : sequence of int, optional
+            The prompt, only looked up here; its tokens arrive through `prepare`.
+        salt : str, optional
+            Isolates prefix reuse between tenants.
+        keys : sequence of bytes, optional
+            The prompt's block keys as the request carries them (`paged_kv.keys.block_keys`
+            of the prompt under the salt's root), so they are not hashed again: the lookup
+            and the indexing of the prompt's blocks as `prepare` fills them use them (the
+            indexing checks a key against the tokens it was hashed from; the lookup trusts
+            them, as it trusts the prompt: keys of other tokens or of another salt would
+            find other prompts' blocks). Missing ones are hashed here.
+
+        Returns
+        -------
+        int
+            Tokens already cached (a multiple of ``block_size``, always below the prompt's
+            length so the last prompt token is computed); the sequence holds that many now.
+        """
+        require_new(self._tables, "add_sequence()", seq_id)
+        tokens = (None if prompt_token_ids is None
+                  else tokens_to_array("prompt_token_ids", prompt_token_ids))
+        plan = self._plan_admission("add_sequence()", seq_id, tokens, salt, keys, 0)
+        self._commit_admission(plan, "add_sequence()")  # takes no block: its hits only
+        return plan.num_hit
+
+    def admit(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
+              max_tokens: int | None = None, salt: str | None = None,
+              keys: Sequence[bytes] = ()) -> tuple[int, StepBatch]:
+        """`add_sequence` and the `prepare` of the prompt's next tokens, as one call: the
+        prompt is converted and hashed once, and the admission is all or nothing.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            New, unique id.
+        prompt_token_ids : sequence of int
+            The prompt (at least one token).
+        max_tokens : int, optional
+            Prepare at most this many tokens after the cached prefix (a prefill chunk);
+            default: the rest of the prompt.
+        salt : str, optional
+            Isolates prefix reuse between tenants.
+        keys : sequence of bytes, optional
+            As for `add_sequence`.
+
+        Returns
+        -------
+        (int, StepBatch)
+            Tokens found cached, and the step batch of the tokens prepared after them.
+
+        Raises
+        ------
+        OutOfBlocksError
+            Not enough blocks for the prepared tokens; the sequence was not added and
+            nothing changed.
+
+        Examples
+        --------
+        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8))
+        >>> hit, batch = cache.admit("a", [1, 2, 3, 4, 5])
+        >>> hit, batch.slot_mapping.tolist()
+        (0, [4, 5, 6, 7, 8])
+        """
+        require_new(self._tables, "admit()", seq_id)
+        tokens = tokens_to_array("admit(): prompt_token_ids", prompt_token_ids)
+        if not len(tokens):
+            raise ValueError("admit(): empty prompt; give at least one token")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
+                max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"admit(): max_tokens must be an int >= 1, got {max_tokens!r}")
+        plan = self._plan_admission("admit()", seq_id, tokens, salt, keys, max_tokens)
+        return plan.num_hit, self._commit_admission(plan, "admit()", prepare=True)
+
+    def plan_admission(self, seq_id: SeqId, prompt_token_ids: Sequence[int], *,
+                       salt: str | None = None, keys: Sequence[bytes] = (),
+                       max_tokens: int | None = None, lookup: bool = True) -> Admission:
+        """What adding `seq_id` with this prompt and preparing its next `max_tokens` tokens
+        would take now (every key of the prompt's full blocks, its cached prefix, the
+        blocks); changes nothing. A scheduler tests it with `paged_kv.core.step.plan.fits`, then
+        adds the sequence with its keys (`lookup=False`: the prompt is not looked up, as
+        for a request that wants every position's log-probabilities)."""
+        require_new(self._tables, "plan_admission()", seq_id)
+        tokens = tokens_to_array("plan_admission(): prompt_token_ids", prompt_token_ids)
+        return self._plan_admission("plan_admission()", seq_id, tokens, salt, keys,
+                                    max_tokens, lookup=lookup, complete=True)
+
+    def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
+                        salt: str | None, keys: Sequence[bytes], max_tokens: int | None,
+                        *, lookup: bool = True, complete: bool = False) -> Admission:
+        """Validate the rest of an admission's arguments, then plan it (changes nothing)."""
+        root = root_hash(salt)  # also the salt's check, with prefix caching off too
+        # counted in C: a request's keys come with every admission
+        if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
+                         == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
+            raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
+        return self._planner.plan_admission(seq_id, tokens, root if lookup else None,
+                                            keys=keys, max_tokens=max_tokens,
+                                            complete=complete)
+
+    def _commit_admission(self, plan: Admission, what: str, *, prepare: bool = False,
+                          ) -> StepBatch | None:
+        """Check an admission's plan, then commit its row (and, with `prepare`, its next
+        tokens' step)."""
+        self._planner.check(plan, what)
+        batch = self._committer.admit(plan) if prepare else self._committer.add_row(plan)
+        self._after_mutation()
+        return batch if prepare else None
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """Make `child` share all of `parent`'s blocks; the first write into a shared,
+        partly filled block copies it (copy-on-write)."""
+        require_resident(self._tables, "fork()", parent)
+        require_new(self._tables, "fork()", child)
+        self._tables.fork(parent, child)
+        self._allocator.share(self._tables.blocks(child))
+        self._after_mutation()
+
+    def truncate(self, seq_id: SeqId, num_tokens: int, *, unwritten: bool = False) -> None:
+        """Keep only the first `num_tokens` tokens of a resident sequence (speculative
+        decoding rollback, ``crop``); blocks past them are released, tail first.
+
+        The sequence keeps extending its prefix-index chain only while its last kept full
+        block is still indexed. A kept block that becomes partial but stays indexed is
+        copied before it is written again (see `prepare`), so its cached prefix survives.
+
+        With ``unwritten=True`` the K/V past `num_tokens` was never written (a failed step
+        planned it): those blocks first leave the prefix index, so neither a later prompt
+        nor a lower tier ever finds them.
+        """
+        require_truncatable(self._tables, seq_id, num_tokens)
+        if unwritten:
+            forget_unwritten(self._allocator, self._tables, seq_id, int(num_tokens),
+                             self.config.block_size)
+        num_full = num_tokens // self.config.block_size
+        if self._tables.chain(self._tables.row_of[seq_id]) is None:
+            chain = None  # ids unknown somewhere (or no prefix caching): never index again
+        elif num_full == 0:
+            chain = self._tables.root(self._tables.row_of[seq_id])
+        else:
+            chain = self._allocator.block_hash(int(self._tables.blocks(seq_id)[num_full - 1]))
+        self._allocator.free(self._tables.truncate(seq_id, int(num_tokens), chain), unique=True)
+        self._after_mutation()
+
+    def free(self, seq_id: SeqId, *, priority: int | None = None,
+             retention_seconds: float | None = None) -> None:
+        """Release `seq_id`: full indexed blocks become cached (evictable), the rest free.
+
+        With a tenant policy (`CacheConfig.tenants`), `priority` (0-99) and
+        `retention_seconds` retain the cached blocks softly: they are evicted after every
+        ordinary cached block until the retention ends, within the tenant's retention
+        budget (None: the tenant's defaults; see `paged_kv.tenants`).
+        """
+        if seq_id not in self._tables:
+            raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
+        retain = check_retain("free()", priority, retention_seconds)
+        if self._swap is not None and self._swap.is_swapped(seq_id):
+            self._swap.drop(seq_id, self._tables.remove(seq_id))
+        else:
+            self._allocator.free(self._tables.remove(seq_id), unique=True, **retain)
+        self._after_mutation()
+
+    def reset_prefix_cache(self, tenant: str | None = None, *,
+                           retention_only: bool = False) -> int:
+        """Free every cached block and empty the prefix index; returns blocks dropped.
+
+        With `tenant` (a salt the tenant policy names), only that tenant's cached blocks
+        are evicted (an admin flush), or with `retention_only` only their soft retention
+        ends (returns how many were retained); live blocks always stay.
+        """
+        if tenant is None:
+            if retention_only:
+                raise ValueError("reset_prefix_cache(): retention_only needs a tenant")
+            dropped = self._allocator.reset_prefix_cache()
+        else:
+            dropped = self._allocator.flush_tenant(root_hash(tenant),
+                                                   retention_only=retention_only)
+        self._after_mutation()
+        return dropped
+
+    def take_events(self) -> list[BlockEvent]:
+        """Return and clear the block events logged since the last call (see
+        `BlockAllocator.take_events`): what the tiers copy out and KV events publish."""
+        return self._allocator.take_events()
+
+    def load_cached(self, keys: list[bytes], token_ids: np.ndarray, payload: torch.Tensor,
+                    parent_key: bytes) -> int:
+        """Put blocks fetched from a lower tier into the pool as cached blocks under their
+        keys, where the next admission finds them as any prefix hit.
+
+        Parameters
+        ----------
+        keys : list of bytes
+            The blocks' chained keys, a prompt's consecutive full blocks in order.
+        token_ids : np.ndarray
+            ``[len(keys) * block_size]`` the blocks' token ids.
+        payload : torch.Tensor
+            ``[len(keys), pool.block_nbytes]`` uint8, the blocks as `KVPool.read_blocks`
+            gave them.
+        parent_key : bytes
+            The key the first block chains from (its `stored` event names it as parent).
+
+        Returns
+        -------
+        int
+            Blocks loaded (0 when the pool cannot spare them; nothing changed then). A key
+            indexed meanwhile keeps its block; the copy is freed.
+        """
+        loaded = load_blocks(self._allocator, self._pool, keys, token_ids, payload, parent_key)
+        self._after_mutation()
+        return loaded
+
+    # -- a step ---------------------------------------------------------------------------
+    def prepare(self, new_tokens: Mapping[SeqId, Sequence[int] | int]) -> StepBatch:
+        """Reserve slots for each sequence's new tokens and build the step's `StepBatch`.
+
+        Parameters
+        ----------
+        new_tokens : mapping of seq_id to token ids or a count
+            At least one token each; a count means ids unknown (such blocks are never
+            indexed for reuse). Rows and tokens follow the mapping's order.
+
+        Returns
+        -------
+        StepBatch
+
+        Raises
+        ------
+        OutOfBlocksError
+            The step needs more blocks than obtainable; nothing changed.
+        KeyError, TypeError, ValueError
+            Unknown or swapped-out sequence, bad token ids or counts; nothing changed.
+        """
+        return self._step(parse_step(new_tokens, self._tables), "prepare()")
+
+    def _step(self, step: Step, what: str, decode: bool | None = None) -> StepBatch:
+        """Plan, check and commit a parsed step (``decode=True``: one token a row)."""
+        plan = self._planner.plan(step, decode=decode)
+        self._planner.check(plan, what)
+        batch = self._committer.commit(plan)
+        self._after_mutation()
+        return batch
+
+    def rows_of(self, seq_ids: Sequence[SeqId]) -> np.ndarray:
+        """Row handles of resident sequences for `prepare_decode`, ``[B]`` int64, read-only.
+
+        The same array comes back while no sequence is added, freed or swapped, so a
+        running batch resolves its handles once and the decode step skips re-validating them.
+        """
+        seq_ids = tuple(seq_ids)
+        try:
+            rows = self._tables.rows_of(seq_ids)
+        except KeyError as exc:
+            raise KeyError(f"rows_of(): unknown sequence {exc.args[0]!r}") from None
+        self._tables.resolve_rows("rows_of()", rows)
+        return rows
+
+    def prepare_decode(self, rows: np.ndarray, token_ids: np.ndarray | torch.Tensor | None,
+                       ) -> StepBatch:
+        """`prepare` for one new token per sequence, given as arrays: the decode step.
+
+        Parameters
+        ----------
+        rows : np.ndarray
+            ``[B]`` row handles from `rows_of` (each sequence once, resident).
+        token_ids : np.ndarray or torch.Tensor or None
+            ``[B]`` int, the new token of each row; None when the ids are unknown (as a
+            count of 1 in `prepare`: those rows' blocks are never indexed for reuse).
+
+        Returns
+        -------
+        StepBatch
+            As `prepare` of ``{seq_id: [token]}`` in the order of `rows`, and the same
+            state changes (copy-on-write, prefix indexing, all or nothing).
+
+        Examples
+        --------
+        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8))
+        >>> for s in ("a", "b"):
+        ...     _ = cache.add_sequence(s, [1, 2, 3])
+        ...     _ = cache.prepare({s: [1, 2, 3]})
+        >>> rows = cache.rows_of(["a", "b"])
+        >>> cache.prepare_decode(rows, np.array([7, 8])).slot_mapping.tolist()
+        [7, 11]
+        """
+        rows, seq_ids = self._tables.resolve_rows("prepare_decode()", rows)
+        known = token_ids is not None
+        tokens = _NO_TOKENS  # ids unknown
+        if known:
+            tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
+            if tokens.shape != rows.shape:
+                raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
+                                 f"(one per row), got {tokens.shape}")
+        step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
+        return self._step(step, "prepare_decode()", decode=True)
+
+    def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
+                          *, per_sequence: bool = False) -> int | np.ndarray:
+        """Blocks `prepare(new_tokens)` would take now (copy-on-write copies included),
+        without changing anything: a scheduler's admission check.
+
+        `new_tokens` may also be row handles from `rows_of` (an ``np.ndarray``): the blocks
+        `prepare_decode` of those rows would take, one new token each (the steady decode
+        state, counted without a mapping to parse).
+
+        With ``per_sequence=True`` returns ``[B]`` int64, each sequence's share in the
+        mapping's order (copies counted for the sequence that makes them).
+
+        Examples
+        --------
+        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8))
+        >>> cache.add_sequence("a")
+        0
+        >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
+        3
+        """
+        if isinstance(new_tokens, np.ndarray):
+            rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
+            if not per_sequence:  # the steady state: no copy, no step object
+                needed = self._tables.plan_decode(rows, self._allocator.protected)
+                if needed >= 0:
+                    return needed
+            step = Step(seq_ids, rows, *decode_columns(rows.size, False), _NO_TOKENS)
+            plan = self._planner.plan(step, fast=False)  # a copy, or per sequence
+        else:
+            plan = self._planner.plan(parse_step(new_tokens, self._tables), fast=False)
+        return plan.per_sequence() if per_sequence else plan.requested
+
+    # -- swapping -------------------------------------------------------------------------
+    def swap_out(self, seq_id: SeqId) -> None:
+        """Move a sequence's blocks to the host pool and release its device blocks."""
+        require_resident(self._tables, "swap_out()", seq_id)
+        if self._swap is None:
+            raise PagedKVError("swap_out(): no host pool; set CacheConfig.num_host_blocks > 0")
+        self._swap.swap_out(seq_id)
+        self._after_mutation()
+
+    def swap_in(self, seq_id: SeqId) -> None:
+        """Bring a swapped-out sequence back into fresh device blocks."""
+        require_known(self._tables, "swap_in()", seq_id)
+        if self._swap is None or not self._swap.is_swapped(seq_id):
+            raise ValueError(f"swap_in(): sequence {seq_id!r} is not swapped out")
+        self._swap.swap_in(seq_id)
+        self._after_mutation()
+
+    # -- accounting and checking ----------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Where every block and byte is now (see `CacheStats`)."""
+        return compute_stats(
+            allocator=self._allocator, tables=self._tables, block_size=self.config.block_size,
+            bytes_per_block=self.config.bytes_per_block, total_bytes=self._pool.nbytes,
+            num_swap_outs=0 if self._swap is None else self._swap.num_swap_outs)
+
+    def check(self) -> None:
+        """Raise `InvariantError` if any invariant of allocator, tables or pool is broken."""
+        self._tables.check()
+        self._allocator.check_invariants(self._tables.owners(self.config.num_blocks))
+        if self._swap is not None:
+            self._swap.check()
+
+    # -- validation helpers ---------------------------------------------------------------
+    def _after_mutation(self) -> None:
+        if self._debug:
+            self.check()
+
+
+__all__ = ["InvariantError", "OutOfBlocksError", "PagedKVCache", "PagedKVError"]
+
+
+def snapshot(cache: PagedKVCache) -> tuple:
+    """Comparable copy of a cache's whole state (tables, allocators, pool bytes): tests of
+    rejected calls compare one taken before with one taken after."""
+    pool = cache.pool
+    tensors = tuple(None if t is None else raw(t).clone() for t in (
+        pool.kv, pool.host, pool.scales, pool.host_scales))
+    host = None if cache._swap is None else cache._swap.snapshot()
+    # a hybrid layout's every layer group: its rows, and the blocks its window gave back
+    groups = tuple((g.tables.snapshot(), g.released.tobytes())
+                   for g in cache.groups)
+    return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors, groups

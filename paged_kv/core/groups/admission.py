@@ -1,0 +1,186 @@
+"""A hybrid layout's admission: one prefix hit every layer group accepts, then one row per
+group.
+
+The leading group plans the admission as a uniform cache would (its keys, hashed once, and
+its cached prefix); every other group is then asked, under the same keys (`group_key`),
+for the longest hit it accepts (`accepted_hit`: all blocks for full attention, only the
+blocks the window or chunk still reads for the others), and the hit shrinks until all
+agree (vLLM's hybrid coordinator: one pass per shrink, and a full group is downward
+closed). A window group's row then starts with the null block where its window has left.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ...config import LayerKind
+from ...keys import TOKEN_BYTES
+from ..allocator import BlockAllocator
+from ..step.commit import admission_batch
+from ..step.plan import Admission
+from .groups import LayerGroup, filled_blocks
+from .rules import accepted_hit, group_key, skipped_blocks
+
+
+class HybridAdmission(NamedTuple):
+    """An admission over every group (read like an `Admission`: `fits` tests it).
+
+    Attributes
+    ----------
+    leader : Admission
+        The leading group's plan, cut to the agreed hit.
+    group_hits : tuple of list of int
+        For each other group, its block at every column of the hit (0 = given back).
+    requested, revived : int
+        Over all groups.
+    """
+
+    leader: Admission
+    group_hits: tuple[list[int], ...]
+    requested: int
+    revived: int
+    kinds: tuple[LayerKind, ...] = ()  # of every group, the leading one first
+
+    @property
+    def seq_id(self):
+        return self.leader.seq_id
+
+    @property
+    def tokens(self) -> np.ndarray | None:
+        return self.leader.tokens
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.leader.keys
+
+    @property
+    def root(self) -> bytes | None:
+        return self.leader.root
+
+    @property
+    def num_hit(self) -> int:
+        return self.leader.num_hit
+
+    @property
+    def count(self) -> int:
+        return self.leader.count
+
+    def missing(self, block_size: int) -> tuple[bytes, list[bytes], np.ndarray]:
+        """What a lower tier is asked for: the leading group's `Admission.missing`, then
+        each other group's blocks (under its `group_key`s) that a hit at the prompt's end
+        needs — a window group's last window only. One run, so one fetch; a run that
+        stops early lands the leading group's blocks first."""
+        parent, keys, tokens = self.leader.missing(block_size)
+        lead = self.leader
+        if lead.tokens is None or not keys:
+            return parent, keys, tokens
+        end, start = len(lead.hits) + len(keys), len(lead.hits)
+        keys, parts = list(keys), [tokens]
+        for index, kind in enumerate(self.kinds[1:], start=1):
+            first = max(start, skipped_blocks(kind, end * block_size, block_size))
+            keys += [group_key(key, index) for key in lead.keys[first:end]]
+            parts.append(lead.tokens[first * block_size:end * block_size])
+        return parent, keys, np.concatenate(parts)
+
+
+def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admission,
+                block_size: int, max_tokens: int | None) -> HybridAdmission:
+    """The admission of `plan` (the leading group's) over every group; changes nothing."""
+    width = block_size * TOKEN_BYTES
+    found: list[dict[int, int | None]] = [{} for _ in groups]
+
+    def cached_in(group: LayerGroup):
+        memo = found[group.index]
+
+        def cached(column: int) -> bool:
+            if column not in memo:
+                memo[column] = allocator.lookup(group_key(plan.keys[column], group.index),
+                                                plan.data[column * width:(column + 1) * width])
+            return memo[column] is not None
+        return cached
+
+    # a full leading group's lookup is its leading run; a window one (every layer a window)
+    # is asked like the others, right to left from the prompt's last full block
+    window_led = not groups[0].kind.is_full
+    end = (min(len(plan.keys), (len(plan.tokens) - 1) // block_size)
+           if window_led and plan.tokens is not None else len(plan.hits))
+    askers = groups if window_led else groups[1:]
+    while True:
+        agreed = end
+        for group in askers:
+            agreed = accepted_hit(group.kind, agreed, block_size, cached_in(group))
+        if agreed == end:
+            break
+        end = agreed
+
+    def hits_of(group: LayerGroup) -> list[int]:
+        first = skipped_blocks(group.kind, end * block_size, block_size) if end else 0
+        return [0] * first + [found[group.index][column] for column in range(first, end)]
+
+    leader = plan
+    if window_led:
+        leader = _cut(plan, hits_of(groups[0]), block_size, max_tokens, allocator)
+    elif end < len(plan.hits):
+        leader = _cut(plan, plan.hits[:end], block_size, max_tokens, allocator)
+    group_hits = tuple(hits_of(group) for group in groups[1:])
+    revived = leader.revived + (sum(allocator.count_cached([b for b in hits if b])
+                                    for hits in group_hits) if leader.count else 0)
+    return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived,
+                           tuple(group.kind for group in groups))
+
+
+def _cut(plan: Admission, hits: list[int], block_size: int, max_tokens: int | None,
+         allocator: BlockAllocator) -> Admission:
+    """`plan` with these hits instead (the agreed hit: another group lacks the rest, or a
+    window leader's own, 0 where its window has left)."""
+    num_hit = len(hits) * block_size
+    count = 0 if plan.tokens is None else len(plan.tokens) - num_hit
+    count = count if max_tokens is None else min(count, max_tokens)
+    requested = -(-(num_hit + count) // block_size) - len(hits)
+    revived = allocator.count_cached([block for block in hits if block]) if hits and count else 0
+    # the pieces were cut after the longer hit: the commit cuts its own
+    return plan._replace(hits=hits, num_hit=num_hit, count=count, requested=requested,
+                         revived=revived, pieces=[])
+
+
+def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: HybridAdmission,
+                  prepare: bool, device) -> tuple:
+    """Commit a checked `HybridAdmission`: every group's row, and with `prepare` the
+    batches of its next tokens (one per group). The hits of every group are shared first,
+    so no group's allocation can evict a block another group is about to take."""
+    leader_plan, block_size = plan.leader, groups[0].tables.block_size
+    for hits in plan.group_hits:
+        if any(hits):
+            allocator.share([block for block in hits if block])
+    leader = groups[0]
+    first = leader.committer.admit(leader_plan) if prepare else None
+    if not prepare:
+        leader.committer.add_row(leader_plan)
+    row = leader.tables.row_of[leader_plan.seq_id]
+    leader.released_of(np.array([row]))
+    leader.released[row] = leader_plan.hits.count(0)  # a window leader's given-back columns
+    count = leader_plan.count if prepare else 0
+    end, num_new = leader_plan.num_hit + count, (leader_plan.requested if prepare else 0)
+    batches = [first]
+    tokens = None if leader_plan.tokens is None else leader_plan.tokens[:end]
+    for group, hits in zip(groups[1:], plan.group_hits, strict=True):
+        assert group.tables.add(leader_plan.seq_id) == row, "layer groups' rows diverged"
+        new = (allocator.allocate(num_new, leader_plan.root) if num_new
+               else np.empty(0, dtype=np.int64))
+        ids = np.concatenate((np.array(hits, dtype=np.int64), new))
+        if ids.size:
+            group.tables.extend_row(row, 0, end, ids, tokens)
+        group.released_of(np.array([row]))
+        group.released[row] = hits.count(0)
+        if prepare:
+            batches.append(admission_batch(leader_plan.seq_id, ids, end, count, new,
+                                           block_size, device))
+    if prepare and leader.planner.indexing and len(groups) > 1:
+        # its prompt's blocks that filled, under the leader's keys
+        filled = filled_blocks(allocator, leader.tables, np.array([row]),
+                               np.array([leader_plan.num_hit]), [leader_plan.chain])
+        for group in groups[1:]:
+            group.mirror(allocator, filled)
+    return tuple(batches) if prepare else ()

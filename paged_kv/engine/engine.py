@@ -1,0 +1,448 @@
+"""`Engine`: continuous batching over a `PagedKVCache` and a model, with vLLM-shaped outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import abc
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .._checks import check_retain
+from ..config import CacheConfig
+from ..core.cache import PagedKVCache
+from ..events import KVEventsConfig, open_publisher
+from ..handoff import HandoffConfig, open_tiers_and_role
+from ..parts import EnginePart
+from ..tiers import TierConfig
+from .draw import Sample, by_request, draw_rows
+from .errors import EngineDeadError
+from .limits import check_limits, check_request
+from .metrics import EngineMetrics
+from .outputs import EngineStats, RequestOutput, StepOutput
+from .request import Request, Sequence
+from .runner import ModelRunner, ModelStep, TensorParallelRunner
+from .sampling import SamplingParams, sample_generator
+from .scheduler import Scheduler
+from .sizing import given_or_sized
+from .tenant_stats import tenant_blocks
+from .threads import ThreadGovernor, intra_op_threads
+
+if TYPE_CHECKING:  # the hand-off needs the serve extra (pyzmq, msgspec): imported when used
+    from ..handoff.params import HandoffParams
+
+logger = logging.getLogger(__name__)
+
+
+
+class Engine:
+    """Continuous batching: chunked prefill, prefix reuse, parallel sampling, preemption.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Called as ``model(token_ids, positions, cache, batch, logits_indices) -> logits``;
+        ``model.config.vocab_size`` and ``max_position`` bound the requests; a sequence stops
+        at any of ``model.eos_token_ids`` (if it has them) unless ``SamplingParams.ignore_eos``.
+    cache_config : CacheConfig, optional
+        Shape of the paged cache (must match the model's K/V). None: ``model.cache_config``
+        with as many blocks as `memory_fraction` of the device's free memory holds.
+    max_num_seqs : int
+        Sequences running at once.
+    max_num_batched_tokens : int
+        Tokens per step (prefill chunks and decodes together).
+    preemption : {"recompute", "swap"}
+        What to do with a sequence when blocks run out ("swap" needs
+        ``cache_config.num_host_blocks``).
+    memory_fraction : float, optional
+        Without `cache_config`: the share of free memory the pool takes, in (0, 1] (default
+        0.9, as vLLM's ``gpu_memory_utilization``); see `paged_kv.engine.sizing`.
+    tensor_parallel_size : int
+        Split the model's heads and the KV pool over this many processes (torch.distributed:
+        gloo on CPU); the engine starts the workers itself and stops them on `close` (see
+        `paged_kv.engine.parallel`). The model must be a `TinyLlama` or an `HFCausalLM` loaded
+        with ``from_pretrained``; `cache_config` is the whole model's.
+    kv_tiers : TierConfig, optional
+        Tiers behind the device pool (host RAM, disk, Redis): stored blocks are written
+        down in the background and a prompt's missing blocks fetched back when that beats
+        recomputing them (see `paged_kv.tiers`). Not with tensor parallelism yet.
+    kv_events : KVEventsConfig, optional
+        Publish the prefix index's changes after each step (vLLM's KV events over ZMQ, for
+        a cache-aware router; see `paged_kv.events`).
+    handoff : HandoffConfig, optional
+        This engine's part in a prefill/decode hand-off between engines (see
+        `paged_kv.handoff`; the serve extra): a prefill engine leases and serves the pages
+        of requests that ask for it, a decode engine pulls them through the tiers' fetch
+        path (a decode engine without tiers gets a fetch path of its own).
+    num_threads : int, optional
+        torch intra-op threads while a step runs. Default on the CPU: torch's count while
+        the cores are free, fewer while other processes use them (`paged_kv._threads`).
+
+    Examples
+    --------
+    >>> from paged_kv.engine import TinyLlama, TinyLlamaConfig
+    >>> model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
+    ...                                   vocab_size=50, num_heads=4, head_dim=16))
+    >>> engine = Engine(model, model.cache_config(num_blocks=32))
+    >>> [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    >>> len(out.outputs[0].token_ids), out.outputs[0].finish_reason
+    (4, 'length')
+    """
+
+    def __init__(self, model: torch.nn.Module, cache_config: CacheConfig | None = None, *,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 preemption: str = "recompute", memory_fraction: float | None = None,
+                 num_threads: int | None = None, tensor_parallel_size: int = 1,
+                 kv_tiers: TierConfig | None = None, kv_events: KVEventsConfig | None = None,
+                 handoff: HandoffConfig | None = None) -> None:
+        cache_config = given_or_sized(model, cache_config, memory_fraction)
+        check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
+        _refuse_with_tensor_parallel(tensor_parallel_size, kv_tiers=kv_tiers is not None
+                                     and kv_tiers.enabled, handoff=handoff is not None)
+        # CPU steps run on the cores other processes leave free (see paged_kv._threads)
+        self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
+                         or num_threads is not None else None)
+        self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
+        group = None
+        if tensor_parallel_size != 1:
+            model, cache_config, group = TensorParallelRunner.start(model, cache_config,
+                                                                    tensor_parallel_size)
+        self.tiers = self.handoff = None
+        self.parts: list[EnginePart] = []  # the optional parts, each hook called on each
+        try:
+            self.cache = PagedKVCache(cache_config)
+            self.runner = (ModelRunner(model, self.cache) if group is None
+                           else TensorParallelRunner(model, self.cache, group))
+            # a decode engine's hand-offs come through the tiers' fetch path
+            self.tiers, self.handoff = open_tiers_and_role(kv_tiers, handoff, self.cache, model)
+            self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens,
+                                       preemption=preemption, tiers=self.tiers)
+            self.metrics = EngineMetrics(self.pool_bytes_per_rank())
+            self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
+            self.parts = [p for p in (self.tiers, self.events, self.handoff) if p is not None]
+        except BaseException:
+            self._close_parts(group)
+            raise
+        self.model = model
+        self._next_id = 0
+        self._requests: dict[int, Request] = {}  # unfinished, by id
+        self._seed_source = torch.Generator().manual_seed(0)
+        self._dead: str | None = None  # why the engine cannot step any more
+
+    def _close_parts(self, group) -> None:
+        """Undo a constructor that failed part-way: no half-built engine leaves the group
+        initialised, or the tiers' threads running and their disk directory locked (a retry
+        in this process would be refused it)."""
+        for part in (self.tiers, self.handoff):  # (the publisher is opened last)
+            if part is not None:
+                part.close()
+        if group is not None:
+            group.close()
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,
+                    *, salt: str | None = None, priority: int | None = None,
+                    retention_seconds: float | None = None,
+                    on_output: Callable[[StepOutput], None] | None = None,
+                    handoff: HandoffParams | None = None) -> int:
+        """Queue a request; returns its id.
+
+        Parameters
+        ----------
+        prompt_token_ids : sequence of int
+        params : SamplingParams, optional
+        salt : str, optional
+            Prefix-cache salt: only requests with the same salt share cached blocks.
+        priority, retention_seconds : optional
+            Soft retention of the request's cached blocks once it finishes (0-99, seconds;
+            None: its tenant's defaults), under the cache's tenant policy (see
+            `paged_kv.tenants`; without one nothing is retained).
+        on_output : callable, optional
+            Called on the engine's thread with a `StepOutput` for every token of every
+            sample as it is generated, and once more per sample when it finishes.
+        handoff : HandoffParams, optional
+            The request's ``kv_transfer_params``: on a prefill engine ``do_remote_decode``
+            leases its prompt's pages (its output's ``kv_transfer_params`` say where); on
+            a decode engine, where to pull them from (without them: a fallback, counted,
+            and under the ``fail`` policy the request fails).
+
+        Raises
+        ------
+        ValueError
+            Naming the problem, for a request that can never run; the engine is unchanged.
+        """
+        params = params or SamplingParams()
+        prompt = self._validate(prompt_token_ids, params)
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"salt: expected str or None, got {type(salt).__name__}")
+        retain = check_retain("add_request()", priority, retention_seconds)
+        request = Request(self._next_id, prompt, params, time.perf_counter(), salt=salt,
+                          on_output=on_output, retain=retain)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
+        self._requests[request.request_id] = request
+        self._next_id += 1
+        for part in self.parts:
+            error = part.admit(request, handoff)
+            if error is not None:
+                self.abort(request.request_id, error=error)
+                break
+        return request.request_id
+
+    def flush_tenant(self, tenant: str, *, retention_only: bool = False) -> int:
+        """Evict `tenant`'s cached blocks from the pool (its running requests keep theirs),
+        or with `retention_only` end their soft retention; returns how many (an admin's
+        flush / unretain; `PagedKVCache.reset_prefix_cache`)."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant: expected a non-empty string, got {tenant!r}")
+        return self.cache.reset_prefix_cache(tenant, retention_only=retention_only)
+
+    def check_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> None:
+        """Raise what `add_request` would for this request, changing nothing (it reads only
+        fixed configuration, so any thread may call it)."""
+        self._validate(prompt_token_ids, params)
+
+    def abort(self, request_id: int, error: str | None = None) -> bool:
+        """Stop a request now: its samples finish with reason "abort" (or "error" when an
+        `error` message is given: the engine failed it) and their blocks are freed before
+        the next step. Returns False when the request is unknown or done."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for part in self.parts:
+            part.forget(request)
+        self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
+        return True
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Sequences waiting to be admitted (a request's samples count once until forked)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.loading)
+
+    def _validate(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams) -> list[int]:
+        return check_request(prompt_token_ids, params, self.model.config,
+                             self.scheduler.max_num_seqs, self.cache.config,
+                             self.scheduler.max_num_batched_tokens)
+
+    def generate(self, prompts: abc.Sequence[abc.Sequence[int]],
+                 params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Serve `prompts` to completion; outputs in prompt order."""
+        params_list = (list(params) if isinstance(params, list | tuple)
+                       else [params or SamplingParams()] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"params: {len(params_list)} given for {len(prompts)} prompts")
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                self._validate(prompt, p)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
+        finished: dict[int, RequestOutput] = {}
+
+        def keep_failed(out: StepOutput) -> None:  # step() returns only the served ones
+            if out.output is not None and out.output.error is not None:
+                finished[out.request_id] = out.output
+
+        ids = [self.add_request(p, q, on_output=keep_failed)
+               for p, q in zip(prompts, params_list, strict=True)]
+        while any(i not in finished for i in ids):
+            finished.update((out.request_id, out) for out in self.step())
+        return [finished[i] for i in ids]
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (the server's free slots: this less ``num_running``)."""
+        return self.scheduler.max_num_seqs
+
+    def unfinished_request_ids(self) -> list[int]:
+        """Ids of the requests waiting, running or swapped out, oldest first."""
+        return list(self._requests)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting, running or swapped out."""
+        return self.scheduler.has_work
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the requests that finished."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        threads = None if self._threads is None else self._threads.step_threads()
+        with intra_op_threads(threads):  # the whole step: sampling runs torch ops too
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        for part in self.parts:  # e.g. heartbeats; hand-offs the `fail` policy fails
+            for request_id, error in part.tick(self.scheduler):
+                self.abort(request_id, error=error)
+        if not plan:
+            if self.scheduler.loading:  # only fetches to wait for: let their thread run
+                time.sleep(0.001)
+            return []
+        step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
+        samples, finished = self._sample(step), []
+        for sample in samples:  # each sample's output streams as soon as it is updated
+            done = self.scheduler.update_from_output([sample], self.eos_token_ids)
+            for part in self.parts if done else ():  # e.g. a prefill's lease, before
+                for request in done:  # the request's last output is emitted
+                    part.finished(request)
+            finished += done
+            self._emit(sample[0], [sample[1]])
+        watching = [part for part in self.parts if part.wants_events]
+        if watching:  # e.g. the blocks this step wrote, copied out; the index's changes
+            events = self.cache.take_events()
+            for part in watching:
+                part.after_step(events)
+        self.metrics.after_step(self.stats, len(samples))
+        return [request.output(request.finish_time) for request in finished
+                if self._requests.pop(request.request_id, None)]
+
+    def _run(self, plan: dict[Sequence, int]) -> list[ModelStep]:
+        """The model over `plan`. When it fails, each request's part runs alone, so only
+        the requests whose own part fails are failed, not their batch-mates (a model error
+        is a property of some request's input as often as of the step)."""
+        try:
+            batch = self.scheduler.prepare(plan)
+            start = time.perf_counter()
+            step = self.runner.run(plan, batch)  # on an error it gave the slots back
+            seconds = time.perf_counter() - start
+            for part in self.parts:  # e.g. the recompute rate a fetch must beat
+                part.observe_prefill(batch.num_tokens, seconds)
+        except EngineDeadError as exc:  # the runner cannot go on (a rank died, or is behind)
+            self._dead = f"{exc}; restart the engine"
+            raise
+        except Exception as exc:
+            parts = by_request(plan)
+            if len(parts) == 1:
+                self._fail(plan, f"the model failed on this step: {exc!r}")
+                return []
+        else:
+            self.scheduler.advance(plan, step.prompt_logprobs)  # once their K/V is written
+            return [step]
+        logger.warning("a step of %d requests failed; rerunning them one by one", len(parts))
+        return [step for part in parts for step in self._run(part)]
+
+    def _sample(self, step: ModelStep) -> list[Sample]:
+        """Every sample's next token (a forked request's samples share their row)."""
+        return self._draw(step.logits, [(row, target) for row, seq in enumerate(step.sampled)
+                                        for target in self._fork_samples(seq)])
+
+    def _draw(self, logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:
+        """`targets`' tokens from their `logits` rows in one batched call; when the call
+        fails, request by request, failing only the requests whose own call fails."""
+        states = [(t.generator, t.generator.get_state()) for _, t in targets if t.generator]
+        try:
+            return draw_rows(logits, targets)
+        except Exception as exc:
+            parts = by_request({target: row for row, target in targets})
+            if len(parts) == 1:
+                self._fail([t for _, t in targets], f"sampling failed on this step: {exc!r}")
+                return []
+        for generator, state in states:  # as if the failed call had never drawn
+            generator.set_state(state)
+        return [sample for part in parts
+                for sample in self._draw(logits, [(row, seq) for seq, row in part.items()])]
+
+    def _fail(self, seqs: abc.Iterable[Sequence], message: str) -> None:
+        """Fail the requests of `seqs` (finish reason "error", `message` as their error);
+        called while their exception is handled, so the log has its traceback."""
+        requests = dict.fromkeys(seq.request.request_id for seq in seqs)  # in step order
+        logger.exception("failing %d requests: %s", len(requests), message)
+        for request_id in requests:
+            self.abort(request_id, error=message)
+
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """`seq`, plus its request's other samples when its prompt was just computed."""
+        request = seq.request
+        if seq.index or request.params.n == 1 or len(request.samples) == request.params.n:
+            return [seq]
+        seed = seq.generator.initial_seed() if seq.generator else 0  # (seq is sample 0)
+        children = [Sequence(request, i, list(seq.token_ids), sample_generator(request.params,
+                                                                         seed, i))
+                    for i in range(1, request.params.n)]
+        for child in children:  # the same prompt: its keys, should a child be admitted again
+            child.block_keys = seq.block_keys
+        self.scheduler.add_children(seq, children)
+        return [seq, *children]
+
+    def _emit(self, seq: Sequence, new_token_ids: list[int]) -> None:
+        """Tell the request's listener about `seq`'s step; the request's last step output
+        (all samples finished, or aborted) carries the whole `RequestOutput`."""
+        request = seq.request
+        if request.on_output is None:
+            return
+        # only a finished sample can finish its request: most steps skip the scan
+        finished = seq.finish_reason is not None and all(s.finish_reason for s in request.samples)
+        done = finished and (len(request.samples) == request.params.n
+                             or seq.finish_reason in ("abort", "error"))
+        request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
+                                     seq.finish_reason,
+                                     request.output(time.perf_counter()) if done else None))
+
+    # -- lifetime and observation -------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model and the KV pool are split over (1: this process alone)."""
+        return self.runner.tensor_parallel_size
+
+    def pool_bytes_per_rank(self) -> list[int]:
+        """KV pool bytes of every rank (each holds its share of the KV heads)."""
+        return self.runner.pool_bytes_per_rank()
+
+    def check(self) -> None:
+        """`PagedKVCache.check`; with tensor parallelism, every rank's pool has its blocks."""
+        self.runner.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards
+        (`step` raises `EngineDeadError`)."""
+        self._dead = self._dead or "the engine was closed"
+        self.runner.close()
+        for part in self.parts:
+            part.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def stats(self) -> EngineStats:
+        """A read-only snapshot of the queues and the cache's counters (no per-sequence
+        work: cheap enough for every step). With tenants (a policy, or salted requests
+        running) the live blocks by tenant add one pass over the running sequences' block
+        ids (`tenant_stats.tenant_blocks`)."""
+        scheduler, allocator = self.scheduler, self.cache.allocator
+        reports = scheduler.reports
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
+            num_live_blocks=allocator.num_live_blocks,
+            num_cached_blocks=allocator.num_cached_blocks,
+            num_free_blocks=allocator.num_free_blocks,
+            prefix_query_tokens=allocator.prefix_query_tokens,
+            prefix_hit_tokens=allocator.prefix_hit_tokens,
+            num_loading=len(scheduler.loading),
+            tiers=None if self.tiers is None else self.tiers.stats(),
+            tenant_blocks=tenant_blocks(scheduler.running, self.cache),
+            prefix_misses=dict(reports.misses),
+            tenant_prefix_tokens={t: (q, h) for t, (q, h) in reports.tokens.items()})
+
+    def metrics_text(self) -> str:
+        """The engine's metrics in Prometheus exposition format, gauges as of now."""
+        self.metrics.observe(self.stats(), 0)
+        text = self.metrics.text(self.cache)
+        return text + "".join(part.text() for part in self.parts)
+
+
+def _refuse_with_tensor_parallel(tensor_parallel_size: int, **parts: bool) -> None:
+    """ValueError naming the first part in use that tensor parallelism does not serve yet."""
+    for name, on in parts.items():
+        if on and tensor_parallel_size != 1:
+            raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet")

@@ -1,0 +1,210 @@
+"""Serve a Hugging Face causal LM from a local directory, its attention on the paged cache.
+
+The model's own attention modules compute Q/K/V and rotary positions; a registered
+attention function (``attn_implementation="paged_kv"``) then writes K/V into the paged pool
+and attends from the pages, so transformers' attention cache is never used. A step's tokens
+of all sequences run as one packed row; each token's position comes from ``position_ids``.
+Needs the ``hf`` extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..config import CacheConfig, LayerKind
+from ..core.batch import StepBatch
+from ..core.cache import PagedKVCache
+from ..integrations.hf_architectures import require_served
+from ..integrations.hf_support import UnsupportedModelError, layer_kinds
+
+ATTN_IMPLEMENTATION = "paged_kv"
+
+
+def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: ``query (1, Hq, N, D)``, ``key/value (1, Hkv, N, D)``
+    -> ``(1, N, Hq, D)``, through ``paged_kv_cache`` and ``paged_kv_batch`` in `kwargs`.
+
+    The layer's window or chunk is the cache's `LayerKind` for it (the attention mask
+    transformers built is not read); the sinks (gpt-oss's ``s_aux``) and the soft-cap (Gemma
+    2's ``softcap``) are what the model passes, as its own attention functions take them.
+    """
+    cache: PagedKVCache = kwargs["paged_kv_cache"]
+    batch: StepBatch = kwargs["paged_kv_batch"]
+    layer = module.layer_idx
+    _check_window(module, layer, cache.config.kind_of(layer), kwargs.get("sliding_window"))
+    kwargs["paged_kv_layers"].add(layer)
+    cache.write(layer, key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(),
+                batch)
+    out = cache.attention(layer, query[0].transpose(0, 1).contiguous(), batch, scale=scaling,
+                          sinks=_sinks(module, kwargs), softcap=kwargs.get("softcap") or 0.0)
+    return out[None], None
+
+
+def _sinks(module: torch.nn.Module, kwargs: dict) -> torch.Tensor | None:
+    """The layer's learned sink logits ``[num_q_heads]``: what the model passes (gpt-oss:
+    ``s_aux``), else a ``sinks`` parameter of the module (which gpt-oss's eager attention
+    reads directly)."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
+def _check_window(module: torch.nn.Module, layer: int, kind: LayerKind,
+                  asked: int | None) -> None:
+    """The last guard against wrong tokens: the window a layer asks the attention function
+    for (``sliding_window``) must be the window the cache serves that layer with. A window
+    at least ``max_position_embeddings`` long never cuts a sequence and counts as none."""
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    window = asked if asked and (limit is None or asked < limit) else 0
+    if window != kind.window:
+        raise UnsupportedModelError(
+            f"layer {layer} of {type(module).__name__} asks the paged attention for "
+            f"sliding_window={asked!r}, but the cache serves that layer as {kind} "
+            f"(window {kind.window}): its config and its modules disagree on the layer's kind")
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_kv_attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelLimits:
+    vocab_size: int
+    max_position: int
+
+
+class HFCausalLM(torch.nn.Module):
+    """A transformers causal LM behind the interface `Engine` drives.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder-only model of a model type the engine serves
+        (`paged_kv.integrations.hf_architectures.SERVED_MODEL_TYPES`: Llama, Mistral, Qwen2,
+        Gemma, gpt-oss and about a hundred others, each checked against ``generate``).
+
+    Attributes
+    ----------
+    eos_token_ids : tuple of int
+        The checkpoint's ``generation_config.eos_token_id`` (one id or several; the model
+        config's when there is no generation config): the engine stops a sequence at them.
+
+    Raises
+    ------
+    UnsupportedModelError
+        A ValueError: the model has layers paged_kv does not serve — linear (recurrent)
+        layers, cross-attention, an unknown layer type, keys and values of other head dims
+        (latent attention) — or is of a model type the engine does not serve, and would be
+        served wrong tokens or fail every step (see `paged_kv.integrations.hf_support` and
+        `hf_architectures`). Full, sliding-window and chunked layers, attention sinks and
+        soft-capped logits are served.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        require_served(model.config, type(self).__name__)
+        self.layer_kinds = layer_kinds(model.config)
+        _register()
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+        self.model = model.eval()
+        hf = model.config
+        self.name = f"{type(model).__name__} ({getattr(hf, 'name_or_path', '') or 'local'})"
+        self.config = _ModelLimits(hf.vocab_size, hf.max_position_embeddings)
+        self.kv_shape = (hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None)
+                          or hf.num_attention_heads,
+                          getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        self.eos_token_ids = _eos_token_ids(model)
+        self.path: str | None = None  # set by from_pretrained: workers load the same files
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFCausalLM:
+        """Load a checkpoint from a local directory (never downloads).
+
+        Raises
+        ------
+        FileNotFoundError
+            `path` is not a local directory.
+        UnsupportedModelError
+            A ValueError: the config has layers paged_kv does not serve (linear layers,
+            cross-attention, an unknown layer type, latent attention) or a model type the
+            engine does not serve, checked before any weight is read.
+        """
+        from transformers import AutoModelForCausalLM
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model path {str(path)!r} is not a local directory")
+        check_checkpoint(path)
+        _register()
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                     attn_implementation=ATTN_IMPLEMENTATION)
+        loaded = cls(model)
+        loaded.path = str(path)
+        return loaded
+
+    def cache_config(self, num_blocks: int = 1024, block_size: int = 16,
+                     **overrides) -> CacheConfig:
+        """The `CacheConfig` whose K/V shape and layer kinds (`layer_kinds`) match the model."""
+        num_layers, num_kv_heads, head_dim = self.kv_shape
+        fields = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      block_size=block_size, num_blocks=num_blocks, dtype=self.model.dtype,
+                      layer_kinds=self.layer_kinds)
+        fields.update(overrides)
+        return CacheConfig(**fields)
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                batch: StepBatch, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """One step: ``[N]`` tokens and positions -> ``[len(logits_indices), vocab]`` logits."""
+        if logits_indices is None:
+            logits_indices = torch.arange(token_ids.shape[0])
+        attended: set[int] = set()
+        output = self.model(input_ids=token_ids[None], position_ids=positions[None],
+                            use_cache=False, logits_to_keep=logits_indices,
+                            paged_kv_cache=cache, paged_kv_batch=batch,
+                            paged_kv_layers=attended)
+        if len(attended) != cache.config.num_layers:
+            # a layer that never reached the attention function (a recurrent or convolution
+            # layer) kept no state of the past: its logits would be wrong tokens
+            missing = sorted(set(range(cache.config.num_layers)) - attended)
+            raise UnsupportedModelError(
+                f"{self.name}: layers {missing} did not attend through the paged cache (not "
+                "attention layers, or attention that does not dispatch through "
+                "config._attn_implementation), so the model cannot be served from it")
+        return output.logits[0].float()
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Refuse a local checkpoint whose config has layers paged_kv does not serve, or whose
+    model type the engine does not serve (`hf_architectures.require_served`), reading only
+    its ``config.json`` (no weights).
+
+    Raises
+    ------
+    UnsupportedModelError
+        Naming the model type and each setting (a ValueError).
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    require_served(config, f"model {Path(path).name!r}")
+
+
+def _eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """``eos_token_id`` of the generation config (else the model config): None, int or list."""
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(t) for t in (eos if isinstance(eos, list | tuple) else [eos]))

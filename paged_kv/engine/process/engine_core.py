@@ -1,0 +1,346 @@
+"""The engine core: `EngineCore` steps the `Engine` (model, cache, tiers; tensor-parallel
+workers hang off it) and keeps its failures inside it; `EngineCoreProc` is that core in a
+process of its own (vLLM's names), serving API server processes over ZMQ: they send it
+requests and get back one `Outputs` message per step each (`messages.py`).
+
+Single-threaded on purpose: messages are taken in between steps, as `InprocClient` does
+with its calls, so the engine needs no lock, and the process has the GIL to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import zmq
+
+from ...events import KVEventsConfig
+from ...handoff import HandoffConfig
+from ...tenants import TenantPolicy
+from ...tiers import TierConfig
+from .. import Engine, EngineDeadError, StepOutput
+from ..limits import EngineLimits
+from ..sizing import pool_config
+from . import messages
+
+logger = logging.getLogger("paged_kv.server.core")
+_IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
+_PROBE = ("paged-kv", "cached-tokens probe")  # a sequence id no request has (never added)
+
+
+def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
+                 memory_fraction: float | None = None, kv_cache_dtype: str = "auto",
+                 tensor_parallel_size: int = 1, kv_tiers: TierConfig | None = None,
+                 kv_events: KVEventsConfig | None = None,
+                 tenants: TenantPolicy | None = None,
+                 handoff: HandoffConfig | None = None) -> Engine:
+    """An engine whose pool takes `memory_mib` of K/V, or `memory_fraction` of the free
+    memory (the host pool as much again for swap): `sizing.pool_config`; `tenants` (the
+    tenants file's policy) is checked against that pool (ValueError naming the field)."""
+    cache_config, _ = pool_config(model, block_size=block_size, memory_mib=memory_mib,
+                                  memory_fraction=memory_fraction, preemption=preemption,
+                                  kv_cache_dtype=kv_cache_dtype)
+    if tenants is not None:
+        cache_config = dataclasses.replace(cache_config, tenants=tenants)
+    return Engine(model, cache_config, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
+                  tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
+                  kv_events=kv_events, handoff=handoff)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The engine ``paged-kv serve`` flags describe: the embedded model, or ``--model``'s
+    checkpoint (``args.model_factory``, a picklable callable of no arguments, replaces
+    both: a test hook)."""
+    factory = getattr(args, "model_factory", None)
+    if factory is not None:
+        model = factory()
+    elif args.model is None:
+        from .. import TinyLlama
+
+        model = TinyLlama()
+    else:
+        from ..hf import HFCausalLM
+
+        model = HFCausalLM.from_pretrained(args.model)
+    return build_engine(model, memory_mib=args.memory_mib, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        preemption=args.preemption, memory_fraction=args.memory_fraction,
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        kv_tiers=TierConfig.from_args(args),
+                        kv_events=events_config(args, model_name(args)),
+                        tenants=getattr(getattr(args, "tenants_file", None), "policy", None),
+                        handoff=HandoffConfig.from_args(args))
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The id ``/v1/models`` reports: the first ``--served-model-name``, else the checkpoint
+    directory's name, or the embedded model's."""
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name[0]
+    return "paged-kv-tiny-llama" if args.model is None else Path(args.model).name
+
+
+def events_config(args: argparse.Namespace, model_name: str) -> KVEventsConfig | None:
+    """The ``--kv-events*`` flags as a config (None: off). The replay socket defaults to
+    the next port; the topic to ``kv@HOST:PORT@MODEL``, the form llm-d reads."""
+    if getattr(args, "kv_events", None) is None:
+        return None
+    replay = args.kv_events_replay
+    if replay is None:
+        base, _, port = args.kv_events.rpartition(":")
+        replay = f"{base}:{int(port) + 1}" if port.isdigit() else f"{base}:*"
+    topic = args.kv_events_topic
+    if topic is None:
+        topic = f"kv@{args.host}:{args.port}@{model_name}"
+    return KVEventsConfig(args.kv_events, None if replay == "off" else replay, topic=topic,
+                          token_ids=args.kv_events_token_ids)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+def run_core(args: argparse.Namespace, address: str, ready: Connection, parent_pid: int) -> None:
+    """The engine-core process's target: build the engine, send its `EngineLimits` (or the
+    startup error) through `ready`, then serve `address` until SIGTERM or the parent dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the API server stops us in order
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = engine_from_args(args)
+    except Exception as exc:  # the API server raises it (a bad flag: exit 2 with its message)
+        ready.send(("error", exc))
+        raise SystemExit(1) from None
+    try:
+        core = EngineCoreProc(engine, address, parent_pid)
+        signal.signal(signal.SIGTERM, core.drain)
+        if getattr(engine.handoff, "server", None) is not None:
+            logger.info("prefill role: leased pages served on %s", engine.handoff.server.endpoint)
+        if engine.events is not None:
+            logger.info("KV events on %s (replay %s)", engine.events.endpoint,
+                        engine.events.replay_endpoint)
+        ready.send(("ready", EngineLimits.of(engine)))
+        code = core.run()
+    finally:
+        engine.close()
+    raise SystemExit(code)
+
+
+class EngineCore:
+    """The engine as a server hosts it: one step at a time, a step that fails failing the
+    requests it could have touched rather than the host, a dead engine failing every
+    request; and the count of waiting requests a server's 429s use. No I/O of its own:
+    `EngineCoreProc` serves it to API server processes over ZMQ, `InprocClient` on a thread
+    of this process, so failure handling and the waiting count exist once for both.
+
+    Parameters
+    ----------
+    engine : Engine
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dead: str | None = None  # why the engine cannot step any more (health: 503)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """Whether the engine has requests to step."""
+        return self.engine.has_unfinished_requests
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests that would wait for a running slot: those waiting in the engine less the
+        slots free now (an idle engine's count is minus its free slots, so a server with
+        ``--max-waiting 0`` still serves). The scheduler's queue, not ``engine.stats()``: a
+        whole snapshot each step for one int."""
+        engine = self.engine
+        return engine.num_waiting_requests - (engine.max_num_seqs - len(engine.scheduler.running))
+
+    def step(self) -> bool:
+        """One engine step; False once the engine is dead (`dead` says why, and every request
+        in it has failed with that message)."""
+        try:
+            self.engine.step()
+        except EngineDeadError as exc:
+            logger.error("engine dead: %s", exc)
+            self.dead = str(exc)
+            self.fail_all(self.dead)
+            return False
+        except Exception as exc:  # fails the requests it could have touched, not the host
+            logger.exception("engine step failed; failing the requests in the engine")
+            self.fail_all(f"the engine step failed: {exc!r}")
+        return True
+
+    def flush_tenant(self, tenant: str | None, retention_only: bool = False) -> int:
+        """An admin's flush of `tenant`'s cached blocks, or with `retention_only` the end of
+        their soft retention (`Engine.flush_tenant`); returns how many blocks. None: the one
+        tenant of a server without API keys, so every cached block (nothing is retained
+        without a tenant policy)."""
+        if tenant is None:
+            return 0 if retention_only else self.engine.cache.reset_prefix_cache()
+        return self.engine.flush_tenant(tenant, retention_only=retention_only)
+
+    def cached_tokens(self, prompt_token_ids: list[int], salt: str | None) -> int:
+        """Tokens of the prompt's full blocks that the prefix cache holds for `salt` now (a
+        warm-up's answer). Planned, not admitted: nothing changes. One token is appended
+        so that the prompt's last full block is looked up too (an admission leaves the
+        last prompt token to compute)."""
+        cache = self.engine.cache
+        full = len(prompt_token_ids) // cache.config.block_size * cache.config.block_size
+        if not full:
+            return 0
+        plan = cache.plan_admission(_PROBE, [*prompt_token_ids, 0], salt=salt)
+        return min(plan.num_hit, full)
+
+    def fail_all(self, message: str) -> None:
+        """Fail every request in the engine with `message` (its clients get an error)."""
+        for request_id in self.engine.unfinished_request_ids():
+            with contextlib.suppress(Exception):  # a dead engine may fail to free too
+                self.engine.abort(request_id, error=message)
+
+
+class EngineCoreProc(EngineCore):
+    """The `EngineCore` of ``paged-kv serve``'s engine-core process: steps it while requests
+    from API servers come and go, over one ZMQ ROUTER socket.
+
+    Parameters
+    ----------
+    engine : Engine
+    address : str
+        The ZMQ address to bind (the API servers connect to it).
+    parent_pid : int
+        The process that started this one: when it is gone, so is this one.
+    """
+
+    def __init__(self, engine: Engine, address: str, parent_pid: int) -> None:
+        super().__init__(engine)
+        self._parent = parent_pid
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 5000)  # the last outputs leave before exit
+        self._socket.bind(address)
+        self._ids: dict[tuple[bytes, int], int] = {}  # (API server, its id) -> engine id
+        self._pending: dict[bytes, list[tuple[int, StepOutput]]] = {}
+        self._fronts: set[bytes] = set()
+        self._received: dict[bytes, int] = {}  # API server -> the `Add`s taken from it
+        self._told: dict[bytes, tuple[int, int]] = {}  # API server -> (waiting, received)
+        self._draining = self._announced = False
+
+    def drain(self, *_: object) -> None:
+        """SIGTERM: refuse new requests, finish the running ones, then stop (exit 0)."""
+        self._draining = True
+
+    def run(self) -> int:
+        """Serve until drained (0), orphaned or dead (1)."""
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests
+                if self._socket.poll(0 if busy else _IDLE_POLL_MS):
+                    self._receive()
+                if os.getppid() != self._parent:
+                    logger.error("the API server is gone; the engine core stops")
+                    return 1
+                if self._draining and not self._announced:  # (not from the signal handler)
+                    self._announced = True
+                    for front in self._fronts:
+                        self._socket.send_multipart([front, messages.encode(messages.Draining())])
+                if self._draining and not self.engine.has_unfinished_requests:
+                    self._flush()
+                    for front in self._fronts:
+                        self._socket.send_multipart([front, messages.encode(messages.Bye())])
+                    return 0
+                if self.engine.has_unfinished_requests and not self.step():
+                    self._flush()  # the failed requests' last outputs
+                    return 1
+                self._flush()
+        finally:
+            self._socket.close()
+            self._context.term()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                front, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = messages.decode_to_core(frame)
+            if isinstance(message, messages.Add):
+                self._add(front, message)
+            elif isinstance(message, messages.Abort):
+                engine_id = self._ids.get((front, message.request_id))
+                if engine_id is not None:
+                    self.engine.abort(engine_id)
+            elif isinstance(message, messages.Flush | messages.CachedQuery):
+                self._reply(front, message)
+            elif isinstance(message, messages.MetricsQuery):
+                text = self.engine.metrics_text()
+                self._socket.send_multipart(
+                    [front, messages.encode(messages.MetricsText(message.token, text))])
+            else:
+                self._fronts.add(front)
+
+    def _add(self, front: bytes, message: messages.Add) -> None:
+        self._fronts.add(front)
+        self._received[front] = self._received.get(front, 0) + 1
+        try:
+            if self._draining:
+                raise ValueError("the engine core is shutting down")
+            engine_id = self.engine.add_request(
+                message.prompt_token_ids, message.params, salt=message.salt,
+                priority=message.priority, retention_seconds=message.retention_seconds,
+                on_output=partial(self._collect, front, message.request_id),
+                handoff=message.handoff)
+        except (TypeError, ValueError) as exc:  # the API server checked; this is a race
+            self._pending.setdefault(front, []).extend(
+                (message.request_id, out) for out in messages.failed_outputs(
+                    message.request_id, message.params.n, str(exc)))
+            return
+        self._ids[front, message.request_id] = engine_id
+
+    def _reply(self, front: bytes, message: messages.Flush | messages.CachedQuery) -> None:
+        try:
+            if isinstance(message, messages.Flush):
+                value = self.flush_tenant(message.tenant, message.retention_only)
+            else:
+                value = self.cached_tokens(message.prompt_token_ids, message.salt)
+            reply = messages.Reply(message.token, value)
+        except (TypeError, ValueError) as exc:
+            reply = messages.Reply(message.token, 0, str(exc))
+        self._socket.send_multipart([front, messages.encode(reply)])
+
+    def _collect(self, front: bytes, request_id: int, out: StepOutput) -> None:
+        self._pending.setdefault(front, []).append((request_id, out))
+        if out.output is not None:  # the request's last output
+            self._ids.pop((front, request_id), None)
+
+    def _flush(self) -> None:
+        """One `Outputs` message to each API server that has outputs from this step, or
+        whose queue count (`num_waiting`, and the `Add`s taken from it) changed since it
+        was last told: a server's 429s count the queue of every server, and a request it
+        refuses never reaches the core, so waiting for its own outputs could leave it
+        refusing for good on an idle core."""
+        pending, self._pending = self._pending, {}
+        waiting = self.num_waiting
+        for front in self._fronts | pending.keys():
+            outputs = pending.get(front)
+            counts = (waiting, self._received.get(front, 0))
+            if outputs or self._told.get(front) != counts:
+                self._told[front] = counts
+                self._socket.send_multipart(
+                    [front, messages.encode(messages.Outputs(outputs or [], *counts))])

@@ -1,0 +1,343 @@
+"""The scheduler: a token budget per step mixing prefill chunks and decodes (vLLM v1's model).
+
+Each sequence's computed tokens catch up with its tokens: a step gives every running
+sequence ``min(len(tokens) - num_computed, budget left)`` new tokens, then swapped-in and
+waiting ones get what is left (a sequence recomputed in a pool its window layers could
+not hold in one step: in the largest steps the pool holds). When blocks run out, the most
+recently admitted running sequence is preempted: freed and requeued (recompute), or moved
+to the host pool (swap).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..core.batch import StepBatch
+from ..core.cache import PagedKVCache
+from ..core.step.plan import Admission, fits
+from ..errors import OutOfBlocksError
+from .limits import catch_up_tokens
+from .misses import CacheReports
+from .request import Request, Sequence, Status
+
+
+class Scheduler:
+    """Decides each step's ``{sequence: number of new tokens}``; the only caller of the cache's
+    add / free / swap for sequences."""
+
+    def __init__(self, cache: PagedKVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption: str, tiers: Any = None) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption = preemption
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.swapped: collections.deque[Sequence] = collections.deque()
+        self.loading: list[Sequence] = []  # waiting for their prompts' blocks from the tiers
+        self.tiers = tiers  # a tiers.TierManager, or None
+        self.failed: list[Sequence] = []  # hand-offs the `fail` policy fails (the engine does)
+        self.reports = CacheReports(cache.config.block_size, cache.allocator.ghost, tiers)
+        self.num_preemptions = 0
+        self._reserved = 0  # blocks this step's scheduled sequences will take
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting, running or swapped out."""
+        return bool(self.waiting or self.running or self.swapped or self.loading or self.failed)
+
+    def schedule(self) -> dict[Sequence, int]:
+        """This step's new tokens per sequence; may preempt, swap in, and admit."""
+        step: dict[Sequence, int] = {}
+        if self.loading:
+            self._land_fetches()
+        preempted, budget = self._schedule_running(step)
+        if not preempted:
+            budget = self._schedule_swapped(step, budget)
+            self._schedule_waiting(step, budget)
+        return step
+
+    def _available(self, step_blocks: int) -> int:
+        return self.cache.allocator.num_obtainable_blocks - step_blocks
+
+    def _own(self, admission: Admission) -> int:
+        """Cached blocks a tenant's reservation keeps from others but not from itself."""
+        ledger = self.cache.allocator.tenants
+        return ledger.reserved_for(admission.root) if ledger is not None else 0
+
+    def _schedule_running(self, step: dict[Sequence, int]) -> tuple[bool, int]:
+        """Running sequences in order, as far as the budget goes; preempt from the back
+        until their blocks fit. One block count for the whole set per try."""
+        preempted = False
+        while True:
+            plan, left = [], self.max_num_batched_tokens
+            for seq in self.running:
+                if left <= 0:
+                    break
+                plan.append((seq, min(self._step_tokens(seq), left)))
+                left -= plan[-1][1]
+            needs = self._blocks_needed(plan)
+            if needs <= self._available(0):
+                break
+            self._preempt(self.running[-1])
+            preempted = True
+        step.update(plan)
+        self._reserved = needs
+        return preempted, left
+
+    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks `plan` takes. A decode step (one token each, the steady state) is counted
+        on the rows the array step will use, with no mapping parsed; one that must copy a
+        shared last block, and any other step, by `num_blocks_needed`."""
+        if not plan:
+            return 0
+        if all(n == 1 for _, n in plan):
+            return self.cache.num_blocks_needed(self.cache.rows_of([seq.seq_id for seq, _ in plan]))
+        return self.cache.num_blocks_needed({seq.seq_id: n for seq, n in plan})
+
+    def _schedule_swapped(self, step: dict[Sequence, int], budget: int) -> int:
+        """Swapped sequences back in, oldest first, while blocks and `budget` last; returns
+        the budget left."""
+        while self.swapped and budget > 0 and self._num_slots() < self.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(self._step_tokens(seq), budget)
+            # its blocks come back fresh (unshared), then grow by this step's tokens. The
+            # swap-in takes them now, before the step's window give-backs (which make a
+            # negative reservation) return any block: those cannot be counted on here
+            need = self.cache.config.blocks_for_sequence(seq.num_computed + num_new, num_new)
+            if need > self._available(max(self._reserved, 0)):
+                break
+            self.cache.swap_in(seq.seq_id)
+            self.swapped.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._reserved += self.cache.num_blocks_needed({seq.seq_id: num_new})
+            step[seq] = num_new
+            budget -= num_new
+        return budget
+
+    def _step_tokens(self, seq: Sequence) -> int:
+        """The tokens `seq` may take in its next step, before the budget: all it has not
+        computed, except where a window layer would then hold more blocks than the request
+        was accepted for. A window group holds its window plus a step's tokens, and the
+        request limit (`limits.request_blocks`) counted the prompt's steps and decode steps
+        only; a sequence recomputed after a preemption has more tokens than its prompt, and
+        in one step could need more blocks than the whole pool (it then waited forever),
+        even in a step of its prompt's length near its end. Such a sequence catches up in
+        steps that fit (`limits.catch_up_tokens`) instead."""
+        left = len(seq.token_ids) - seq.num_computed
+        if left == 1 or len(seq.token_ids) <= len(seq.request.prompt_token_ids):
+            return left  # decodes and the prompt's steps: what the limit counted
+        return catch_up_tokens(self.cache.config, len(seq.token_ids), left)
+
+    def _num_slots(self) -> int:
+        """Running sequences plus the samples still to be forked off them."""
+        return len(self.running) + sum(
+            seq.request.params.n - len(seq.request.samples) for seq in self.running
+            if seq.index == 0 and seq.request.params.n > len(seq.request.samples))
+
+    def _schedule_waiting(self, step: dict[Sequence, int], budget: int) -> None:
+        """Admit waiting sequences, oldest first, while slots, blocks and `budget` last: each
+        planned once (its prompt's keys come with it, hashed at most once), tested with the
+        cache's one capacity rule against what this step has reserved, then added."""
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # a request's samples are forked together once its prompt is computed
+            slots = seq.request.params.n if not seq.request.samples[1:] else 1
+            if self._num_slots() + slots > self.max_num_seqs:
+                return
+            reuse = seq.request.params.prompt_logprobs is None  # else compute every position
+            admission = self._plan_admission(seq, min(self._step_tokens(seq), budget), reuse)
+            if reuse and self.tiers is not None and not seq.tiered \
+                    and self._start_fetch(seq, admission):
+                self.waiting.popleft()  # loading while the others step
+                continue
+            if not fits(admission, self._available(self._reserved) + self._own(admission)):
+                return
+            hit = self.cache.add_sequence(seq.seq_id, admission.tokens if reuse else None,
+                                          salt=seq.request.salt, keys=admission.keys)
+            self.waiting.popleft()
+            if seq.request.prefix_hit_tokens is None:
+                seq.request.prefix_hit_tokens = hit
+                self.reports.admitted(seq, admission, hit)
+            seq.num_computed, seq.status = hit, Status.RUNNING
+            self.running.append(seq)
+            step[seq] = admission.count
+            self._reserved += admission.requested
+            budget -= admission.count
+
+    def _plan_admission(self, seq: Sequence, budget: int, reuse: bool) -> Admission:
+        """What admitting `seq` with at most `budget` tokens would take now. Its block keys
+        are computed once and kept on it (only blocks it gained since, by decoding before a
+        preemption, are hashed): the device lookup, the tiers and the commit all use them."""
+        admission = self.cache.plan_admission(seq.seq_id, seq.token_ids, salt=seq.request.salt,
+                                              keys=seq.block_keys, max_tokens=budget,
+                                              lookup=reuse)
+        if len(admission.keys) > len(seq.block_keys):
+            seq.block_keys = admission.keys
+        return admission
+
+    def _start_fetch(self, seq: Sequence, admission: Admission) -> bool:
+        """Ask the tiers for the prompt's full blocks the device lacks (under the keys the
+        admission carries); True when a fetch started (`seq` is loading). A hand-off's
+        request (``request.peer``, unsettled) asks its prefill engine instead, through the
+        same fetch path; with nothing to ask, its hand-off is settled at once."""
+        seq.tiered = True
+        parent, keys, tokens = admission.missing(self.cache.config.block_size)
+        peer = seq.request.peer
+        if peer is None or peer.settled:
+            seq.fetch = self.tiers.start_fetch(keys, tokens, parent)
+        elif keys:  # a hand-off: from the prefill engine, until its lease ends
+            seq.fetch = self.tiers.start_peer_fetch(keys, tokens, parent, peer, peer.deadline)
+        else:  # every block it could load is on the device already
+            peer.role.settle(seq.request, None, 0)
+            seq.fetch = None
+        if seq.fetch is None:
+            return False
+        seq.status = Status.LOADING
+        self.loading.append(seq)
+        return True
+
+    def _land_fetches(self) -> None:
+        """Finished fetches load their blocks as cached device blocks (sparing a block per
+        running sequence); expired ones are given up. Either way the sequence waits at the
+        front again, where admission finds the loaded prefix like any cached one."""
+        still, back = [], []
+        for seq in self.loading:
+            loaded = 0
+            if seq.fetch.done:
+                spare = self.cache.allocator.num_obtainable_blocks - len(self.running)
+                loaded = self.tiers.land(seq.fetch, spare)
+            elif seq.fetch.expired:
+                self.tiers.fell_back(seq.fetch)
+            else:
+                still.append(seq)
+                continue
+            seq.request.fetch_report = (dict(getattr(seq.fetch, "loaded", None) or {}),
+                                        getattr(seq.fetch, "failure", None))
+            peer = getattr(seq.fetch, "peer", None)  # a hand-off's: its role settles it
+            settled = peer is None or peer.role.settle(seq.request, seq.fetch, loaded)
+            seq.fetch, seq.status = None, Status.WAITING
+            (back if settled else self.failed).append(seq)
+        self.loading = still
+        self.waiting.extendleft(reversed(back))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Make room: swap `seq` to the host pool, or free it to be recomputed later."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.preemption == "swap":
+            try:
+                self.cache.swap_out(seq.seq_id)
+            except OutOfBlocksError:
+                pass  # the host pool is full: recompute this one instead
+            else:
+                seq.status = Status.SWAPPED
+                self.swapped.append(seq)
+                return
+        self.cache.free(seq.seq_id)
+        seq.num_computed, seq.status, seq.tiered = 0, Status.WAITING, False
+        self.waiting.appendleft(seq)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request's first sample."""
+        seq.request.samples.append(seq)
+        self.waiting.append(seq)
+
+    def prepare(self, plan: dict[Sequence, int]) -> StepBatch:
+        """The cache's batch for `plan`: one token per sequence (the steady decode state)
+        through the array API, its rows resolved once per running set (`rows_of` returns
+        the same handle while the set is unchanged); any other step through `prepare`."""
+        if all(n == 1 for n in plan.values()):
+            rows = self.cache.rows_of([seq.seq_id for seq in plan])
+            tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in plan),
+                                 dtype=np.int32, count=len(plan))
+            return self.cache.prepare_decode(rows, tokens)
+        return self.cache.prepare(self.step_tokens(plan))
+
+    def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
+        """The cache's ``prepare`` mapping of a plan: each sequence's tokens to compute."""
+        return {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
+                for seq, n in plan.items()}
+
+    def advance(self, plan: dict[Sequence, int],
+                prompt_logprobs: list[tuple[Request, dict[int, float]]] = ()) -> None:
+        """The model wrote the K/V of `plan`'s tokens: they are computed now; record the
+        prompt positions' log-probabilities it gave (in prompt order, per request)."""
+        for seq, n in plan.items():
+            seq.num_computed += n
+        for request, logprobs in prompt_logprobs:
+            request.prompt_logprobs.append(logprobs)
+
+    def update_from_output(self, samples: list[tuple[Sequence, int, dict[int, float] | None]],
+                           eos_token_ids: frozenset[int]) -> list[Request]:
+        """Append each sample's new token (and its log-probabilities), then finish the
+        samples it stopped: a stop token, the model's EOS (unless ``ignore_eos``), or
+        ``max_tokens``; finished samples' blocks are freed. Returns the requests whose
+        last sample this finished."""
+        now, finished = time.perf_counter(), []
+        for seq, token, logprobs in samples:
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+                seq.cumulative_logprob += logprobs[token]
+            params = seq.request.params
+            if token in params.stop_token_ids or (token in eos_token_ids
+                                                  and not params.ignore_eos):
+                self.finish(seq, "stop")
+            # the output's length, not sliced out (output_token_ids): this runs every token
+            elif len(seq.token_ids) - len(seq.request.prompt_token_ids) >= params.max_tokens:
+                self.finish(seq, "length")
+            else:
+                continue
+            if seq.request.is_finished:
+                seq.request.finish_time = now
+                finished.append(seq.request)
+        return finished
+
+    def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Fork a request's other samples off its first, right behind it."""
+        position = self.running.index(parent) + 1
+        parent.request.samples += children
+        for child in children:
+            self.cache.fork(parent.seq_id, child.seq_id)
+            child.num_computed, child.status = parent.num_computed, Status.RUNNING
+        self.running[position:position] = children
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` with `reason` and free its blocks."""
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id, **seq.request.retain)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def abort_request(self, request: Request, error: str | None = None,
+                      on_abort: Callable[[Sequence], None] = lambda seq: None) -> None:
+        """Retire `request`'s unfinished samples: "abort" (the client's), or "error" with
+        `error` as the request's message (the engine failed it); `on_abort` sees each one
+        as it is retired (the last sees the request finished)."""
+        request.error = error
+        for seq in [seq for seq in request.samples if seq.finish_reason is None]:
+            self.abort(seq, "abort" if error is None else "error")
+            on_abort(seq)
+        request.finish_time = time.perf_counter()
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;
+        `reason` is "abort" (the client's) or "error" (the engine's)."""
+        for queue in (self.waiting, self.running, self.swapped, self.loading, self.failed):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.fetch is not None:
+            seq.fetch.cancelled, seq.fetch = True, None
+        if seq.seq_id in self.cache:
+            self.cache.free(seq.seq_id)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
