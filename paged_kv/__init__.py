@@ -12,7 +12,6 @@ from .core.accounting import CacheStats, SequenceStats
 from .core.allocator import BlockAllocator
 from .core.batch import StepBatch
 from .core.cache import PagedKVCache
-from .core.groups import HybridKVCache
 from .core.page_table import PageTables
 from .core.pool import KVPool
 from .errors import InvariantError, OutOfBlocksError, PagedKVError
@@ -23,7 +22,6 @@ __all__ = [
     "BlockEvent",
     "CacheConfig",
     "CacheStats",
-    "HybridKVCache",
     "InvariantError",
     "KVPool",
     "LayerKind",

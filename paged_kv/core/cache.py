@@ -3,9 +3,17 @@
     BlockAllocator  block ids, refcounts, prefix index, eviction   (ints, never tensors)
     PageTables      per-sequence rows: block ids, token counts, prefix keys (numpy rows)
     KVPool          the one preallocated K/V tensor (and the host pool's tensor)
-    SwapSpace       the swap area: host block ids and swapped-out sequences
+    LayerGroup      one per group of same-kind layers (`paged_kv.core.groups`): its
+                    PageTables, its SwapSpace (host block ids, swapped-out sequences) and
+                    its kind's rules; a uniform model's cache has one
     paged_kv.core.step   a step's (or an admission's) parse -> plan -> check -> commit over
                     the owners: StepPlanner reads them, StepCommitter changes them
+
+One constructor serves every layout: the cache always holds its layer groups. A single
+full-attention group (a uniform model) runs the leading group's step, admission and swap
+directly (the fast path); several groups, or a group that gives blocks back, go through a
+`GroupLayout`, which loops over them. Either way the capacity test is one function
+(`paged_kv.core.step.plan.check_capacity`).
 
 Every public mutator validates everything first and only then changes state, so a rejected
 call leaves every owner exactly as it was. The owners are exposed read-only in spirit
@@ -15,6 +23,7 @@ operations here (`tests/test_architecture.py` fails on a mutator called through 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
@@ -34,16 +43,18 @@ from ..kernels.quant import raw
 from ..keys import KEY_BYTES, BlockEvent, root_hash
 from .accounting import CacheStats, compute_stats
 from .allocator import BlockAllocator
-from .batch import SeqId, StepBatch
+from .batch import BatchOrSeqIds, SeqId, StepBatch
+from .groups.admission import plan_groups
+from .groups.groups import LayerGroup
+from .groups.kinds import build_groups
+from .groups.layout import GroupLayout
 from .layer_access import LayerAccess
 from .load_cached import load_blocks
 from .page_table import PageTables
 from .pool import KVPool
-from .step.commit import StepCommitter
 from .step.parse import Step, decode_columns, parse_step, tokens_to_array
-from .step.plan import Admission, StepPlanner
+from .step.plan import Admission
 from .step.prefix import forget_unwritten
-from .swap import SwapSpace
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 
@@ -75,19 +86,6 @@ class PagedKVCache(LayerAccess):
     (2, 3)
     """
 
-    _layout_of_kinds: type | None = None  # the subclass that serves layer kinds
-
-    def __init_subclass__(cls, *, serves_layer_kinds: bool = False, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if serves_layer_kinds:  # paged_kv.core.groups's, registered as the package loads
-            PagedKVCache._layout_of_kinds = cls
-
-    def __new__(cls, config: CacheConfig, *args, **kwargs) -> PagedKVCache:
-        # a config with window or chunked layers gets per-group block tables
-        if cls is PagedKVCache and isinstance(config, CacheConfig) and config.layer_kinds:
-            return super().__new__(PagedKVCache._layout_of_kinds)
-        return super().__new__(cls)
-
     def __init__(self, config: CacheConfig, *, compiled: bool | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
@@ -95,12 +93,19 @@ class PagedKVCache(LayerAccess):
         self._allocator = BlockAllocator(config.num_blocks,
                                          enable_prefix_caching=config.enable_prefix_caching,
                                          tenants=config.tenants)
-        self._tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
-        self._pool = KVPool(config)
-        self._swap = (SwapSpace(config.num_host_blocks, self._tables, self._allocator,
-                                self._pool) if config.num_host_blocks else None)
-        self._planner = StepPlanner(self._tables, self._allocator, config)
-        self._committer = StepCommitter(self._tables, self._allocator, self._pool, config)
+        # a block spans one group's layers: the pool has a plane per layer of a group
+        self._pool = KVPool(dataclasses.replace(config, num_layers=config.group_size,
+                                                layer_kinds=()) if config.layer_kinds
+                            else config)
+        self._groups = build_groups(config, self._allocator, self._pool, compiled)
+        leader = self._groups[0]
+        self._tables, self._planner, self._committer, self._swap = (
+            leader.tables, leader.planner, leader.committer, leader.swap)
+        # one full-attention group is the fast path; any other layout loops over groups
+        self._layout = (GroupLayout(self._groups, self._allocator, config)
+                        if len(self._groups) > 1 or leader.gives_back else None)
+        self._plane = {layer: (group.index, plane) for group in self._groups
+                       for plane, layer in enumerate(group.layers)}
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
 
@@ -121,10 +126,10 @@ class PagedKVCache(LayerAccess):
         return self._pool
 
     @property
-    def groups(self) -> tuple:
-        """A hybrid layout's layer groups, the leading one first (`paged_kv.core.groups`); none
-        for a uniform layout, whose one group is the cache itself."""
-        return ()
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups, the leading one first (`paged_kv.core.groups`; one for a
+        uniform model). Read them; change them only through the cache."""
+        return self._groups
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
@@ -238,16 +243,26 @@ class PagedKVCache(LayerAccess):
         if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
                          == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
             raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
-        return self._planner.plan_admission(seq_id, tokens, root if lookup else None,
+        if self._layout is None:
+            return self._planner.plan_admission(seq_id, tokens, root if lookup else None,
+                                                keys=keys, max_tokens=max_tokens,
+                                                complete=complete)
+        # a leader that gives blocks back finds its hit right to left: it needs every key
+        plan = self._planner.plan_admission(seq_id, tokens, root if lookup else None,
                                             keys=keys, max_tokens=max_tokens,
-                                            complete=complete)
+                                            complete=complete or self._groups[0].gives_back)
+        return plan_groups(list(self._groups), self._allocator, plan,
+                           self.config.block_size, max_tokens)
 
     def _commit_admission(self, plan: Admission, what: str, *, prepare: bool = False,
                           ) -> StepBatch | None:
         """Check an admission's plan, then commit its row (and, with `prepare`, its next
         tokens' step)."""
-        self._planner.check(plan, what)
-        batch = self._committer.admit(plan) if prepare else self._committer.add_row(plan)
+        self._planner.check(plan, what, root=plan.root)
+        if self._layout is not None:
+            batch = self._layout.commit_admission(plan, prepare)
+        else:
+            batch = self._committer.admit(plan) if prepare else self._committer.add_row(plan)
         self._after_mutation()
         return batch if prepare else None
 
@@ -256,8 +271,8 @@ class PagedKVCache(LayerAccess):
         partly filled block copies it (copy-on-write)."""
         require_resident(self._tables, "fork()", parent)
         require_new(self._tables, "fork()", child)
-        self._tables.fork(parent, child)
-        self._allocator.share(self._tables.blocks(child))
+        for group in self._groups:
+            group.fork(self._allocator, parent, child)
         self._after_mutation()
 
     def truncate(self, seq_id: SeqId, num_tokens: int, *, unwritten: bool = False) -> None:
@@ -273,6 +288,8 @@ class PagedKVCache(LayerAccess):
         nor a lower tier ever finds them.
         """
         require_truncatable(self._tables, seq_id, num_tokens)
+        if self._layout is not None:  # checks every group first, then cuts all but the leader
+            self._layout.truncate_others(seq_id, int(num_tokens), unwritten)
         if unwritten:
             forget_unwritten(self._allocator, self._tables, seq_id, int(num_tokens),
                              self.config.block_size)
@@ -298,10 +315,8 @@ class PagedKVCache(LayerAccess):
         if seq_id not in self._tables:
             raise KeyError(f"free(): unknown sequence {seq_id!r} (never added, or double free?)")
         retain = check_retain("free()", priority, retention_seconds)
-        if self._swap is not None and self._swap.is_swapped(seq_id):
-            self._swap.drop(seq_id, self._tables.remove(seq_id))
-        else:
-            self._allocator.free(self._tables.remove(seq_id), unique=True, **retain)
+        for group in self._groups:
+            group.remove(self._allocator, seq_id, retain)
         self._after_mutation()
 
     def reset_prefix_cache(self, tenant: str | None = None, *,
@@ -379,6 +394,10 @@ class PagedKVCache(LayerAccess):
 
     def _step(self, step: Step, what: str, decode: bool | None = None) -> StepBatch:
         """Plan, check and commit a parsed step (``decode=True``: one token a row)."""
+        if self._layout is not None:
+            batch = self._layout.step(step, what, decode)
+            self._after_mutation()
+            return batch
         plan = self._planner.plan(step, decode=decode)
         self._planner.check(plan, what)
         batch = self._committer.commit(plan)
@@ -460,6 +479,9 @@ class PagedKVCache(LayerAccess):
         >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
         3
         """
+        if self._layout is not None:
+            need = self._layout.num_blocks_needed(self._parse_needed(new_tokens))
+            return need if per_sequence else int(need.sum())
         if isinstance(new_tokens, np.ndarray):
             rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
             if not per_sequence:  # the steady state: no copy, no step object
@@ -472,13 +494,24 @@ class PagedKVCache(LayerAccess):
             plan = self._planner.plan(parse_step(new_tokens, self._tables), fast=False)
         return plan.per_sequence() if per_sequence else plan.requested
 
+    def _parse_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
+                      ) -> Step:
+        """`num_blocks_needed`'s argument as a step (rows: one unknown token each)."""
+        if isinstance(new_tokens, np.ndarray):
+            rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
+            return Step(seq_ids, rows, *decode_columns(rows.size, False), _NO_TOKENS)
+        return parse_step(new_tokens, self._tables)
+
     # -- swapping -------------------------------------------------------------------------
     def swap_out(self, seq_id: SeqId) -> None:
         """Move a sequence's blocks to the host pool and release its device blocks."""
         require_resident(self._tables, "swap_out()", seq_id)
         if self._swap is None:
             raise PagedKVError("swap_out(): no host pool; set CacheConfig.num_host_blocks > 0")
-        self._swap.swap_out(seq_id)
+        if self._layout is not None:  # every group's blocks, all or nothing
+            self._layout.swap(seq_id, "swap_out()", out=True)
+        else:
+            self._swap.swap_out(seq_id)
         self._after_mutation()
 
     def swap_in(self, seq_id: SeqId) -> None:
@@ -486,23 +519,45 @@ class PagedKVCache(LayerAccess):
         require_known(self._tables, "swap_in()", seq_id)
         if self._swap is None or not self._swap.is_swapped(seq_id):
             raise ValueError(f"swap_in(): sequence {seq_id!r} is not swapped out")
-        self._swap.swap_in(seq_id)
+        if self._layout is not None:
+            self._layout.swap(seq_id, "swap_in()", out=False)
+        else:
+            self._swap.swap_in(seq_id)
         self._after_mutation()
 
     # -- accounting and checking ----------------------------------------------------------
     def stats(self) -> CacheStats:
-        """Where every block and byte is now (see `CacheStats`)."""
-        return compute_stats(
+        """Where every block and byte is now (see `CacheStats`); over several groups,
+        with live blocks by layer kind and the blocks rows gave back (`GroupLayout.stats`)."""
+        stats = compute_stats(
             allocator=self._allocator, tables=self._tables, block_size=self.config.block_size,
             bytes_per_block=self.config.bytes_per_block, total_bytes=self._pool.nbytes,
             num_swap_outs=0 if self._swap is None else self._swap.num_swap_outs)
+        return stats if self._layout is None else self._layout.stats(stats)
 
     def check(self) -> None:
-        """Raise `InvariantError` if any invariant of allocator, tables or pool is broken."""
+        """Raise `InvariantError` if any invariant of allocator, tables or pool is broken
+        (over several groups: `GroupLayout.check`)."""
+        if self._layout is not None:
+            self._layout.check()
+            return
         self._tables.check()
         self._allocator.check_invariants(self._tables.owners(self.config.num_blocks))
         if self._swap is not None:
             self._swap.check()
+
+    # -- the worker side ------------------------------------------------------------------
+    def _pages(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
+               ) -> tuple[int, BatchOrSeqIds, PageTables]:
+        if self._layout is None:
+            return layer, batch_or_seq_ids, self._tables
+        index, plane = self._plane[layer]
+        if isinstance(batch_or_seq_ids, StepBatch):
+            if len(batch_or_seq_ids.groups) != len(self._groups):
+                raise ValueError("batch: not a StepBatch this cache's prepare() returned "
+                                 "(it has no batch per layer group)")
+            batch_or_seq_ids = batch_or_seq_ids.groups[index]
+        return plane, batch_or_seq_ids, self._groups[index].tables
 
     # -- validation helpers ---------------------------------------------------------------
     def _after_mutation(self) -> None:

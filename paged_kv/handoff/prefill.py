@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..core.cache import PagedKVCache
-from ..core.groups.rules import group_key, skipped_blocks
+from ..core.groups.rules import group_key
 from ..keys import block_keys, encode_tokens, root_hash
 from ..parts import EnginePart
 from ..tiers import codec
@@ -94,7 +94,7 @@ class PrefillRole(EnginePart):
         ids = self._run(keys, tokens, size)
         keys = keys[:len(ids)]
         leased, starts = list(keys), None
-        if groups:
+        if len(groups) > 1:
             starts = []
             for group in groups[1:]:
                 first, found = self._group_run(group, keys, tokens, size)
@@ -120,9 +120,9 @@ class PrefillRole(EnginePart):
     def _group_run(self, group: Any, keys: list[bytes], tokens: np.ndarray, size: int,
                    ) -> tuple[int, list[int]]:
         """Layer `group`'s cached blocks (under its `group_key`s) of the columns a hit of
-        all `keys` reads (a window's or chunk's last ones, `skipped_blocks`), right to left
+        all `keys` reads (a window's or chunk's last ones, `LayerGroup.skipped_blocks`), right to left
         up to the first it lacks: that run's first column and its blocks in order."""
-        first, end = skipped_blocks(group.kind, len(keys) * size, size), len(keys)
+        first, end = group.skipped_blocks(len(keys) * size), len(keys)
         ids: list[int] = []
         for column in range(end - 1, first - 1, -1):
             block = self.cache.allocator.lookup(

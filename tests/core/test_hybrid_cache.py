@@ -10,7 +10,7 @@ import torch
 
 from paged_kv import CacheConfig, LayerKind, OutOfBlocksError, PagedKVCache
 from paged_kv.config import group_layers
-from paged_kv.core.groups.rules import accepted_hit, group_key
+from paged_kv.core.groups.rules import group_key
 from paged_kv.keys import block_keys, encode_tokens, root_hash
 
 W4, W8, C8, FULL = LayerKind.sliding(4), LayerKind.sliding(8), LayerKind.chunked(8), LayerKind()
@@ -168,7 +168,9 @@ def test_a_hit_after_the_windows_early_blocks_were_evicted():
     window = next(g.index for g in cache.groups if not g.kind.is_full)
     cached = _cached_columns(cache, window, tokens)
     assert not cached[0] and all(cached[2:]), "the pressure did not evict the early blocks"
-    assert accepted_hit(FULL, 8, 4, cached.__getitem__) == 0
+    assert cache.groups[0].kind.is_full  # the full group reads them left to right
+    assert cache.groups[0].accepted_hit(8, cached.__getitem__) == 0
+    assert cache.groups[window].accepted_hit(8, cached.__getitem__) == 8
     assert all(_cached_columns(cache, 0, tokens))
     hit, _ = cache.admit("b", [*tokens, 1])
     assert hit == 32

@@ -224,6 +224,7 @@ def test_engine_greedy_agrees_with_a_float32_cache() -> None:
     difference sat at an fp32 top-2 gap below 0.03). So: every request agrees until its first
     near tie, and on this workload (seed 4) the first 8 tokens of every request agree."""
     from paged_kv.engine import Engine, SamplingParams, TinyLlama
+    from paged_kv.engine.config import EngineConfig
 
     model = TinyLlama()
     rng = np.random.default_rng(4)
@@ -231,7 +232,8 @@ def test_engine_greedy_agrees_with_a_float32_cache() -> None:
     params = SamplingParams(max_tokens=16)
     outputs = {}
     for kv_cache_dtype in ("auto", "int8"):
-        engine = Engine(model, model.cache_config(num_blocks=128, kv_cache_dtype=kv_cache_dtype))
+        engine = Engine(model, EngineConfig(
+            cache=model.cache_config(num_blocks=128, kv_cache_dtype=kv_cache_dtype)))
         outputs[kv_cache_dtype] = [o.outputs[0].token_ids for o in engine.generate(prompts,
                                                                                    params)]
     identical = 0
@@ -274,7 +276,7 @@ def test_write_of_the_wrong_dtype_changes_nothing() -> None:
         cache.write(0, torch.ones(2, 2, 4, dtype=torch.float8_e4m3fn),
                     torch.ones(2, 2, 4), batch)
     after = snapshot(cache)
-    assert all(torch.equal(a, b) for a, b in zip(before[-1], after[-1], strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True)
                if a is not None)
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
 from paged_kv import CacheConfig, PagedKVCache  # noqa: E402
-from paged_kv.core.groups.rules import group_key, skipped_blocks  # noqa: E402
+from paged_kv.core.groups.rules import group_key  # noqa: E402
 from paged_kv.engine import SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
 from paged_kv.handoff import HandoffConfig  # noqa: E402
 from paged_kv.handoff.params import HandoffParams, parse_params  # noqa: E402
@@ -125,7 +125,7 @@ def test_a_hybrid_prompt_of_whole_blocks_leases_all_but_its_last_block(variant):
             num_keys = (length - 1) // BLOCK
             assert len(params["block_keys"]) == num_keys, case
             assert params["group_starts"] == [
-                skipped_blocks(group.kind, num_keys * BLOCK, BLOCK)
+                group.skipped_blocks(num_keys * BLOCK)
                 for group in pre.cache.groups[1:]], case
             handoff = parse_params({**params, "do_remote_prefill": True})
             out = run(dec, dec.add_request(tokens, GREEDY, handoff=handoff))
@@ -152,7 +152,7 @@ def test_a_window_block_missing_on_the_prefill_engine_starts_its_group_after_it(
         ran = run(pre, pre.add_request(tokens, SamplingParams(max_tokens=1, temperature=0)))
         [group] = pre.cache.groups[1:]
         num_keys = (len(tokens) - 1) // BLOCK
-        column = skipped_blocks(group.kind, num_keys * BLOCK, BLOCK)
+        column = group.skipped_blocks(num_keys * BLOCK)
         assert column + 1 < num_keys, "the window must span two columns"
         keys = block_keys(np.asarray(tokens, dtype=np.int64), BLOCK, root_hash(None))
         piece = encode_tokens(np.asarray(tokens[column * BLOCK:(column + 1) * BLOCK]))

@@ -1,6 +1,9 @@
-"""Layers of several kinds (full, sliding window, chunked) in one pool: per-group block
-tables, windows that give their blocks back, prefix hits every kind accepts."""
+"""Layer groups: one block table per group of same-kind layers, in one pool.
 
-from .cache import HybridKVCache
-
-__all__ = ["HybridKVCache"]
+- `groups`     `LayerGroup`, what every kind shares (rows, give-back, fork, removal)
+- `kinds`      one class per layer kind (full attention, sliding window, chunked), chosen
+               by `LayerKind.attention`: a new kind is a new class there
+- `admission`  one prefix hit every group accepts, then one row per group
+- `layout`     `GroupLayout`, a step, swap, accounting and check over several groups
+- `rules`      `group_key`, the key a group's block is indexed under
+"""

@@ -3,7 +3,7 @@ group.
 
 The leading group plans the admission as a uniform cache would (its keys, hashed once, and
 its cached prefix); every other group is then asked, under the same keys (`group_key`),
-for the longest hit it accepts (`accepted_hit`: all blocks for full attention, only the
+for the longest hit it accepts (`LayerGroup.accepted_hit`: all blocks for full attention, only the
 blocks the window or chunk still reads for the others), and the hit shrinks until all
 agree (vLLM's hybrid coordinator: one pass per shrink, and a full group is downward
 closed). A window group's row then starts with the null block where its window has left.
@@ -15,13 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...config import LayerKind
 from ...keys import TOKEN_BYTES
 from ..allocator import BlockAllocator
 from ..step.commit import admission_batch
 from ..step.plan import Admission
 from .groups import LayerGroup, filled_blocks
-from .rules import accepted_hit, group_key, skipped_blocks
+from .rules import group_key
 
 
 class HybridAdmission(NamedTuple):
@@ -41,7 +40,7 @@ class HybridAdmission(NamedTuple):
     group_hits: tuple[list[int], ...]
     requested: int
     revived: int
-    kinds: tuple[LayerKind, ...] = ()  # of every group, the leading one first
+    groups: tuple[LayerGroup, ...] = ()  # every group, the leading one first
 
     @property
     def seq_id(self):
@@ -78,9 +77,9 @@ class HybridAdmission(NamedTuple):
             return parent, keys, tokens
         end, start = len(lead.hits) + len(keys), len(lead.hits)
         keys, parts = list(keys), [tokens]
-        for index, kind in enumerate(self.kinds[1:], start=1):
-            first = max(start, skipped_blocks(kind, end * block_size, block_size))
-            keys += [group_key(key, index) for key in lead.keys[first:end]]
+        for group in self.groups[1:]:
+            first = max(start, group.skipped_blocks(end * block_size))
+            keys += [group_key(key, group.index) for key in lead.keys[first:end]]
             parts.append(lead.tokens[first * block_size:end * block_size])
         return parent, keys, np.concatenate(parts)
 
@@ -103,20 +102,20 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
 
     # a full leading group's lookup is its leading run; a window one (every layer a window)
     # is asked like the others, right to left from the prompt's last full block
-    window_led = not groups[0].kind.is_full
+    window_led = groups[0].gives_back
     end = (min(len(plan.keys), (len(plan.tokens) - 1) // block_size)
            if window_led and plan.tokens is not None else len(plan.hits))
     askers = groups if window_led else groups[1:]
     while True:
         agreed = end
         for group in askers:
-            agreed = accepted_hit(group.kind, agreed, block_size, cached_in(group))
+            agreed = group.accepted_hit(agreed, cached_in(group))
         if agreed == end:
             break
         end = agreed
 
     def hits_of(group: LayerGroup) -> list[int]:
-        first = skipped_blocks(group.kind, end * block_size, block_size) if end else 0
+        first = group.skipped_blocks(end * block_size) if end else 0
         return [0] * first + [found[group.index][column] for column in range(first, end)]
 
     leader = plan
@@ -128,7 +127,7 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
     revived = leader.revived + (sum(allocator.count_cached([b for b in hits if b])
                                     for hits in group_hits) if leader.count else 0)
     return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived,
-                           tuple(group.kind for group in groups))
+                           tuple(groups))
 
 
 def _cut(plan: Admission, hits: list[int], block_size: int, max_tokens: int | None,

@@ -1,5 +1,6 @@
-"""`LayerGroup`: one group of same-kind layers, its block tables, and what its window gives
-back.
+"""`LayerGroup`: one group of same-kind layers, its block tables, and what its kind gives
+back; the machinery every kind shares (the rules that differ by kind are each kind's class
+in `paged_kv.core.groups.kinds`).
 
 Every group's tables hold the same sequences in the same rows (they see the same adds,
 forks and removals in the same order), each row the same token count: only the block ids
@@ -10,23 +11,29 @@ left (``released[row]`` of them, all leading).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
 from ...config import CacheConfig, LayerKind
 from ...keys import encode_tokens
 from ..allocator import BlockAllocator
+from ..batch import SeqId
 from ..page_table import PageTables
 from ..pool import KVPool
 from ..step.commit import StepCommitter
 from ..step.plan import StepPlanner
 from ..swap import SwapSpace
-from .rules import group_key, skipped_blocks
+from .rules import group_key
 
 
 @dataclasses.dataclass
 class LayerGroup:
-    """One layer group of a hybrid layout (see `paged_kv.config.group_layers`).
+    """One layer group of a cache (see `paged_kv.config.group_layers`); a uniform model's
+    cache is one full-attention group. A subclass per layer kind
+    (`paged_kv.core.groups.kinds`) says what its rows give back (`skipped_tokens`) and so
+    which blocks a prefix hit needs (`accepted_hit`); the rest is shared.
 
     Attributes
     ----------
@@ -52,13 +59,15 @@ class LayerGroup:
     released: np.ndarray
     swap: SwapSpace | None = None
 
+    gives_back: ClassVar[bool] = False  # whether rows give blocks back as they grow
+
     @classmethod
     def build(cls, index: int, kind: LayerKind, layers: tuple[int, ...], config: CacheConfig,
               allocator: BlockAllocator, pool: KVPool, compiled: bool | None,
               host_allocator: BlockAllocator | None) -> LayerGroup:
         """A group over the shared allocator and pool (and host pool, when there is one)."""
-        own = dataclasses.replace(config, enable_prefix_caching=(
-            config.enable_prefix_caching and index == 0))
+        own = (config if index == 0 or not config.enable_prefix_caching  # only group 0 hashes
+               else dataclasses.replace(config, enable_prefix_caching=False))
         tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
         swap = None if host_allocator is None else SwapSpace(
             config.num_host_blocks, tables, allocator, pool, host_allocator)
@@ -66,10 +75,61 @@ class LayerGroup:
                    StepCommitter(tables, allocator, pool, own),
                    np.zeros(config.max_num_seqs, dtype=np.int64), swap)
 
-    @property
-    def gives_back(self) -> bool:
-        """Whether its rows give blocks back as their window moves on."""
-        return not self.kind.is_full
+    # -- the kind's rules (each kind's class overrides `skipped_tokens`) -------------------
+    def skipped_tokens(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
+        """Leading tokens that no query from position `num_tokens` on reads: their blocks
+        go back to the pool, and a prefix hit of `num_tokens` tokens needs the blocks of
+        the tokens after them. Full attention reads every token."""
+        raise NotImplementedError
+
+    def skipped_blocks(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
+        """Leading blocks wholly made of `skipped_tokens`: those a row can give back."""
+        return self.skipped_tokens(num_tokens) // self.tables.block_size
+
+    def accepted_hit(self, end: int, cached: Callable[[int], bool]) -> int:
+        """The longest hit of at most `end` blocks this kind accepts: the blocks a query
+        right after it reads (from `skipped_blocks` of the hit on) are all cached. Scanned
+        right to left, so a hit far past blocks long evicted is still found (vLLM's rule);
+        full attention needs every block from the first.
+
+        Parameters
+        ----------
+        cached : callable
+            ``cached(column)``: whether the block at that column is in the prefix cache.
+        """
+        block_size = self.tables.block_size
+        while end > 0:
+            first = self.skipped_blocks(end * block_size)
+            missing = next((c for c in range(end - 1, first - 1, -1) if not cached(c)), None)
+            if missing is None:
+                return end
+            end = missing  # every longer hit below `end` needs that block too
+        return 0
+
+    # -- the lifecycle every kind shares ---------------------------------------------------
+    def fork(self, allocator: BlockAllocator, parent: SeqId, child: SeqId) -> None:
+        """`child`'s row shares all of `parent`'s blocks, and what it gave back."""
+        row = self.tables.fork(parent, child)
+        self.released_of(np.array([row]))
+        self.released[row] = self.released[self.tables.row_of[parent]]
+        blocks = self.tables.blocks(child)
+        allocator.share(blocks[blocks != 0])
+
+    def remove(self, allocator: BlockAllocator, seq_id: SeqId, retain: dict) -> None:
+        """Drop `seq_id`'s row: its device blocks freed (or its host blocks, if swapped)."""
+        row = self.tables.row_of[seq_id]
+        swapped = self.swap is not None and self.swap.is_swapped(seq_id)
+        self.released_of(np.array([row]))
+        blocks = self.tables.remove(seq_id)
+        self.released[row] = 0
+        if swapped:
+            self.swap.drop(seq_id, blocks)
+        else:
+            allocator.free(blocks[blocks != 0], unique=True, **retain)
+
+    def can_truncate(self, row: int, num_tokens: int) -> bool:
+        """Whether the row still holds every block a query after `num_tokens` reads."""
+        return self.released_of(np.array([row]))[0] <= self.skipped_blocks(num_tokens)
 
     def released_of(self, rows: np.ndarray) -> np.ndarray:
         """``[B]`` leading columns given back by each of `rows` (grown with the tables)."""
@@ -84,8 +144,7 @@ class LayerGroup:
         group): ``[R]`` rows, and for each the column to give back up to."""
         if not self.gives_back or not rows.size:
             return rows[:0], rows[:0]
-        upto = skipped_blocks(self.kind, self.tables.num_tokens[rows],
-                              self.tables.block_size)
+        upto = self.skipped_blocks(self.tables.num_tokens[rows])
         moving = upto > self.released_of(rows)
         return rows[moving], upto[moving]
 

@@ -159,6 +159,26 @@ def fits(plan: StepPlan | Admission, obtainable: int) -> bool:
     return plan.requested + plan.revived <= obtainable
 
 
+def check_capacity(allocator: BlockAllocator, plan: StepPlan | Admission, what: str, *,
+                   root: bytes | None = None, credit: int = 0) -> None:
+    """Raise `OutOfBlocksError` unless `plan` `fits` in the blocks obtainable now: every
+    path of the cache (a step, an admission, a layout of several groups) checks here.
+
+    Parameters
+    ----------
+    root : bytes, optional
+        An admission's salt root: its tenant's reservation counts for it (a step's blocks
+        are the obtainable ones, reservations kept from everyone).
+    credit : int
+        Blocks the step gives back before it takes any (a window's blocks).
+    """
+    obtainable = allocator.num_obtainable_blocks + credit
+    if root is not None and allocator.tenants is not None:
+        obtainable += allocator.tenants.reserved_for(root)  # its own
+    if not fits(plan, obtainable):
+        raise OutOfBlocksError(plan.requested, obtainable - plan.revived, what)
+
+
 class StepPlanner:
     """Plans steps and admissions over the owners, and checks them; changes nothing
     (`StepCommitter` applies the plans).
@@ -191,13 +211,11 @@ class StepPlanner:
         """Whether the blocks it plans are indexed for prefix reuse."""
         return self._indexing
 
-    def check(self, plan: StepPlan | Admission, what: str = "prepare()") -> None:
-        """Raise `OutOfBlocksError` unless `plan` `fits` in the blocks obtainable now."""
-        obtainable = self._allocator.num_obtainable_blocks
-        if isinstance(plan, Admission) and self._allocator.tenants is not None:
-            obtainable += self._allocator.tenants.reserved_for(plan.root)  # its own
-        if not fits(plan, obtainable):
-            raise OutOfBlocksError(plan.requested, obtainable - plan.revived, what)
+    def check(self, plan: StepPlan | Admission, what: str = "prepare()", *,
+              root: bytes | None = None) -> None:
+        """`check_capacity` of `plan` over this planner's allocator (`root`: an
+        admission's salt, whose reservation counts for it)."""
+        check_capacity(self._allocator, plan, what, root=root)
 
     # -- plan (no visible change) -----------------------------------------------------------
     def plan(self, step: Step, *, fast: bool = True, decode: bool | None = None) -> StepPlan:
