@@ -108,6 +108,7 @@ class PagedKVCache(LayerAccess):
                        for plane, layer in enumerate(group.layers)}
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
+        self._generation = 0  # mutations so far: a plan of an older generation is stale
 
     # -- read-only views of the owners ----------------------------------------------------
     @property
@@ -226,19 +227,50 @@ class PagedKVCache(LayerAccess):
                        max_tokens: int | None = None, lookup: bool = True) -> Admission:
         """What adding `seq_id` with this prompt and preparing its next `max_tokens` tokens
         would take now (every key of the prompt's full blocks, its cached prefix, the
-        blocks); changes nothing. A scheduler tests it with `paged_kv.core.step.plan.fits`, then
-        adds the sequence with its keys (`lookup=False`: the prompt is not looked up, as
-        for a request that wants every position's log-probabilities)."""
+        blocks); changes nothing. A scheduler tests it with `paged_kv.core.step.plan.fits`,
+        then adds the sequence with `commit_admission` (`lookup=False`: the prompt is not
+        looked up, as for a request that wants every position's log-probabilities: add
+        it with `add_sequence` and no prompt, so its blocks are indexed as they fill)."""
         require_new(self._tables, "plan_admission()", seq_id)
         tokens = tokens_to_array("plan_admission(): prompt_token_ids", prompt_token_ids)
-        return self._plan_admission("plan_admission()", seq_id, tokens, salt, keys,
+        plan = self._plan_admission("plan_admission()", seq_id, tokens, salt, keys,
                                     max_tokens, lookup=lookup, complete=True)
+        return plan._replace(generation=self._generation)
+
+    def commit_admission(self, plan: Admission) -> int:
+        """Add the sequence `plan_admission` planned, with its prefix hits (its next tokens
+        come through `prepare`, as after `add_sequence`): exactly that plan while the cache
+        has not changed since (no second lookup, no hashing), else planned again from the
+        plan's prompt and keys. Returns the tokens found cached.
+
+        Raises
+        ------
+        TypeError
+            `plan` is not a plan of this cache's `plan_admission`.
+        OutOfBlocksError
+            Its cached hits cannot be revived now; nothing changed.
+        """
+        if getattr(plan, "generation", -1) < 0:
+            raise TypeError("commit_admission(): expected a plan from plan_admission(), got "
+                            f"{type(plan).__name__}")
+        require_new(self._tables, "commit_admission()", plan.seq_id)
+        if plan.generation != self._generation:  # the cache changed: plan the same again
+            plan = self._plan_admission("commit_admission()", plan.seq_id, plan.tokens, None,
+                                        plan.keys, 0, root=plan.root,
+                                        lookup=plan.root is not None)
+        # the row and its hits only, as `add_sequence`: its tokens' blocks come with its
+        # step, so it takes no block now and always fits
+        self._commit_admission(plan._replace(count=0, requested=0, revived=0),
+                               "commit_admission()")
+        return plan.num_hit
 
     def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
                         salt: str | None, keys: Sequence[bytes], max_tokens: int | None,
-                        *, lookup: bool = True, complete: bool = False) -> Admission:
-        """Validate the rest of an admission's arguments, then plan it (changes nothing)."""
-        root = root_hash(salt)  # also the salt's check, with prefix caching off too
+                        *, lookup: bool = True, complete: bool = False,
+                        root: bytes | None = None) -> Admission:
+        """Validate the rest of an admission's arguments, then plan it (changes nothing;
+        `root`, when given, is the salt's, already checked)."""
+        root = root or root_hash(salt)  # also the salt's check, with prefix caching off too
         # counted in C: a request's keys come with every admission
         if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
                          == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
@@ -561,6 +593,7 @@ class PagedKVCache(LayerAccess):
 
     # -- validation helpers ---------------------------------------------------------------
     def _after_mutation(self) -> None:
+        self._generation += 1
         if self._debug:
             self.check()
 

@@ -53,6 +53,9 @@ class Request:
     handoff: Any = None
     peer: Any = None
     kv_transfer_params: dict | None = None
+    # the chained keys of its prompt's full blocks under its salt, made once as it arrives
+    # (`Scheduler.add`) and read by the device lookup, the tiers and both hand-off roles
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:

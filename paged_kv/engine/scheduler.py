@@ -21,6 +21,7 @@ from ..core.batch import StepBatch
 from ..core.cache import PagedKVCache
 from ..core.step.plan import Admission, fits
 from ..errors import OutOfBlocksError
+from ..keys import block_keys, root_hash
 from .limits import catch_up_tokens
 from .misses import CacheReports
 from .request import Request, Sequence, Status
@@ -159,8 +160,10 @@ class Scheduler:
                 continue
             if not fits(admission, self._available(self._reserved) + self._own(admission)):
                 return
-            hit = self.cache.add_sequence(seq.seq_id, admission.tokens if reuse else None,
-                                          salt=seq.request.salt, keys=admission.keys)
+            # the plan is committed as tested (planned again only if the cache changed);
+            # a prompt not looked up is added bare, its blocks indexed as they fill
+            hit = (self.cache.commit_admission(admission) if reuse else self.cache.add_sequence(
+                seq.seq_id, None, salt=seq.request.salt, keys=admission.keys))
             self.waiting.popleft()
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = hit
@@ -246,8 +249,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request's first sample."""
-        seq.request.samples.append(seq)
+        """Queue a new request's first sample, with its prompt's block keys (made here, once
+        per request, when prefix caching is on: every later reader takes them from it)."""
+        request = seq.request
+        if self.cache.config.enable_prefix_caching and not request.block_keys:
+            request.block_keys = block_keys(np.asarray(request.prompt_token_ids, np.int64),
+                                            self.cache.config.block_size,
+                                            root_hash(request.salt))
+        seq.block_keys = request.block_keys
+        request.samples.append(seq)
         self.waiting.append(seq)
 
     def prepare(self, plan: dict[Sequence, int]) -> StepBatch:

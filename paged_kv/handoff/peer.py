@@ -131,9 +131,10 @@ class DecodeRole(EnginePart):
         if not self.trust.params_signed(handoff):  # before anything is contacted
             return self._fall_back(request, P.UNSIGNED, "kv_transfer_params.signature is "
                                    "not this engine's hand-off secret's: not pulled")
-        size = self.cache.config.block_size
-        mine = block_keys(np.asarray(request.prompt_token_ids, dtype=np.int64), size,
-                          root_hash(request.salt))
+        # the request's own keys (made once as it arrived), hashed here only without them
+        mine = request.block_keys or block_keys(
+            np.asarray(request.prompt_token_ids, dtype=np.int64),
+            self.cache.config.block_size, root_hash(request.salt))
         if handoff.key_bytes() != mine[:len(handoff.block_keys)]:
             self._release(PeerSource(handoff, self))
             return self._fall_back(request, P.TENANT_MISMATCH, "the prefill's block keys are "

@@ -59,7 +59,8 @@ class PrefillRole(EnginePart):
         if request.handoff is None or request.error is not None:
             return
         start = time.perf_counter()
-        keys, values, starts = self.export(request.prompt_token_ids, request.salt)
+        keys, values, starts = self.export(request.prompt_token_ids, request.salt,
+                                           request.block_keys)
         lease = self.leases.create(values, request.salt)
         first = request.samples[0].output_token_ids[:1] if request.samples else []
         request.kv_transfer_params = {
@@ -76,7 +77,7 @@ class PrefillRole(EnginePart):
             self.metrics.handoff(sum(len(v) for v in values.values()),
                                  time.perf_counter() - start)
 
-    def export(self, prompt: list[int], salt: str | None,
+    def export(self, prompt: list[int], salt: str | None, keys: list[bytes] | None = None,
                ) -> tuple[list[bytes], dict[bytes, bytes], list[int] | None]:
         """What a decode engine's fetch of `prompt` asks for, as the tiers' writer stores
         it: the keys of `prompt`'s full blocks the prefix cache holds, from the first on,
@@ -87,10 +88,12 @@ class PrefillRole(EnginePart):
         engine computes it: `paged_kv.core.step.plan`, `HybridAdmission.missing`), so a
         prompt of whole blocks leases all but its last; a hybrid layout's fetch asks
         each other group for the blocks a hit at the leading run's end reads
-        (`_group_run`)."""
+        (`_group_run`). `keys`: the prompt's block keys as the request carries them
+        (hashed here without them)."""
         size, groups = self.cache.config.block_size, self.cache.groups
         tokens = np.asarray(prompt, dtype=np.int64)
-        keys = block_keys(tokens, size, root_hash(salt))[:(len(prompt) - 1) // size]
+        # the request's keys when it carries them (made once as it arrived)
+        keys = (keys or block_keys(tokens, size, root_hash(salt)))[:(len(prompt) - 1) // size]
         ids = self._run(keys, tokens, size)
         keys = keys[:len(ids)]
         leased, starts = list(keys), None
@@ -120,8 +123,8 @@ class PrefillRole(EnginePart):
     def _group_run(self, group: Any, keys: list[bytes], tokens: np.ndarray, size: int,
                    ) -> tuple[int, list[int]]:
         """Layer `group`'s cached blocks (under its `group_key`s) of the columns a hit of
-        all `keys` reads (a window's or chunk's last ones, `LayerGroup.skipped_blocks`), right to left
-        up to the first it lacks: that run's first column and its blocks in order."""
+        all `keys` reads (a window's or chunk's last ones, `LayerGroup.skipped_blocks`),
+        right to left up to the first it lacks: that run's first column and its blocks in order."""
         first, end = group.skipped_blocks(len(keys) * size), len(keys)
         ids: list[int] = []
         for column in range(end - 1, first - 1, -1):

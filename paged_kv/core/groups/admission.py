@@ -41,6 +41,7 @@ class HybridAdmission(NamedTuple):
     requested: int
     revived: int
     groups: tuple[LayerGroup, ...] = ()  # every group, the leading one first
+    generation: int = -1  # as `Admission.generation`
 
     @property
     def seq_id(self):

@@ -95,6 +95,9 @@ class Admission(NamedTuple):
     revived : int
         Hits that are cached now: sharing them takes them out of the obtainable blocks (0
         when it prepares no tokens: then it takes no block and always fits).
+    generation : int
+        The cache's mutation count when it was planned: `PagedKVCache.commit_admission`
+        commits it as it is while the count is unchanged, and plans again otherwise.
     """
 
     seq_id: SeqId
@@ -108,6 +111,7 @@ class Admission(NamedTuple):
     count: int
     requested: int
     revived: int
+    generation: int = -1
 
     @property
     def chain(self) -> bytes | None:
