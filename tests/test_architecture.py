@@ -275,7 +275,7 @@ FLOORS = {
     "paged_kv.kernels": 0, "paged_kv.tenants": 0, "paged_kv.parts": 0,
     # 1-4, the cache core: owners, then the step over them, then layer groups, then the facade
     "paged_kv.core": 1, "paged_kv.core.step": 2, "paged_kv.core.groups": 3,
-    "paged_kv.core.cache": 4,
+    "paged_kv.core.cache": 4, "paged_kv.core.admission": 4,
     # 5, what sits on the cache: tiers, KV events, the hand-off, the transformers integration
     "paged_kv.tiers": 5, "paged_kv.events": 5, "paged_kv.handoff": 5, "paged_kv.integrations": 5,
     # 6, the engine (scheduler, runner, model, its process and clients); 7, the HTTP server
