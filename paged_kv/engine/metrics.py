@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .outputs import EngineStats
+from .tenant_stats import tenant_blocks
+
 if TYPE_CHECKING:
     from ..core.cache import PagedKVCache
-    from ..tiers.manager import TiersStats
-    from .outputs import EngineStats
+    from ..tiers.manager import TierManager, TiersStats
+    from .scheduler import Scheduler
 
 OBSERVE_PERIOD_S = 0.25  # how often steps refresh the metrics (scrapes always do)
 
@@ -32,6 +35,26 @@ FETCH_COUNTERS = {
     "skipped_fetches": ("paged_kv_tier_skipped_fetches",
                         "Fetches not made: recomputing was estimated faster"),
 }
+
+
+def engine_stats(scheduler: Scheduler, cache: PagedKVCache,
+                 tiers: TierManager | None) -> EngineStats:
+    """`Engine.stats`: the queues of `scheduler`, the counters of `cache`'s allocator and
+    `tiers`' stats (None: none), and the live blocks by tenant (`tenant_blocks`)."""
+    allocator, reports = cache.allocator, scheduler.reports
+    return EngineStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
+        num_live_blocks=allocator.num_live_blocks,
+        num_cached_blocks=allocator.num_cached_blocks,
+        num_free_blocks=allocator.num_free_blocks,
+        prefix_query_tokens=allocator.prefix_query_tokens,
+        prefix_hit_tokens=allocator.prefix_hit_tokens,
+        num_loading=len(scheduler.loading),
+        tiers=None if tiers is None else tiers.stats(),
+        tenant_blocks=tenant_blocks(scheduler.running, cache),
+        prefix_misses=dict(reports.misses),
+        tenant_prefix_tokens={t: (q, h) for t, (q, h) in reports.tokens.items()})
 
 
 class EngineMetrics:
