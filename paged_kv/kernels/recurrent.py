@@ -157,8 +157,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cu_seqlens : torch.Tensor
         int64 ``[B + 1]`` sequence offsets into `x`.
     conv_state : torch.Tensor
-        ``[B, C, K - 1]`` each sequence's last ``K - 1`` inputs, oldest first (zeros: fresh).
-        transformers keeps ``K`` columns; the oldest never reaches an output.
+        ``[B, C, W]`` each sequence's last ``W >= K - 1`` inputs, oldest first (zeros: fresh).
+        ``W = K - 1`` is all an output reads; transformers' cache keeps ``W = K`` (its oldest
+        column never reaches an output), which works here unchanged.
     activation : {"silu", "swish", None}
         Applied to the convolution's output.
     emit_at : torch.Tensor, optional
@@ -169,23 +170,24 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out : torch.Tensor
         ``[T, C]`` in ``x.dtype``.
     final : torch.Tensor
-        ``[B, C, K - 1]`` windows after each sequence's tokens, in ``conv_state.dtype``.
+        ``[B, C, W]`` windows after each sequence's tokens, in ``conv_state.dtype``.
     emitted : torch.Tensor
-        ``[E, C, K - 1]`` windows after each token of `emit_at`.
+        ``[E, C, W]`` windows after each token of `emit_at`.
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation: expected one of {list(_ACTIVATIONS)}, got {activation!r}")
     channels, width = weight.shape
-    if conv_state.shape[1:] != (channels, width - 1) or x.shape[1:] != (channels,):
-        raise ValueError(f"x [T, {channels}] and conv_state [B, {channels}, {width - 1}] "
+    if conv_state.shape[1] != channels or conv_state.shape[2] < width - 1 \
+            or x.shape[1:] != (channels,):
+        raise ValueError(f"x [T, {channels}] and conv_state [B, {channels}, >= {width - 1}] "
                          f"expected, got {list(x.shape)} and {list(conv_state.shape)}")
     act, taps = _ACTIVATIONS[activation], weight.float()
     shift = bias.float() if bias is not None else taps.new_zeros(channels)
     inputs = x.float()
 
     def step(tokens: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        full = torch.cat([window, inputs[tokens, :, None]], dim=-1)  # [n, C, K]
-        return act((full * taps).sum(-1) + shift), full[..., 1:]
+        full = torch.cat([window, inputs[tokens, :, None]], dim=-1)  # [n, C, W + 1]
+        return act((full[..., -width:] * taps).sum(-1) + shift), full[..., 1:]
 
     pack = packing(cu_seqlens, x.shape[0], conv_state.shape[0], emit_at)
     return scan(pack, conv_state, torch.empty_like(x), step)

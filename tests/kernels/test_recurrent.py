@@ -64,6 +64,11 @@ FAMILIES = {
         recurrent.causal_conv1d, "conv_state", (6, 3),
         lambda t: {"x": _randn(t, 6)},
         lambda: {"weight": _randn(6, 4, scale=0.5), "bias": _randn(6), "activation": "silu"}),
+    # transformers' cache layout (K columns, the oldest unread) and LFM2's activation (none)
+    "conv_wide": Family(
+        recurrent.causal_conv1d, "conv_state", (6, 4),
+        lambda t: {"x": _randn(t, 6)},
+        lambda: {"weight": _randn(6, 4, scale=0.5), "bias": None, "activation": None}),
     "delta": Family(
         recurrent.gated_delta_rule, "state", (4, 8, 6),
         lambda t: {"q": _randn(t, 2, 8), "k": _randn(t, 2, 8), "v": _randn(t, 4, 6),
@@ -186,13 +191,15 @@ def test_conv_equals_transformers(length, bias):
     out, final, _ = recurrent.causal_conv1d(x, weight, b, cu_of([length]), fresh)
     want = qwen3_next.causal_conv1d_fn(x.T[None], weight, b, activation="silu")
     torch.testing.assert_close(out, want[0].T, **HF)
-    # from a state (a decode when length == 1): transformers' update shifts its window in place
-    state = torch.randn(1, 6, 3)
-    out, final, _ = recurrent.causal_conv1d(x, weight, b, cu_of([length]), state)
-    window = state.clone()
-    want = qwen3_next.causal_conv1d_update(x.T[None], window, weight, b, activation="silu")
-    torch.testing.assert_close(out, want[0].T, **HF)
-    torch.testing.assert_close(final, window, **HF)
+    # from a state (a decode when length == 1): transformers' update shifts its window in place;
+    # K - 1 columns are all an output reads, its cache keeps K (the oldest one unread)
+    for columns in (3, 4):
+        state = torch.randn(1, 6, columns)
+        out, final, _ = recurrent.causal_conv1d(x, weight, b, cu_of([length]), state)
+        window = state.clone()
+        want = qwen3_next.causal_conv1d_update(x.T[None], window, weight, b, activation="silu")
+        torch.testing.assert_close(out, want[0].T, **HF)
+        torch.testing.assert_close(final, window, **HF)
 
 
 def test_lfm2_short_conv_is_the_conv_between_two_gates():
