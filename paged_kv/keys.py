@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -126,33 +125,3 @@ def block_keys(token_ids: np.ndarray, block_size: int, root: bytes,
     data = encode_tokens(np.asarray(token_ids[start: num_full * block_size], dtype=np.int64))
     return [*known, *chain_pieces(known[-1] if known else root,
                                   split_blocks(data, num_full - len(known)))]
-
-
-def match_chain(get: Callable[[bytes], int | None], tokens_of: Mapping[int, bytes],
-                token_ids: bytes, num_blocks: int, keys: list[bytes], parent_key: bytes,
-                ) -> tuple[list[int], list[bytes]]:
-    """The blocks of an index (`get`: key -> block id or None; `tokens_of`: block id ->
-    its token bytes) holding the longest prefix of `token_ids` (`num_blocks` equal slices),
-    in one pass; see `BlockAllocator.match`. Keys not given are hashed lazily, chained
-    from the last given one (or `parent_key`), and only up to the first miss."""
-    hits: list[int] = []
-    keys = list(keys)
-    if not num_blocks:
-        return hits, keys
-    width = len(token_ids) // num_blocks
-    known = range(0, min(len(keys), num_blocks) * width, width)
-    for start, key in zip(known, keys, strict=False):  # given keys: nothing to hash
-        block_id = get(key)
-        if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
-            return hits, keys
-        hits.append(block_id)
-    parent_key, sha256 = keys[-1] if keys else parent_key, hashlib.sha256
-    for start in range(len(keys) * width, num_blocks * width, width):  # lazily
-        piece = token_ids[start:start + width]
-        parent_key = sha256(parent_key + piece).digest()  # hash_block, inlined
-        keys.append(parent_key)
-        block_id = get(parent_key)
-        if block_id is None or tokens_of[block_id] != piece:
-            break
-        hits.append(block_id)
-    return hits, keys

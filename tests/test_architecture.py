@@ -307,3 +307,23 @@ def test_no_import_runs_back_up():
 def test_every_floor_is_named():
     assert all(floor_of(_name(path)) >= 0 for path in MODULES)
     assert floor_of("paged_kv.core.step.plan") == 2 and floor_of("paged_kv.core.allocator") == 1
+
+
+def test_the_allocator_imports_nothing_from_tenants():
+    """The allocator calls its eviction policy's interface (`paged_kv.core.eviction`) and
+    never asks which policy it holds: it imports nothing from `paged_kv.tenants` (the tenant
+    ledger is one policy, built by `paged_kv.tenants.eviction_for`) and tests nothing of
+    tenants or ledgers; the default policy beside it imports only the ghost list, the miss
+    memory every policy keeps."""
+    def from_tenants(module: str) -> list[str]:
+        return sorted(d for d in _imports(PACKAGE / "core" / f"{module}.py")
+                      if d == "paged_kv.tenants" or d.startswith("paged_kv.tenants."))
+
+    assert not from_tenants("allocator"), \
+        f"the allocator imports from tenants: {from_tenants('allocator')}"
+    assert set(from_tenants("eviction")) <= {"paged_kv.tenants.ghost"}, \
+        f"the default eviction policy imports tenant logic: {from_tenants('eviction')}"
+    tests = [ast.unparse(node.test) for node in ast.walk(_tree(PACKAGE / "core" / "allocator.py"))
+             if isinstance(node, ast.If | ast.IfExp | ast.While)]
+    branches = [test for test in tests if "tenant" in test.lower() or "ledger" in test.lower()]
+    assert not branches, f"the allocator branches on tenants: {branches}"

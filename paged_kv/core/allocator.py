@@ -6,15 +6,18 @@ It never sees a tensor. Every block but the null block 0 is in exactly one state
 - *cached* refcount 0 but holding a full, indexed block a later prefix can reuse (evictable);
 - *free*   refcount 0, nothing worth keeping.
 
-Free blocks are handed out first (a stack: O(1) pop and push); cached blocks are evicted
-least recently freed first from an ``OrderedDict`` (O(1) pop-front, O(1) removal from the
-middle when a prefix hit revives one). A sequence's blocks are freed tail first, so its
-tail is evicted before the prefix that other sequences are likelier to share.
+Free blocks are handed out first (a stack: O(1) pop and push); which cached block goes
+when one must is the eviction policy's choice (`paged_kv.core.eviction`): by default the
+least recently freed (`LruEviction`), under a tenant policy the tenant ledger's
+(`paged_kv.tenants.eviction_for`). The allocator calls the policy's interface alone and
+never asks which one it holds. A sequence's blocks are freed tail first, so its tail is
+evicted before the prefix that other sequences are likelier to share.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 from collections.abc import Iterable
 
@@ -22,8 +25,8 @@ import numpy as np
 
 from .._checks import read_only
 from ..errors import OutOfBlocksError, ensure
-from ..keys import BlockEvent, chain_pieces, hash_pieces, match_chain, split_blocks
-from ..tenants import GhostList, TenantLedger, TenantPolicy, default_capacity
+from ..keys import BlockEvent, chain_pieces, hash_pieces, split_blocks
+from .eviction import EvictionPolicy, GhostList, LruEviction
 
 NULL_BLOCK = 0
 
@@ -39,12 +42,10 @@ class BlockAllocator:
         Keep freed full blocks indexed (cached) instead of freeing them.
     max_events : int
         Events kept until `take_events` drains them; older ones are dropped.
-    tenants : TenantPolicy, optional
-        Quotas, reservations and soft retention of the cached blocks by tenant (see
-        `paged_kv.tenants.TenantLedger`); None: one global LRU, as without tenants.
-    ghost_capacity : int, optional
-        Evicted keys (and parents of indexed blocks) remembered to name a miss's cause
-        (`ghost`); None: `paged_kv.tenants.default_capacity`, 0: none.
+    eviction : EvictionPolicy, optional
+        Owns the cached blocks and chooses which go (with the ghost list that names a
+        miss's cause); None: `LruEviction`, one least-recently-freed order. A tenant
+        policy's is `paged_kv.tenants.eviction_for(policy, num_blocks)`.
 
     Examples
     --------
@@ -56,18 +57,15 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
-                 max_events: int = 65536, tenants: TenantPolicy | None = None,
-                 ghost_capacity: int | None = None) -> None:
+                 max_events: int = 65536, eviction: EvictionPolicy | None = None) -> None:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1, 2, ...
-        self._ledger = TenantLedger(tenants, num_blocks) if tenants is not None else None
-        # cached blocks: their eviction order here (an OrderedDict pops the oldest in O(1)),
-        # or, under a tenant policy, in the ledger, which leaves membership alone to keep
-        # here: a plain dict stores and drops a block several times faster
-        self._cached: dict[int, None] = (
-            collections.OrderedDict() if self._ledger is None else {})
+        # the cached blocks (``self._eviction.cached``, read here, changed by the policy
+        # alone) and their eviction order
+        self._eviction: EvictionPolicy = (LruEviction(num_blocks) if eviction is None
+                                          else eviction)
         # per block, its key and its token bytes (valid where indexed; stale entries stay):
         # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
         # C-level update and evicting or comparing one a dict access, never a numpy call
@@ -84,8 +82,6 @@ class BlockAllocator:
         # the arguments of its BlockEvent (lists this class made and never changes again),
         # built when taken: most steps log three and a frozen dataclass costs ~1 us to make
         self._events: collections.deque[tuple] = collections.deque(maxlen=max_events)
-        self._ghost = GhostList(default_capacity(num_blocks) if ghost_capacity is None
-                                else ghost_capacity)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -111,30 +107,39 @@ class BlockAllocator:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Cached blocks: unowned but indexed, evictable least recently freed first."""
-        return len(self._cached)
+        """Cached blocks: unowned but indexed, evictable in the eviction policy's order."""
+        return len(self._eviction.cached)
 
     @property
     def num_obtainable_blocks(self) -> int:
-        """Blocks `allocate` can hand out now: free plus evictable cached (those that
-        tenants' reservations keep left out)."""
-        protected = self._ledger.num_protected if self._ledger is not None else 0
-        return len(self._free) + len(self._cached) - protected
+        """Blocks `allocate` can hand out now to a step mixing tenants: `obtainable` with
+        every reservation kept out."""
+        return self.obtainable(None)
+
+    def obtainable(self, root: bytes | None = None) -> int:
+        """Blocks a request under salted root `root` can take now: free plus evictable
+        cached, less the blocks the policy keeps from it (other tenants' reservations; its
+        own counts for it). None: a step mixing tenants, kept from every reservation. The
+        one place the capacity number is made (`allocate` checks against it)."""
+        eviction = self._eviction
+        return len(self._free) + len(eviction.cached) - eviction.held(root)
 
     @property
-    def tenants(self) -> TenantLedger | None:
-        """The cached blocks by tenant (read it), or None without a tenant policy."""
-        return self._ledger
+    def tenants(self) -> object | None:
+        """The cached blocks by tenant (read it: `paged_kv.tenants.TenantEviction`), or
+        None under a policy without tenants."""
+        return self._eviction.tenants
 
     @property
     def ghost(self) -> GhostList:
-        """Recently evicted keys and seen parents: `GhostList.miss` names a miss's cause."""
-        return self._ghost
+        """Recently evicted keys and seen parents (the eviction policy's):
+        `GhostList.miss` names a miss's cause."""
+        return self._eviction.ghost
 
     @property
     def num_live_blocks(self) -> int:
         """Blocks with at least one owner."""
-        return self.num_blocks - 1 - len(self._free) - len(self._cached)
+        return self.num_blocks - 1 - len(self._free) - len(self._eviction.cached)
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -153,7 +158,7 @@ class BlockAllocator:
 
     def count_cached(self, block_ids: list[int]) -> int:
         """How many of `block_ids` are cached (unowned, evictable)."""
-        return sum(map(self._cached.__contains__, block_ids))
+        return sum(map(self._eviction.cached.__contains__, block_ids))
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `allocate(num_blocks)` would succeed now."""
@@ -186,14 +191,34 @@ class BlockAllocator:
         keys : list of bytes
             The keys known now: those given, then those hashed on the way.
         """
-        return match_chain(self._index.get, self._tokens_of, token_ids, num_blocks, keys,
-                           parent_key)
+        hits: list[int] = []
+        keys = list(keys)
+        if not num_blocks:
+            return hits, keys
+        get, tokens_of = self._index.get, self._tokens_of
+        width = len(token_ids) // num_blocks
+        known = range(0, min(len(keys), num_blocks) * width, width)
+        for start, key in zip(known, keys, strict=False):  # given keys: nothing to hash
+            block_id = get(key)
+            if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
+                return hits, keys
+            hits.append(block_id)
+        parent_key, sha256 = keys[-1] if keys else parent_key, hashlib.sha256
+        for start in range(len(keys) * width, num_blocks * width, width):  # lazily
+            piece = token_ids[start:start + width]
+            parent_key = sha256(parent_key + piece).digest()  # keys.hash_block, inlined
+            keys.append(parent_key)
+            block_id = get(parent_key)
+            if block_id is None or tokens_of[block_id] != piece:
+                break
+            hits.append(block_id)
+        return hits, keys
 
     # -- mutators -------------------------------------------------------------------------
     def allocate(self, num_blocks: int, requester: bytes | None = None) -> np.ndarray:
-        """Take `num_blocks` blocks (refcount 1), evicting cached blocks LRU first if needed
-        (for `requester`, the salted root of the tenant asking: None for a step that mixes
-        tenants; with a tenant policy it decides whose blocks may go, see `tenants`).
+        """Take `num_blocks` blocks (refcount 1), free ones first, then cached ones the
+        eviction policy gives up (for `requester`, the salted root of the tenant asking:
+        None for a step that mixes tenants; a tenant policy decides whose blocks may go).
 
         Returns
         -------
@@ -205,8 +230,7 @@ class BlockAllocator:
         OutOfBlocksError
             Fewer than `num_blocks` obtainable; nothing changed.
         """
-        obtainable = self.num_obtainable_blocks + (
-            self._ledger.reserved_for(requester) if self._ledger is not None else 0)
+        obtainable = self.obtainable(requester)
         if num_blocks > obtainable:
             raise OutOfBlocksError(num_blocks, obtainable, "allocate()")
         free = self._free
@@ -215,29 +239,15 @@ class BlockAllocator:
         taken.reverse()
         del free[start:]
         if len(taken) < num_blocks:
-            taken += self._evict(num_blocks - len(taken), requester)
+            taken += self._eviction.evict(num_blocks - len(taken), requester, self._unindex)
         ids = np.array(taken, dtype=np.int64)
         self._refcount[ids] = 1  # a free block is neither protected nor indexed already
         self._events.append(("allocated", taken))
         return ids
 
-    def _evict(self, count: int, requester: bytes | None) -> list[int]:
-        """Take the `count` least recently freed cached blocks (with tenants: the ledger's
-        victims for `requester`) out of the index."""
-        if self._ledger is None:
-            popitem = self._cached.popitem
-            evicted = [popitem(False)[0] for _ in range(count)]
-            self._ghost.evicted(self._unindex(evicted), "device", "global")
-            return evicted
-        asking = self._ledger.tenant_id(requester) if requester is not None else None
-        evicted, runs = self._ledger.victims(count, asking)
-        for block_id in evicted:
-            del self._cached[block_id]
-        self._ledger.blame(self._ghost, "device", runs, self._unindex(evicted), asking)
-        return evicted
-
     def _unindex(self, evicted: list[int]) -> list[bytes]:
-        """Take evicted (no longer cached) blocks out of the index; returns their keys."""
+        """Take evicted blocks (the policy's, no longer cached) out of the index; returns
+        their keys (the policy's ``forget``)."""
         gone = list(map(self._key_of.__getitem__, evicted))
         index = self._index
         for key in gone:
@@ -251,14 +261,11 @@ class BlockAllocator:
     def share(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Add one owner to each of `block_ids` (distinct, live or cached): fork and prefix hits."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        cached = self._cached  # a distinct live or cached block is cached iff unowned
+        cached = self._eviction.cached  # a distinct live or cached block: cached iff unowned
         revived = list(filter(cached.__contains__, block_ids if type(block_ids) is list
                               else ids.tolist()))
-        for block_id in revived:
-            del cached[block_id]
         if revived:
-            if self._ledger is not None:
-                self._ledger.removed(revived)
+            self._eviction.uncache(revived)
             self._events.append(("hit", revived))
         self._refcount[ids] += 1
         self._protected[ids] = True  # now shared, or a revived cached block (indexed)
@@ -269,10 +276,10 @@ class BlockAllocator:
         ``unique=True`` promises there is none, which saves a slower scatter).
 
         Blocks left with no owner become cached when indexed, free otherwise; they are
-        released tail first, so the tail is evicted first and the prefix outlives it. With
-        a tenant policy, `priority` and `retention_seconds` (None: the tenant's defaults)
-        retain the newly cached blocks' head, and a tenant past its quota loses its oldest
-        cached blocks at once.
+        released tail first, so the tail is evicted first and the prefix outlives it. The
+        eviction policy takes the newly cached ones: under a tenant policy, `priority` and
+        `retention_seconds` (None: the tenant's defaults) retain their head, and a tenant
+        past its quota loses its oldest cached blocks at once.
         """
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
@@ -296,36 +303,30 @@ class BlockAllocator:
             released, flags = list(first), list(first.values())
         cached = list(itertools.compress(released, flags))
         freed = [b for b, flag in zip(released, flags, strict=True) if not flag]
-        self._cached.update(dict.fromkeys(cached))
         self._free.extend(freed)
         if cached:
             self._events.append(("cached", cached))
         if freed:
             self._events.append(("freed", freed))
-        if cached and self._ledger is not None:
-            self._drop(self._ledger.cached(cached, priority, retention_seconds), "own_quota")
+        if cached:
+            self._release(self._eviction.cache(cached, priority, retention_seconds,
+                                               self._unindex))
 
-    def _drop(self, block_ids: list[int], pressure: str) -> None:
-        """Evict cached `block_ids` (the ledger's choice) to the free list."""
-        if block_ids:
-            for block_id in block_ids:
-                del self._cached[block_id]
-            self._ghost.evicted(self._unindex(block_ids), "device", pressure)
-            self._free.extend(block_ids)
-            self._events.append(("freed", list(block_ids)))
+    def _release(self, evicted: list[int]) -> None:
+        """Free cached blocks the policy evicted (out of it and the index already)."""
+        if evicted:
+            self._free.extend(evicted)
+            self._events.append(("freed", list(evicted)))
 
     def flush_tenant(self, root: bytes, *, retention_only: bool = False) -> int:
         """Evict every cached block of the tenant whose salted root is `root` (an admin
         flush; its live blocks stay), or with `retention_only` end the soft retention of
         the blocks it retains (they become its oldest ordinary ones); returns how many.
-        Without a tenant policy nothing is retained and nothing is done (0)."""
-        if self._ledger is None:
-            return 0
-        tenant = self._ledger.tenant_id(root)
+        A policy without tenants retains nothing and flushes nothing (0)."""
         if retention_only:
-            return self._ledger.unretain(tenant)
-        dropped = self._ledger.flush(tenant)
-        self._drop(dropped, "flush")
+            return self._eviction.unretain(root)
+        dropped = self._eviction.flush(root, self._unindex)
+        self._release(dropped)
         return len(dropped)
 
     def register(self, block_id: int, key: bytes, token_ids: bytes,
@@ -394,9 +395,7 @@ class BlockAllocator:
                 return
         index.update(zip(keys, block_ids, strict=True))
         ids = np.array(block_ids, dtype=np.int64)
-        if self._ledger is not None:
-            self._ledger.tag(ids, keys, parents, index)
-        self._ghost.seen(parents)
+        self._eviction.tag(block_ids, keys, parents, index)
         self._key_of.update(zip(block_ids, keys, strict=True))
         self._tokens_of.update(zip(block_ids, pieces, strict=True))
         self._indexed[ids] = True
@@ -411,13 +410,12 @@ class BlockAllocator:
         ids = [b for b in dict.fromkeys(np.asarray(block_ids, dtype=np.int64).tolist())
                if self._indexed[b]]
         keys = [self._key_of[block_id] for block_id in ids]
-        for block_id, key in zip(ids, keys, strict=True):
+        for key in keys:
             del self._index[key]
-            if block_id in self._cached:
-                del self._cached[block_id]
-                self._free.append(block_id)
-                if self._ledger is not None:
-                    self._ledger.removed([block_id])
+        cached = list(filter(self._eviction.cached.__contains__, ids))
+        if cached:  # unowned: free now
+            self._eviction.uncache(cached)
+            self._free.extend(cached)
         if ids:
             self._indexed[ids] = False
             self._protected[ids] = self._refcount[ids] > 1
@@ -426,12 +424,10 @@ class BlockAllocator:
 
     def reset_prefix_cache(self) -> int:
         """Free every cached block and empty the index; returns how many blocks were dropped."""
-        dropped = list(self._cached)
-        self._cached.clear()
+        dropped = list(self._eviction.cached)
+        self._eviction.clear()
         self._free.extend(reversed(dropped))
         self._index.clear()
-        if self._ledger is not None:
-            self._ledger.clear()
         self._indexed[:] = False
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
@@ -450,11 +446,10 @@ class BlockAllocator:
     # -- checking -------------------------------------------------------------------------
     def snapshot(self) -> tuple:
         """Comparable copy of the whole state (for tests of rejected calls)."""
-        return (self._refcount.tobytes(), tuple(self._free), tuple(self._cached),
+        return (self._refcount.tobytes(), tuple(self._free), tuple(self._eviction.cached),
                 tuple(sorted(self._index.items())),
                 tuple(self._tokens_of[b] for b in np.flatnonzero(self._indexed).tolist()),
-                tuple(self._prefix_tokens),
-                self._ledger.snapshot() if self._ledger is not None else None)
+                tuple(self._prefix_tokens), self._eviction.snapshot())
 
     def check_invariants(self, owners: np.ndarray | None = None) -> None:
         """Raise `InvariantError` if the block states do not partition the pool.
@@ -465,7 +460,7 @@ class BlockAllocator:
             ``[num_blocks]`` count of page-table rows holding each block; compared with the
             refcounts when given.
         """
-        free, cached = self._free, list(self._cached)
+        free, cached = self._free, list(self._eviction.cached)
         live = np.flatnonzero(self._refcount > 0).tolist()
         everything = free + cached + live
         ensure(len(set(everything)) == len(everything), "a block is in two states")
@@ -481,8 +476,7 @@ class BlockAllocator:
                "the indexed flags disagree with the index")
         ensure(np.array_equal(self._protected, (self._refcount > 1) | self._indexed),
                "the write-protected flags disagree with refcounts and the index")
-        if self._ledger is not None:
-            self._ledger.check(set(cached))
+        self._eviction.check()
         if owners is not None:
             bad = np.flatnonzero(owners != self._refcount)
             ensure(bad.size == 0,

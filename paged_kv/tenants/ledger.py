@@ -1,11 +1,14 @@
-"""`TenantLedger`: the allocator's cached blocks by tenant, and which to evict next.
+"""`TenantLedger`: the cached blocks by tenant under a `TenantPolicy`, and which to evict next.
 
-The allocator keeps owning block states; with a `TenantPolicy` it tells the ledger each
-block that becomes cached or stops being cached, and asks it for victims. Per tenant the
-ledger keeps its ordinary cached blocks oldest first (an ``OrderedDict`` of block -> tick,
-the tick a global counter, so the oldest block of the whole pool is the oldest front of
-the tenants' lists: picking a victim is one look per tenant) and its retained blocks
-(priority, start, end). Victims, in order:
+`TenantEviction` (the allocator's eviction policy under tenants, `eviction.py`) tells the
+ledger each block that becomes cached or stops being cached, with its tenant
+(`tags.TenantTags`), and asks it for victims. It always keeps each tenant's count of cached
+blocks; the per-tenant lists below only while the eviction policy has split its order by
+tenant (a quota, reservation or retention at stake: `adopt`), not while it rides on one
+order for the pool (`ride`). Per tenant the ledger keeps its ordinary cached blocks oldest
+first (an ``OrderedDict`` of block -> tick, the tick a global counter, so the oldest block
+of the whole pool is the oldest front of the tenants' lists: picking a victim is one look
+per tenant) and its retained blocks (priority, start, end). Victims, in order:
 
 1. a tenant over its quota loses its own blocks first, as soon as they become cached
    (pressure ``own_quota``), so no tenant ever holds more cached blocks than its quota;
@@ -25,14 +28,11 @@ import collections
 import dataclasses
 import itertools
 import math
+import operator
 import time
-from collections.abc import Callable
-
-import numpy as np
+from collections.abc import Callable, Sequence
 
 from ..errors import InvariantError, ensure
-from ..keys import root_hash
-from .ghost import GhostList, KeyMemory, default_capacity
 from .policy import TenantPolicy
 
 _MISSING = object()
@@ -60,6 +60,16 @@ class TenantLedger:
         The pool's blocks, the null block included.
     clock : callable
         Seconds, for retention (``time.monotonic``).
+
+    Attributes
+    ----------
+    names : list of str or None
+        The tenants, the unnamed (None, for salts the policy does not name) first: a
+        tenant is its index here.
+    counts : list of int
+        Each tenant's cached blocks, ordinary and retained (read it; `add` changes it).
+    protected : int
+        `num_protected` (read it).
     """
 
     def __init__(self, policy: TenantPolicy, num_blocks: int,
@@ -67,17 +77,12 @@ class TenantLedger:
         policy.check(num_blocks)
         self.policy = policy
         self.names: list[str | None] = [None, *policy.tenants]
-        self._ids = {root_hash(name): i for i, name in enumerate(self.names) if name}
         limits = [policy.default, *policy.tenants.values()]
         self._quota = [num_blocks if t.quota is None else t.quota for t in limits]
         self._reserve = [t.reservation for t in limits]
         self._defaults = [(t.priority, t.retention_seconds) for t in limits]
         self._budget = [(num_blocks - 1) // 4 if t.retention_budget is None
                         else t.retention_budget for t in limits]
-        # the tenant of each indexed block, set when it is indexed (stale elsewhere), and
-        # of the keys tagged lately, for a block whose parent's block is gone (see `tag`)
-        self.tenant_of = np.zeros(num_blocks, dtype=np.int32)
-        self._key_tenants = KeyMemory(default_capacity(num_blocks))
         self._lru: list[collections.OrderedDict[int, int]] = [
             collections.OrderedDict() for _ in self.names]
         # the first tick of each list (inf: empty), so choosing a victim reads a list of
@@ -85,10 +90,10 @@ class TenantLedger:
         self._oldest: list[float] = [math.inf] * len(self.names)
         self._retained: list[dict[int, tuple[int, float, float, int]]] = [
             {} for _ in self.names]
-        self._count = [0] * len(self.names)
+        self.counts = self._count = [0] * len(self.names)
         self._tick = 0
         self._front = 0  # ticks below every other: demoted blocks, the oldest of the pool
-        self._protected = 0  # sum over tenants of min(cached, reservation)
+        self.protected = 0  # sum over tenants of min(cached, reservation)
         self._next_expiry = math.inf
         self._clock = clock
 
@@ -96,20 +101,46 @@ class TenantLedger:
     @property
     def num_protected(self) -> int:
         """Cached blocks that reservations keep from every tenant's pressure."""
-        return self._protected
+        return self.protected
 
-    def reserved_for(self, root: bytes | None) -> int:
-        """Of `num_protected`, the blocks the tenant of salted root `root` may still take
-        itself (its own reservation holds against others only; None: a step that mixes
-        tenants, for which every reservation holds)."""
-        if root is None:
+    @property
+    def num_retained(self) -> int:
+        """Retained blocks, every tenant's."""
+        return sum(map(len, self._retained))
+
+    def reserved_for(self, tenant: int | None) -> int:
+        """Of `num_protected`, the blocks `tenant` may still take itself (its own
+        reservation holds against others only; None: a step that mixes tenants, for which
+        every reservation holds)."""
+        if tenant is None:
             return 0
-        tenant = self._ids.get(root, 0)
         return min(self._count[tenant], self._reserve[tenant])
 
-    def tenant_id(self, root: bytes | None) -> int:
-        """The ledger's index of the tenant whose salted root is `root` (0: not named)."""
-        return self._ids.get(root, 0) if root is not None else 0
+    def room(self, tenant: int) -> int:
+        """Cached blocks `tenant` may gain before it passes its quota."""
+        return self._quota[tenant] - self._count[tenant]
+
+    def spare(self, tenant: int) -> int:
+        """Cached blocks of `tenant` another tenant's pressure may take (above its
+        reservation; negative below it)."""
+        return self._count[tenant] - self._reserve[tenant]
+
+    def retains(self, tenant: int, priority: int | None, seconds: float | None) -> bool:
+        """Whether blocks `tenant` releases asking for `priority` and `seconds` (None: its
+        defaults) would be retained, any of them."""
+        default_priority, default_seconds = self._defaults[tenant]
+        return self._retainable(tenant, 1, default_priority if priority is None else priority,
+                                default_seconds if seconds is None else seconds) > 0
+
+    def calm(self, margin: int) -> bool:
+        """Whether nothing is retained and every tenant is `margin` blocks or more inside
+        its quota and, if it has a reservation, above it: one order for the pool evicts
+        as the per-tenant lists would for a while."""
+        if any(self._retained):
+            return False
+        return all(count + margin <= quota and (not reserve or count >= reserve + margin)
+                   for count, quota, reserve in zip(self._count, self._quota,
+                                                    self._reserve, strict=True))
 
     def usage(self) -> list[TenantUsage]:
         """Each tenant's cached and retained blocks now, the unnamed first."""
@@ -121,54 +152,23 @@ class TenantLedger:
         """The blocks `tenant` retains now."""
         return list(self._retained[tenant])
 
-    # -- the allocator's notifications ----------------------------------------------------
-    def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
-            index: dict[bytes, int]) -> None:
-        """Record the tenant of `block_ids` (``[n]`` int64), being indexed: a block's parent
-        is its tenant's salted root, or the key of a block indexed before it (of the same
-        tenant: the salt is in the chain). That block may be gone: a sequence whose copy of
-        it was not indexed (another sequence had indexed the same key first) goes on after
-        the indexed one was evicted. So the ledger also remembers the tenant of each key it
-        tagged (the newest half of `ghost.default_capacity` keys at least); a parent older
-        than that, found nowhere, counts as unnamed."""
-        tenant_of = self.tenant_of
-        if parents[1:] == keys[:-1]:  # the usual case: one chain, so one tenant
-            tenant = self._tenant_of_parent(parents[0], index)
-            tenant_of[block_ids] = tenant
-            self._key_tenants.update(dict.fromkeys(keys, tenant))
-            return
-        owners = list(map(index.get, parents))
-        if None not in owners and not set(owners).intersection(block_ids.tolist()):
-            # a decode step's blocks: each chains from its sequence's block indexed before
-            tenants = tenant_of[owners]
-            tenant_of[block_ids] = tenants
-            self._key_tenants.update(dict(zip(keys, tenants.tolist(), strict=True)))
-            return
-        last_key, tenant, tagged = None, 0, {}
-        for block_id, key, parent in zip(block_ids.tolist(), keys, parents, strict=True):
-            if parent != last_key:
-                tenant = self._tenant_of_parent(parent, index)
-            tenant_of[block_id] = tagged[key] = tenant
-            last_key = key
-        self._key_tenants.update(tagged)
+    # -- the eviction policy's notifications ----------------------------------------------
+    def add(self, tenant: int, delta: int) -> None:
+        """`tenant` gained `delta` cached blocks (lost, when negative) outside the lists:
+        while the eviction policy rides on one order."""
+        count, reserve = self._count[tenant], self._reserve[tenant]
+        after = count + delta
+        if count < reserve or after < reserve:  # (conditionals: min() costs 5x as much)
+            self.protected += ((after if after < reserve else reserve)
+                                - (count if count < reserve else reserve))
+        self._count[tenant] = after
 
-    def _tenant_of_parent(self, parent: bytes, index: dict[bytes, int]) -> int:
-        """The tenant of a block chaining from `parent`: a salted root's, an indexed
-        block's, else a key's remembered by `tag` (0, the unnamed, when forgotten)."""
-        tenant = self._ids.get(parent)
-        if tenant is not None:
-            return tenant
-        owner = index.get(parent)
-        if owner is not None:
-            return int(self.tenant_of[owner])
-        return self._key_tenants.get(parent, 0)
-
-    def cached(self, block_ids: list[int], priority: int | None = None,
+    def cached(self, block_ids: list[int], tenants: Sequence[int], priority: int | None = None,
                seconds: float | None = None) -> list[int]:
-        """`block_ids` (tail first) just became cached; retain their head within budget
-        (`priority`, `seconds`: the request's, else the tenant's defaults). Returns the
-        blocks to evict at once: those past their tenant's quota, its oldest first."""
-        tenants = self.tenant_of[block_ids].tolist()
+        """`block_ids` (tail first, of `tenants`) just became cached; retain their head
+        within budget (`priority`, `seconds`: the request's, else the tenant's defaults).
+        Returns the blocks to evict at once: those past their tenant's quota, its oldest
+        first."""
         first = tenants[0] if tenants else 0
         if tenants.count(first) == len(tenants):  # the usual case: one request's blocks
             by_tenant = {first: list(block_ids)} if tenants else {}
@@ -190,25 +190,31 @@ class TenantLedger:
             self._tick += ordinary
             if keep:  # the head: released last, the prefix other requests share
                 self._retain(tenant, blocks[ordinary:], *wanted)
-            self._add(tenant, len(blocks))
-            excess = self._count[tenant] - self._quota[tenant]
-            if excess > 0:
-                ordinary = min(excess, len(self._lru[tenant]))
-                over += self._run(tenant, ordinary, math.inf, False) if ordinary else []
-                over += [self.pop(tenant) for _ in range(excess - ordinary)]
+            self.add(tenant, len(blocks))
+            over += self.over_quota(tenant)
         return over
 
-    def removed(self, block_ids: list[int]) -> None:
-        """`block_ids` (cached) stopped being cached: revived by a hit, or unindexed."""
+    def over_quota(self, tenant: int) -> list[int]:
+        """Take the blocks of `tenant` past its quota out, its oldest ordinary ones first,
+        and return them (none while it is within its quota)."""
+        excess = self._count[tenant] - self._quota[tenant]
+        if excess <= 0:
+            return []
+        ordinary = min(excess, len(self._lru[tenant]))
+        over = self._run(tenant, ordinary, math.inf, False) if ordinary else []
+        return over + [self.pop(tenant) for _ in range(excess - ordinary)]
+
+    def removed(self, block_ids: list[int], tenants: Sequence[int]) -> None:
+        """`block_ids` (cached, of `tenants`) stopped being cached: revived by a hit, or
+        unindexed."""
         lrus, retained, oldest = self._lru, self._retained, self._oldest
-        for block_id, tenant in zip(block_ids, self.tenant_of[block_ids].tolist(),
-                                    strict=True):
+        for block_id, tenant in zip(block_ids, tenants, strict=True):
             tick = lrus[tenant].pop(block_id, _MISSING)
             if tick is _MISSING:
                 del retained[tenant][block_id]
             elif tick == oldest[tenant]:
                 self._refront(tenant)
-            self._add(tenant, -1)
+            self.add(tenant, -1)
 
     def clear(self) -> None:
         """Every cached block is gone (the prefix cache was reset)."""
@@ -217,7 +223,30 @@ class TenantLedger:
             self._retained[tenant].clear()
             self._count[tenant] = 0
             self._oldest[tenant] = math.inf
-        self._protected, self._next_expiry = 0, math.inf
+        self.protected, self._next_expiry = 0, math.inf
+
+    # -- one order for the pool, or a list per tenant --------------------------------------
+    def adopt(self, block_ids: list[int], tenants: Sequence[int]) -> None:
+        """Split one order of ordinary cached blocks (oldest first, of `tenants`, already
+        counted) into the tenants' lists, which are empty: ticks follow the order."""
+        lrus, tick = self._lru, self._tick
+        for block_id, tenant, at in zip(block_ids, tenants, itertools.count(tick),
+                                        strict=False):
+            lrus[tenant][block_id] = at
+        self._tick = tick + len(block_ids)
+        for tenant in range(len(self.names)):
+            self._refront(tenant)
+
+    def ride(self) -> list[int]:
+        """Empty the tenants' lists (nothing may be retained) into one order, oldest first,
+        and return it; the counts stay."""
+        ensure(not any(self._retained), "retained blocks cannot ride on one order")
+        entries = sorted(itertools.chain.from_iterable(lru.items() for lru in self._lru),
+                         key=operator.itemgetter(1))
+        for tenant in range(len(self.names)):
+            self._lru[tenant].clear()
+            self._oldest[tenant] = math.inf
+        return [block_id for block_id, _ in entries]
 
     # -- choosing victims -----------------------------------------------------------------
     def victims(self, count: int, requester: int | None,
@@ -261,30 +290,6 @@ class TenantLedger:
             count -= len(run)
         return taken, runs
 
-    def blame(self, ghost: GhostList, tier: str, runs: list[tuple[int, list[int]]],
-              keys: list[bytes], asking: int | None) -> None:
-        """Remember the evicted blocks of `runs` (as `victims` gave them; indexed under
-        `keys`, in that order) in `ghost`: evicted from `tier` by tenant `asking`'s pressure
-        (``own`` or ``tenant``), or ``global``."""
-        if asking is None:
-            ghost.evicted(keys, tier, "global")
-            return
-        own = [tenant == asking for tenant, _ in runs]
-        if all(own):  # the usual cases: one kind of pressure
-            ghost.evicted(keys, tier, "own")
-            return
-        if not any(own):
-            ghost.evicted(keys, tier, "tenant", self.names[asking])
-            return
-        mine: list[bytes] = []
-        others: list[bytes] = []
-        start = 0
-        for (_, blocks), is_own in zip(runs, own, strict=True):
-            (mine if is_own else others).extend(keys[start:start + len(blocks)])
-            start += len(blocks)
-        ghost.evicted(mine, tier, "own")
-        ghost.evicted(others, tier, "tenant", self.names[asking])
-
     def pop(self, tenant: int) -> int:
         """Take `tenant`'s next victim: its oldest ordinary block, else its retained block
         of lowest decayed priority."""
@@ -299,7 +304,7 @@ class TenantLedger:
             now = self._clock()
             block_id = min(retained, key=lambda b: _rank(retained[b], now))
             del retained[block_id]
-        self._add(tenant, -1)
+        self.add(tenant, -1)
         return block_id
 
     def flush(self, tenant: int) -> list[int]:
@@ -329,17 +334,12 @@ class TenantLedger:
         popitem = lru.popitem
         run = [popitem(False)[0] for _ in range(most)]
         self._refront(tenant)
-        self._add(tenant, -most)
+        self.add(tenant, -most)
         return run
 
     def _refront(self, tenant: int) -> None:
         lru = self._lru[tenant]
         self._oldest[tenant] = next(iter(lru.values())) if lru else math.inf
-
-    def _add(self, tenant: int, delta: int) -> None:
-        count, reserve = self._count[tenant], self._reserve[tenant]
-        self._protected += min(count + delta, reserve) - min(count, reserve)
-        self._count[tenant] = count + delta
 
     def _retainable(self, tenant: int, count: int, priority: int, seconds: float) -> int:
         if priority <= 0 or seconds <= 0:
@@ -394,25 +394,35 @@ class TenantLedger:
 
     # -- checking -------------------------------------------------------------------------
     def snapshot(self) -> tuple:
-        """Comparable copy of the ledger's state."""
-        return (tuple(tuple(lru.items()) for lru in self._lru),
-                tuple(tuple(sorted(r.items())) for r in self._retained),
-                tuple(self._count), self._protected)
+        """Comparable copy of the ledger's state: each tenant's ordinary blocks in order and
+        its retained ones oldest first with their retention (not the ticks, which splitting
+        one order renumbers), the counts."""
+        return (tuple(tuple(lru) for lru in self._lru),
+                tuple(tuple((block, *entry[:3]) for block, entry in
+                            sorted(r.items(), key=lambda item: item[1][3]))
+                      for r in self._retained),
+                tuple(self._count), self.protected)
 
-    def check(self, cached: set[int]) -> None:
-        """Raise `InvariantError` unless the ledger holds exactly the allocator's `cached`
-        blocks, each under its tenant, with counts and protection that add up."""
-        held = [set(lru) | set(retained) for lru, retained in zip(
-            self._lru, self._retained, strict=True)]
-        ensure(set().union(*held) == cached and sum(map(len, held)) == len(cached),
-               "the tenant ledger's cached blocks differ from the allocator's")
-        for tenant, blocks in enumerate(held):
-            ensure(len(blocks) == self._count[tenant], f"tenant {tenant}'s count is off")
-            ensure(all(self.tenant_of[b] == tenant for b in blocks),
-                   f"a block of tenant {tenant} is tagged with another")
-            ensure(self._count[tenant] <= self._quota[tenant],
+    def check(self, held: list[set[int]] | None = None) -> None:
+        """Raise `InvariantError` unless the counts and the protection add up, no tenant is
+        past its quota and the lists are ordered; with `held` (each tenant's cached blocks,
+        the eviction policy's), the lists hold exactly those (None: the policy rides on one
+        order, so the lists are empty and nothing is retained)."""
+        if held is None:
+            ensure(not any(self._lru) and not any(self._retained),
+                   "the tenants' lists hold blocks while the pool rides on one order")
+        else:
+            for tenant, blocks in enumerate(held):
+                ensure(set(self._lru[tenant]) | set(self._retained[tenant]) == blocks
+                       and len(self._lru[tenant]) + len(self._retained[tenant]) == len(blocks),
+                       f"tenant {tenant}'s lists differ from its cached blocks")
+        for tenant, count in enumerate(self._count):
+            ensure(count >= 0, f"tenant {tenant}'s count is negative")
+            ensure(count <= self._quota[tenant],
                    f"tenant {self.names[tenant]!r} holds more cached blocks than its quota")
-        ensure(self._protected == sum(map(min, self._count, self._reserve)),
+            ticks = list(self._lru[tenant].values())
+            ensure(ticks == sorted(ticks), f"tenant {tenant}'s ticks do not rise")
+        ensure(self.protected == sum(map(min, self._count, self._reserve)),
                "the protected count disagrees with the counts")
         ensure(self._oldest == [next(iter(lru.values())) if lru else math.inf
                                 for lru in self._lru],

@@ -89,7 +89,7 @@ class TierManager(EnginePart):
         what every value's header must carry.
     tenants : TenantPolicy, optional
         Per-tenant accounting in every tier (`shares.TierShares`); default the policy of
-        the cache's tenant ledger (``CacheConfig.tenants``), whose ``tenant_of`` names each
+        the cache's tenant ledger (``CacheConfig.tenants``), whose ``tenants_of`` names each
         stored block's tenant. None and no ledger: each store's own LRU, as ever.
     """
 
@@ -141,8 +141,8 @@ class TierManager(EnginePart):
         for the fetches that chain from them; None without per-tenant accounting."""
         if self.shares is None:
             return None
-        tenant_of = getattr(self._ledger, "tenant_of", None)
-        tenants = [0] * len(keys) if tenant_of is None else tenant_of[block_ids].tolist()
+        tenants = ([0] * len(keys) if self._ledger is None
+                   else self._ledger.tenants_of(block_ids.tolist()))
         known = self._key_tenant
         for key, tenant in zip(keys, tenants, strict=True):
             known[key] = tenant

@@ -1,4 +1,6 @@
-"""BlockAllocator against a simple model: owners per block, and the three states."""
+"""BlockAllocator against a simple model: owners per block, and the three states; the
+machine runs under the plain LRU and under the tenant ledger (quotas and reservations that
+bind, blocks of three tenants), whose evictions the model takes as they come."""
 
 from __future__ import annotations
 
@@ -10,16 +12,23 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paged_kv import BlockAllocator, OutOfBlocksError
 from paged_kv.keys import hash_block, root_hash
+from paged_kv.tenants import TenantLimits, TenantPolicy, eviction_for
 
 NUM_BLOCKS = 12
+TENANTS = TenantPolicy({"a": TenantLimits(quota=3, reservation=1),
+                        "b": TenantLimits(reservation=2)})
 
 
 class AllocatorMachine(RuleBasedStateMachine):
     """Owners hold lists of blocks; the model counts owners per block."""
 
+    policy: TenantPolicy | None = None  # the plain LRU
+    roots = (root_hash(),)  # the salts blocks are indexed and allocated under
+
     def __init__(self) -> None:
         super().__init__()
-        self.allocator = BlockAllocator(NUM_BLOCKS)
+        self.allocator = BlockAllocator(NUM_BLOCKS,
+                                        eviction=eviction_for(self.policy, NUM_BLOCKS))
         self.owners: dict[int, list[int]] = {}
         self.indexed: dict[int, bytes] = {}   # block -> key, for blocks we registered
         self.next_owner = 0
@@ -30,16 +39,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             np.add.at(counts, blocks, 1)
         return counts
 
-    @rule(n=st.integers(1, 5))
-    def allocate(self, n):
-        obtainable = self.allocator.num_obtainable_blocks
+    @rule(n=st.integers(1, 5), data=st.data())
+    def allocate(self, n, data):
+        root = data.draw(st.sampled_from([None, *self.roots]))
+        obtainable = self.allocator.obtainable(root)
         if n > obtainable:
             before = self.allocator.snapshot()
             with pytest.raises(OutOfBlocksError):
-                self.allocator.allocate(n)
+                self.allocator.allocate(n, root)
             assert self.allocator.snapshot() == before
             return
-        ids = self.allocator.allocate(n).tolist()
+        ids = self.allocator.allocate(n, root).tolist()
         assert len(set(ids)) == n and 0 not in ids
         assert all(self._model_refcount()[b] == 0 for b in ids), "handed out an owned block"
         for b in ids:
@@ -63,8 +73,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         owner = data.draw(st.sampled_from(sorted(self.owners)))
         block = data.draw(st.sampled_from(self.owners[owner]))
         tokens = np.array([block, 7], dtype="<i4").tobytes()
-        key = hash_block(root_hash(), tokens)
-        if self.allocator.register(block, key, tokens):
+        root = self.roots[block % len(self.roots)]  # one key a block, as before
+        key = hash_block(root, tokens)
+        if self.allocator.register(block, key, tokens, root):
             self.indexed[block] = key
             assert self.allocator.lookup(key, tokens) == block
             assert self.allocator.lookup(key, tokens + b"x") is None, "token check on hit"
@@ -74,6 +85,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, data):
         owner = data.draw(st.sampled_from(sorted(self.owners)))
         self.allocator.free(self.owners.pop(owner))
+        for block in [b for b in self.indexed if self.allocator.block_hash(b) is None]:
+            del self.indexed[block]  # evicted at once: its tenant past its quota
 
     @precondition(lambda self: self.indexed)
     @rule(data=st.data())
@@ -91,8 +104,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         unowned = {b for b in blocks if self._model_refcount()[b] == 0}
         assert self.allocator.unregister(blocks) == len(set(blocks))
         for block in set(blocks):
-            assert self.allocator.lookup(self.indexed.pop(block),
-                                         np.array([block, 7], dtype="<i4").tobytes()) is None
+            assert self.allocator.block_hash(block) is None
+            del self.indexed[block]
         assert self.allocator.num_free_blocks == free_before + len(unowned), \
             "a cached block taken out of the index is free"
 
@@ -114,6 +127,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=100, stateful_step_count=40,
                                          deadline=None)
+
+
+class TenantAllocatorMachine(AllocatorMachine):
+    """The same machine under a tenant policy whose quota and reservations bind."""
+
+    policy = TENANTS
+    roots = (root_hash(), root_hash("a"), root_hash("b"))
+
+
+TestTenantAllocatorMachine = TenantAllocatorMachine.TestCase
+TestTenantAllocatorMachine.settings = settings(max_examples=100, stateful_step_count=40,
+                                               deadline=None)
 
 
 def test_batch_allocate_is_one_call_and_lowest_ids_first():

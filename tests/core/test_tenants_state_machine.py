@@ -58,9 +58,7 @@ def _time_limit():
 
 def _cached_by_tenant(cache: PagedKVCache) -> dict[int, set[int]]:
     ledger = cache.allocator.tenants
-    ordinary, retained, *_ = ledger.snapshot()
-    return {t: {b for b, _ in ordinary[t]} | {b for b, _ in retained[t]}
-            for t in range(len(ledger.names))}
+    return {t: set(ledger.cached_blocks(t)) for t in range(len(ledger.names))}
 
 
 class TenantMachine(RuleBasedStateMachine):

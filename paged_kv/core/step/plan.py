@@ -176,9 +176,7 @@ def check_capacity(allocator: BlockAllocator, plan: StepPlan | Admission, what: 
     credit : int
         Blocks the step gives back before it takes any (a window's blocks).
     """
-    obtainable = allocator.num_obtainable_blocks + credit
-    if root is not None and allocator.tenants is not None:
-        obtainable += allocator.tenants.reserved_for(root)  # its own
+    obtainable = allocator.obtainable(root) + credit  # its own reservation counts for it
     if not fits(plan, obtainable):
         raise OutOfBlocksError(plan.requested, obtainable - plan.revived, what)
 

@@ -1,0 +1,354 @@
+"""`TenantEviction`: the allocator's eviction policy under a `TenantPolicy`, and `eviction_for`.
+
+It implements the allocator's `EvictionPolicy` (``paged_kv.core.eviction``; this floor is
+below the core, so the protocol is met, not imported): it owns the cached blocks, their
+tenants (`tags.TenantTags`), the counts, lists and retention by tenant (`ledger.TenantLedger`)
+and the ghost list, which names whose pressure evicted a key.
+
+**One order while nothing binds.** Most of the time no tenant is near its quota, every
+tenant with a reservation holds well above it and nothing is retained: then the victims the
+per-tenant lists would give are exactly the pool's least recently freed blocks. So the
+policy keeps one order for the pool (the ``OrderedDict`` of its cached blocks, as
+`LruEviction` does) and only counts blocks by tenant ("riding"). An operation that one
+order cannot do exactly — a release past a quota or asking for retention, an eviction that
+would take another tenant below its reservation, an admin flush — first *splits* the order
+into the ledger's lists (ticks follow the order, so the choice is the same as if they had
+been kept all along) and then runs on them. Once the work done split is as large as the
+blocks the split moved and every tenant is again a margin inside its limits, the lists
+merge back into one order (by tick) and the policy rides again: a split and the merge after
+it cost O(blocks moved), paid for by at least as many blocks of split work.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ..errors import ensure
+from .ghost import GhostList, default_capacity
+from .ledger import TenantLedger, TenantUsage
+from .policy import TenantPolicy
+from .tags import TenantTags
+
+Forget = Callable[[list[int]], list[bytes]]  # the allocator's: out of the index, keys back
+
+
+def eviction_for(policy: TenantPolicy | None, num_blocks: int, *,
+                 clock: Callable[[], float] = time.monotonic) -> TenantEviction | None:
+    """The eviction policy a `BlockAllocator` of `num_blocks` takes under `policy`
+    (``BlockAllocator(n, eviction=eviction_for(policy, n))``); None without one, which the
+    allocator reads as its plain LRU.
+
+    Examples
+    --------
+    >>> from paged_kv.tenants import TenantLimits
+    >>> eviction_for(None, 16) is None
+    True
+    >>> eviction_for(TenantPolicy({"a": TenantLimits(quota=4)}), 16).names
+    [None, 'a']
+    """
+    return None if policy is None else TenantEviction(policy, num_blocks, clock)
+
+
+class TenantEviction:
+    """The cached blocks of a pool of `num_blocks` by tenant under `policy` (see the module).
+
+    Parameters
+    ----------
+    policy : TenantPolicy
+        Checked against the pool here (ValueError naming the field).
+    num_blocks : int
+        The pool's blocks, the null block included.
+    clock : callable
+        Seconds, for retention (``time.monotonic``).
+    ride : bool
+        Ride on one order while nothing binds (False: always the ledger's lists, as a
+        reference the riding one is compared with).
+    margin : int, optional
+        How far inside its quota, and above its reservation, every tenant must be for the
+        policy to ride again (None: a 64th of the pool, at least 8 blocks).
+    """
+
+    def __init__(self, policy: TenantPolicy, num_blocks: int,
+                 clock: Callable[[], float] = time.monotonic, *, ride: bool = True,
+                 margin: int | None = None) -> None:
+        self.ledger = ledger = TenantLedger(policy, num_blocks, clock)
+        self.policy, self.names = policy, ledger.names
+        self._tags = TenantTags(self.names, num_blocks)
+        self._ids = self._tags.ids  # salted root -> tenant
+        self.ghost = GhostList(default_capacity(num_blocks))
+        # every cached block; while riding, in eviction order (all ordinary)
+        self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._rides, self._riding = ride, ride
+        self._work = self._owed = 0  # split work done, and owed for the switches (blocks)
+        self._margin = max(num_blocks // 64, 8) if margin is None else margin
+        # the tenants with a reservation, and a lower bound of the blocks each holds above
+        # it (-1: unknown), so an eviction while riding rarely looks at them one by one
+        self._reserving = [t for t, usage in enumerate(ledger.usage()) if usage.reservation]
+        self._floor = -1 if self._reserving else math.inf
+        # whether a tenant's defaults retain blocks (its budget is whole while riding)
+        self._keeps = [ledger.retains(t, None, None) for t in range(len(self.names))]
+
+    # -- what readers see -------------------------------------------------------------------
+    @property
+    def tenants(self) -> TenantEviction:
+        """Itself: the per-tenant accounting readers may read (`usage`, `names`, ...)."""
+        return self
+
+    @property
+    def riding(self) -> bool:
+        """Whether the pool rides on one order now (nothing binds), not the tenants' lists."""
+        return self._riding
+
+    def tenant_id(self, root: bytes | None) -> int:
+        """The index of the tenant whose salted root is `root` (0: not named, or None)."""
+        return self._tags.tenant_id(root)
+
+    def tenants_of(self, block_ids: list[int]) -> tuple[int, ...]:
+        """The tenants of indexed `block_ids` (set when they were indexed)."""
+        return self._tags.of(block_ids)
+
+    def usage(self) -> list[TenantUsage]:
+        """Each tenant's cached and retained blocks now, the unnamed first."""
+        return self.ledger.usage()
+
+    def retained_blocks(self, tenant: int) -> list[int]:
+        """The blocks `tenant` retains now."""
+        return self.ledger.retained_blocks(tenant)
+
+    def cached_blocks(self, tenant: int) -> list[int]:
+        """`tenant`'s cached blocks: its ordinary ones oldest first, then its retained."""
+        ordinary = self.snapshot()[0][tenant]
+        return [*ordinary, *self.ledger.retained_blocks(tenant)]
+
+    def reserved_for(self, root: bytes | None) -> int:
+        """Of the blocks reservations keep from everyone, those the tenant of salted root
+        `root` may take itself (its own reservation; None: a step mixing tenants, 0)."""
+        return self.ledger.reserved_for(None if root is None else self._tags.tenant_id(root))
+
+    def held(self, root: bytes | None) -> int:
+        """Cached blocks a request under `root` may not take: the other tenants'
+        reservations (every one, for None)."""
+        if root is None:
+            return self.ledger.protected
+        return self.ledger.protected - self.reserved_for(root)
+
+    # -- the allocator's calls -----------------------------------------------------------
+    def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
+            index: Mapping[bytes, int]) -> None:
+        """Tag `block_ids`, just indexed, with their tenant; remember their parents."""
+        self._tags.tag(block_ids, keys, parents, index)
+        self.ghost.seen(parents)
+
+    def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
+              forget: Forget) -> list[int]:
+        """`block_ids` (tail first) just became cached; the blocks of a tenant past its
+        quota go at once, its oldest first (``own_quota``): returns them. Riding, they join
+        the order while they are one tenant's and retain none; else the lists."""
+        tenants = self._tags.of(block_ids)
+        tenant, ledger = tenants[0], self.ledger
+        if self._riding:
+            if tenants.count(tenant) == len(tenants) and not (
+                    self._keeps[tenant] if priority is None and seconds is None
+                    else ledger.retains(tenant, priority, seconds)):
+                self.cached.update(dict.fromkeys(block_ids))
+                ledger.add(tenant, len(tenants))
+                if ledger.room(tenant) >= 0:
+                    return []
+                over = self._oldest_of(tenant, -ledger.room(tenant))
+                if over is not None:
+                    self._floor -= len(over)
+                    ledger.add(tenant, -len(over))
+                    return self._evicted(over, forget, "own_quota")
+                self._split()
+                over = ledger.over_quota(tenant)
+                self._drop(over)
+                return self._evicted(over, forget, "own_quota")
+            self._split()
+        self.cached.update(dict.fromkeys(block_ids))
+        over = ledger.cached(block_ids, tenants, priority, seconds)
+        self._drop(over)
+        self._worked(len(block_ids))
+        return self._evicted(over, forget, "own_quota")
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Cached `block_ids` stopped being cached (revived by a hit, or unindexed)."""
+        self._drop(block_ids)
+        tenants = self._tags.of(block_ids)
+        if not self._riding:
+            self.ledger.removed(block_ids, tenants)
+            return
+        self._floor -= len(block_ids)
+        for tenant, count in self._tally(tenants).items():
+            self.ledger.add(tenant, -count)
+
+    def evict(self, count: int, requester: bytes | None, forget: Forget) -> list[int]:
+        """Take `count` victims for an allocation under salted root `requester` (None: a
+        step mixing tenants), out of the index through `forget`, and remember whose
+        pressure evicted them."""
+        asking = None if requester is None else self._ids.get(requester, 0)
+        if self._riding:
+            evicted = self._ride_evict(count, asking, forget)
+            if evicted is not None:
+                return evicted
+            self._split()
+        evicted, runs = self.ledger.victims(count, asking)
+        self._drop(evicted)
+        self._blame_runs(runs, forget(evicted), asking)
+        self._worked(count)
+        return evicted
+
+    def flush(self, root: bytes, forget: Forget) -> list[int]:
+        """Evict every cached block of the tenant of `root` (``flush``); returns them."""
+        if self._riding:
+            self._split()
+        dropped = self.ledger.flush(self._tags.tenant_id(root))
+        self._drop(dropped)
+        return self._evicted(dropped, forget, "flush")
+
+    def unretain(self, root: bytes) -> int:
+        """End the retention of the blocks the tenant of `root` retains; returns how many
+        (none while riding: nothing is retained then)."""
+        return 0 if self._riding else self.ledger.unretain(self._tags.tenant_id(root))
+
+    def clear(self) -> None:
+        """Forget every cached block: one (empty) order again."""
+        self.cached.clear()
+        self.ledger.clear()
+        self._riding, self._work = self._rides, 0
+        self._floor = -1 if self._reserving else math.inf
+
+    # -- riding on one order, or split by tenant ---------------------------------------------
+    def _ride_evict(self, count: int, asking: int | None, forget: Forget) -> list[int] | None:
+        """The `count` oldest blocks of the one order, evicted, when taking them takes no
+        other tenant below its reservation (the lists would give the same); else None,
+        nothing done."""
+        cached = self.cached
+        popitem = cached.popitem
+        evicted = [popitem(False)[0] for _ in range(count)]
+        tenants = self._tags.of(evicted)
+        first = tenants[0]
+        taken = {first: count} if tenants.count(first) == count else self._tally(tenants)
+        if count > self._floor and not self._spares(taken, asking, count):
+            for block_id in reversed(evicted):  # back to the front, as they were
+                cached[block_id] = None
+                cached.move_to_end(block_id, last=False)
+            return None
+        self._floor -= count
+        add = self.ledger.add
+        for tenant, lost in taken.items():
+            add(tenant, -lost)
+        keys = forget(evicted)
+        if asking is None:
+            self.ghost.evicted(keys, "device", "global")
+        elif len(taken) == 1:  # one tenant's blocks: its own pressure, or another's
+            self.ghost.evicted(keys, "device", "own" if first == asking else "tenant",
+                               None if first == asking else self.names[asking])
+        else:
+            self._blame(keys, tenants, asking)
+        return evicted
+
+    def _spares(self, taken: Mapping[int, int], asking: int | None, count: int) -> bool:
+        """Whether every tenant but `asking` keeps its reservation after losing `taken`
+        blocks (`count` in all); renews the lower bound of what they hold above it."""
+        ledger = self.ledger
+        self._floor = min(map(ledger.spare, self._reserving))
+        return count <= self._floor or all(
+            tenant == asking or ledger.spare(tenant) >= lost for tenant, lost in taken.items())
+
+    def _tally(self, tenants: tuple[int, ...]) -> dict[int, int]:
+        """How many of `tenants` each tenant is: ``{tenant: count}``."""
+        if len(self.names) <= 8:  # a C-level count per tenant beats a Counter
+            return {t: n for t in range(len(self.names)) if (n := tenants.count(t))}
+        return collections.Counter(tenants)
+
+    def _split(self) -> None:
+        """Stop riding: the order's blocks go to their tenants' lists."""
+        order = list(self.cached)
+        self.ledger.adopt(order, self._tags.of(order))
+        self._riding, self._work, self._owed = False, 0, len(order)
+
+    def _oldest_of(self, tenant: int, count: int) -> list[int] | None:
+        """Take `tenant`'s `count` oldest blocks out of the one order when they are near
+        its front (the oldest blocks of the pool are a few tenants' as a rule); else
+        None, nothing done."""
+        head = list(itertools.islice(self.cached, 64 + 8 * count * len(self.names)))
+        mine = [b for b, t in zip(head, self._tags.of(head), strict=True) if t == tenant]
+        if len(mine) < count:
+            return None
+        self._drop(mine[:count])
+        return mine[:count]
+
+    def _evicted(self, block_ids: list[int], forget: Forget, pressure: str) -> list[int]:
+        """`block_ids` (out of the policy) out of the index, remembered as evicted under
+        `pressure` by their own tenant; returns them."""
+        if block_ids:
+            self.ghost.evicted(forget(block_ids), "device", pressure)
+        return block_ids
+
+    def _worked(self, blocks: int) -> None:
+        """Count split work; ride again once it paid for the split (as many blocks as it
+        moved; merging back moves at most those and the work's) and nothing binds."""
+        self._work += blocks
+        if self._rides and self._work >= self._owed and self.ledger.calm(self._margin):
+            order = self.ledger.ride()
+            self.cached.clear()
+            self.cached.update(dict.fromkeys(order))
+            self._riding = True
+            self._floor = -1 if self._reserving else math.inf
+
+    def _drop(self, block_ids: list[int]) -> None:
+        cached = self.cached
+        for block_id in block_ids:
+            del cached[block_id]
+
+    # -- blame: whose pressure evicted a key ---------------------------------------------
+    def _blame(self, keys: list[bytes], tenants: Sequence[int], asking: int | None) -> None:
+        """Remember `keys` (of blocks of `tenants`) as evicted from the device by `asking`'s
+        pressure: ``own`` for its blocks, ``tenant`` for others' (``global`` for a step
+        mixing tenants)."""
+        ghost = self.ghost
+        mine = [tenant == asking for tenant in tenants]
+        if asking is None:
+            ghost.evicted(keys, "device", "global")
+        elif all(mine):
+            ghost.evicted(keys, "device", "own")
+        elif not any(mine):
+            ghost.evicted(keys, "device", "tenant", self.names[asking])
+        else:
+            ghost.evicted(list(itertools.compress(keys, mine)), "device", "own")
+            ghost.evicted([k for k, own in zip(keys, mine, strict=True) if not own],
+                          "device", "tenant", self.names[asking])
+
+    def _blame_runs(self, runs: list[tuple[int, list[int]]], keys: list[bytes],
+                    asking: int | None) -> None:
+        """`_blame` of victims in `runs` of one tenant each, as the ledger gives them
+        (`keys` in their order)."""
+        self._blame(keys, [tenant for tenant, run in runs for _ in run], asking)
+
+    # -- checking -------------------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """Comparable copy of the state by tenant, the same riding or split: each tenant's
+        ordinary blocks in order, its retained ones, the counts."""
+        if not self._riding:
+            return self.ledger.snapshot()
+        order: list[list[int]] = [[] for _ in self.names]
+        for block_id, tenant in zip(self.cached, self._tags.of(list(self.cached)),
+                                    strict=True):
+            order[tenant].append(block_id)
+        _, retained, counts, protected = self.ledger.snapshot()
+        return tuple(map(tuple, order)), retained, counts, protected
+
+    def check(self) -> None:
+        """Raise `InvariantError` unless the ledger holds the cached blocks by tenant:
+        counted riding (its lists empty), listed when split."""
+        held: list[set[int]] = [set() for _ in self.names]
+        for block_id, tenant in zip(self.cached, self._tags.of(list(self.cached)),
+                                    strict=True):
+            held[tenant].add(block_id)
+        ensure(list(map(len, held)) == self.ledger.counts,
+               "a tenant's count differs from its cached blocks")
+        self.ledger.check(None if self._riding else held)
