@@ -16,13 +16,15 @@ import time
 import torch
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama
+from paged_kv.engine.config import EngineConfig
 from paged_kv.events import KVEventsConfig
 
 
 def _run(model: TinyLlama, prompts: list[list[int]], events: bool) -> tuple[float, int]:
     config = (KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", token_ids=True)
               if events else None)
-    with Engine(model, model.cache_config(num_blocks=2048), kv_events=config) as engine:
+    with Engine(model, EngineConfig(cache=model.cache_config(num_blocks=2048),
+                                    kv_events=config)) as engine:
         engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm
         start = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))

@@ -56,9 +56,11 @@ def make_engine(model, num_blocks: int = 256, block_size: int = 16, num_host_blo
                 **kwargs):
     """An `Engine` over `model` with a pool of `num_blocks` (and a host pool for swap)."""
     from paged_kv.engine import Engine
+    from paged_kv.engine.config import EngineConfig
 
-    return Engine(model, model.cache_config(num_blocks=num_blocks, block_size=block_size,
-                                            num_host_blocks=num_host_blocks), **kwargs)
+    cache = model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                               num_host_blocks=num_host_blocks)
+    return Engine(model, EngineConfig(cache=cache, **kwargs))
 
 
 def save_configs(tmp_path_factory, configs: dict) -> dict[str, Path]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..core.accounting import CacheStats
+from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.model import TinyLlama, TinyLlamaConfig
 from ..engine.sampling import SamplingParams
@@ -37,9 +38,11 @@ def run_demo(*, num_requests: int = 64, block_size: int = 16, memory_mib: float 
     cache_config, budget = pool_config(model, block_size=block_size, memory_mib=memory_mib,
                                        memory_fraction=memory_fraction, preemption=preemption,
                                        kv_cache_dtype=kv_cache_dtype)
-    engine = Engine(model, cache_config, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
-                    tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers)
+    engine = Engine(model, EngineConfig(cache=cache_config, max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=max_num_batched_tokens,
+                                        preemption=preemption,
+                                        tensor_parallel_size=tensor_parallel_size,
+                                        kv_tiers=kv_tiers))
     max_prompt_len = min(1024, model.config.max_position // 2)
     workload = make_workload(num_requests, vocab_size=model.config.vocab_size, seed=seed,
                              max_prompt_len=max_prompt_len,

@@ -11,27 +11,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._checks import check_retain
-from ..config import CacheConfig
 from ..core.cache import PagedKVCache
-from ..events import KVEventsConfig, open_publisher
-from ..handoff import HandoffConfig, open_tiers_and_role
-from ..parts import EnginePart
-from ..tiers import TierConfig
+from ..parts import EnginePart, build_parts, close_parts
+from .config import EngineConfig
 from .draw import Sample, by_request, draw_rows
 from .errors import EngineDeadError
-from .limits import check_limits, check_request
-from .metrics import EngineMetrics
+from .limits import check_request
+from .metrics import EngineMetrics, engine_stats
 from .outputs import EngineStats, RequestOutput, StepOutput
 from .request import Request, Sequence
 from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_generator
 from .scheduler import Scheduler
-from .sizing import given_or_sized
-from .tenant_stats import tenant_blocks
 from .threads import ThreadGovernor, intra_op_threads
 
-if TYPE_CHECKING:  # the hand-off needs the serve extra (pyzmq, msgspec): imported when used
+if TYPE_CHECKING:  # the hand-off and the events need the serve extra (pyzmq, msgspec)
+    from ..events.publisher import EventPublisher
     from ..handoff.params import HandoffParams
+    from ..tiers.manager import TierManager
 
 logger = logging.getLogger(__name__)
 
@@ -46,83 +43,48 @@ class Engine:
         Called as ``model(token_ids, positions, cache, batch, logits_indices) -> logits``;
         ``model.config.vocab_size`` and ``max_position`` bound the requests; a sequence stops
         at any of ``model.eos_token_ids`` (if it has them) unless ``SamplingParams.ignore_eos``.
-    cache_config : CacheConfig, optional
-        Shape of the paged cache (must match the model's K/V). None: ``model.cache_config``
-        with as many blocks as `memory_fraction` of the device's free memory holds.
-    max_num_seqs : int
-        Sequences running at once.
-    max_num_batched_tokens : int
-        Tokens per step (prefill chunks and decodes together).
-    preemption : {"recompute", "swap"}
-        What to do with a sequence when blocks run out ("swap" needs
-        ``cache_config.num_host_blocks``).
-    memory_fraction : float, optional
-        Without `cache_config`: the share of free memory the pool takes, in (0, 1] (default
-        0.9, as vLLM's ``gpu_memory_utilization``); see `paged_kv.engine.sizing`.
-    tensor_parallel_size : int
-        Split the model's heads and the KV pool over this many processes (torch.distributed:
-        gloo on CPU); the engine starts the workers itself and stops them on `close` (see
-        `paged_kv.engine.parallel`). The model must be a `TinyLlama` or an `HFCausalLM` loaded
-        with ``from_pretrained``; `cache_config` is the whole model's.
-    kv_tiers : TierConfig, optional
-        Tiers behind the device pool (host RAM, disk, Redis): stored blocks are written
-        down in the background and a prompt's missing blocks fetched back when that beats
-        recomputing them (see `paged_kv.tiers`). Not with tensor parallelism yet.
-    kv_events : KVEventsConfig, optional
-        Publish the prefix index's changes after each step (vLLM's KV events over ZMQ, for
-        a cache-aware router; see `paged_kv.events`).
-    handoff : HandoffConfig, optional
-        This engine's part in a prefill/decode hand-off between engines (see
-        `paged_kv.handoff`; the serve extra): a prefill engine leases and serves the pages
-        of requests that ask for it, a decode engine pulls them through the tiers' fetch
-        path (a decode engine without tiers gets a fetch path of its own).
-    num_threads : int, optional
-        torch intra-op threads while a step runs. Default on the CPU: torch's count while
-        the cores are free, fewer while other processes use them (`paged_kv._threads`).
+    config : EngineConfig, optional
+        The cache, the scheduler's knobs, threads, tensor parallelism and the optional parts
+        (tiers, KV events, a hand-off role, the caller's own: see `EngineConfig`). None:
+        every default (the pool sized from the free memory). Checked when it is made, so
+        a bad field raises before anything here is built.
 
     Examples
     --------
     >>> from paged_kv.engine import TinyLlama, TinyLlamaConfig
     >>> model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
     ...                                   vocab_size=50, num_heads=4, head_dim=16))
-    >>> engine = Engine(model, model.cache_config(num_blocks=32))
+    >>> engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=32)))
     >>> [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     >>> len(out.outputs[0].token_ids), out.outputs[0].finish_reason
     (4, 'length')
     """
 
-    def __init__(self, model: torch.nn.Module, cache_config: CacheConfig | None = None, *,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 preemption: str = "recompute", memory_fraction: float | None = None,
-                 num_threads: int | None = None, tensor_parallel_size: int = 1,
-                 kv_tiers: TierConfig | None = None, kv_events: KVEventsConfig | None = None,
-                 handoff: HandoffConfig | None = None) -> None:
-        cache_config = given_or_sized(model, cache_config, memory_fraction)
-        check_limits(cache_config, preemption, max_num_seqs, max_num_batched_tokens)
-        _refuse_with_tensor_parallel(tensor_parallel_size, kv_tiers=kv_tiers is not None
-                                     and kv_tiers.enabled, handoff=handoff is not None)
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected EngineConfig, got {type(config).__name__} "
+                            f"(a CacheConfig goes in EngineConfig(cache=...))")
+        self.config = config = (config or EngineConfig()).sized_for(model)
         # CPU steps run on the cores other processes leave free (see paged_kv._threads)
-        self._threads = (ThreadGovernor(num_threads) if cache_config.device.type == "cpu"
-                         or num_threads is not None else None)
+        self._threads = (ThreadGovernor(config.num_threads) if config.cache.device.type
+                         == "cpu" or config.num_threads is not None else None)
         self.eos_token_ids = frozenset(getattr(model, "eos_token_ids", ()))
-        group = None
-        if tensor_parallel_size != 1:
-            model, cache_config, group = TensorParallelRunner.start(model, cache_config,
-                                                                    tensor_parallel_size)
-        self.tiers = self.handoff = None
-        self.parts: list[EnginePart] = []  # the optional parts, each hook called on each
+        cache_config, group = config.cache, None
+        if config.tensor_parallel_size != 1:
+            model, cache_config, group = TensorParallelRunner.start(
+                model, cache_config, config.tensor_parallel_size)
+        self._named: dict[str, EnginePart] = {}  # the optional parts, by name
         try:
             self.cache = PagedKVCache(cache_config)
             self.runner = (ModelRunner(model, self.cache) if group is None
                            else TensorParallelRunner(model, self.cache, group))
-            # a decode engine's hand-offs come through the tiers' fetch path
-            self.tiers, self.handoff = open_tiers_and_role(kv_tiers, handoff, self.cache, model)
-            self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens,
-                                       preemption=preemption, tiers=self.tiers)
+            # the parts the config names, each from those before it: the engine names none
+            self._named = build_parts(config.part_factories(), self.cache, model)
+            self.parts = list(self._named.values())  # each hook called on each, in order
+            self.scheduler = Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
+                                       max_num_batched_tokens=config.max_num_batched_tokens,
+                                       preemption=config.preemption, tiers=self.tiers)
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
-            self.events = open_publisher(kv_events, cache_config.block_size, self.tiers)
-            self.parts = [p for p in (self.tiers, self.events, self.handoff) if p is not None]
         except BaseException:
             self._close_parts(group)
             raise
@@ -136,11 +98,29 @@ class Engine:
         """Undo a constructor that failed part-way: no half-built engine leaves the group
         initialised, or the tiers' threads running and their disk directory locked (a retry
         in this process would be refused it)."""
-        for part in (self.tiers, self.handoff):  # (the publisher is opened last)
-            if part is not None:
-                part.close()
+        close_parts(self._named.values())
         if group is not None:
             group.close()
+
+    def part(self, name: str) -> EnginePart | None:
+        """The part built under `name` (``"tiers"``, ``"events"``, ``"handoff"``,
+        ``"parts[i]"``: `EngineConfig.part_factories`), or None when there is none."""
+        return self._named.get(name)
+
+    @property
+    def tiers(self) -> TierManager | None:
+        """The tiers behind the pool (a decode engine always has them), or None."""
+        return self._named.get("tiers")
+
+    @property
+    def events(self) -> EventPublisher | None:
+        """The KV-event publisher, or None."""
+        return self._named.get("events")
+
+    @property
+    def handoff(self) -> EnginePart | None:
+        """The hand-off role (a `PrefillRole` or a `DecodeRole`), or None."""
+        return self._named.get("handoff")
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: abc.Sequence[int], params: SamplingParams | None = None,
@@ -418,21 +398,7 @@ class Engine:
         work: cheap enough for every step). With tenants (a policy, or salted requests
         running) the live blocks by tenant add one pass over the running sequences' block
         ids (`tenant_stats.tenant_blocks`)."""
-        scheduler, allocator = self.scheduler, self.cache.allocator
-        reports = scheduler.reports
-        return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
-            num_live_blocks=allocator.num_live_blocks,
-            num_cached_blocks=allocator.num_cached_blocks,
-            num_free_blocks=allocator.num_free_blocks,
-            prefix_query_tokens=allocator.prefix_query_tokens,
-            prefix_hit_tokens=allocator.prefix_hit_tokens,
-            num_loading=len(scheduler.loading),
-            tiers=None if self.tiers is None else self.tiers.stats(),
-            tenant_blocks=tenant_blocks(scheduler.running, self.cache),
-            prefix_misses=dict(reports.misses),
-            tenant_prefix_tokens={t: (q, h) for t, (q, h) in reports.tokens.items()})
+        return engine_stats(self.scheduler, self.cache, self.tiers)
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus exposition format, gauges as of now."""
@@ -440,9 +406,3 @@ class Engine:
         text = self.metrics.text(self.cache)
         return text + "".join(part.text() for part in self.parts)
 
-
-def _refuse_with_tensor_parallel(tensor_parallel_size: int, **parts: bool) -> None:
-    """ValueError naming the first part in use that tensor parallelism does not serve yet."""
-    for name, on in parts.items():
-        if on and tensor_parallel_size != 1:
-            raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet")

@@ -14,6 +14,7 @@ import pytest
 
 from paged_kv import CacheConfig, PagedKVCache
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.keys import KEY_BYTES, TOKEN_BYTES, block_keys, encode_tokens, root_hash
 from paged_kv.tiers import TierConfig
 from paged_kv.tiers.manager import TierManager
@@ -66,8 +67,8 @@ def prompt_of(seed: int, length: int) -> list[int]:
 def test_each_prompt_block_is_hashed_once_per_admission(block_hashes):
     model = TinyLlama(MODEL, seed=0)
     # 40 tokens a step: the prefill runs in chunks that end inside blocks
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK),
-                    max_num_batched_tokens=40)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=BLOCK),
+                                        max_num_batched_tokens=40))
     first = prompt_of(1, 5 * BLOCK + 3)
     second = first[:3 * BLOCK] + prompt_of(2, 2 * BLOCK + 7)  # shares 3 blocks
     short = prompt_of(6, BLOCK + 5)  # one block: the miss is the last key
@@ -84,8 +85,8 @@ def test_each_prompt_block_is_hashed_once_with_tiers(block_hashes, monkeypatch):
     # fetch whenever a tier holds the blocks (not only when it beats recomputing)
     monkeypatch.setattr(TierManager, "observe_prefill", lambda self, num_tokens, seconds: None)
     model = TinyLlama(MODEL, seed=0)
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK),
-                    kv_tiers=TierConfig(host_mib=8, fetch_deadline_s=5.0))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=BLOCK),
+                                        kv_tiers=TierConfig(host_mib=8, fetch_deadline_s=5.0)))
     prompt = prompt_of(3, 4 * BLOCK + 5)
     try:
         serve(engine, prompt)
@@ -105,8 +106,8 @@ def test_registered_keys_are_the_requests_chain():
     """The blocks a request filled (prompt and output) are indexed under its own chained
     keys, as a router or a tier would compute them from its tokens."""
     model = TinyLlama(MODEL, seed=0)
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK),
-                    max_num_batched_tokens=40)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=BLOCK),
+                                        max_num_batched_tokens=40))
     tokens = serve(engine, prompt_of(4, 3 * BLOCK + 9), salt="u")
     stored = [key for event in engine.cache.take_events() if event.kind == "stored"
               for key in event.keys]

@@ -4,6 +4,7 @@ the engine calls each of its hooks at its point in a request's life and a step's
 from __future__ import annotations
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.events.publisher import EventPublisher
 from paged_kv.parts import EnginePart
 from paged_kv.tiers.manager import TierManager
@@ -51,7 +52,7 @@ class Recorder(EnginePart):
 
 def engine() -> Engine:
     model = TinyLlama(CONFIG, seed=1)
-    return Engine(model, model.cache_config(num_blocks=64, block_size=4))
+    return Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=4)))
 
 
 def test_every_hook_is_called_at_its_point():

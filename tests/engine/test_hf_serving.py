@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from paged_kv.cli import main  # noqa: E402
 from paged_kv.engine import Engine, SamplingParams  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 
 from ..conftest import tiny_llama_config  # noqa: E402
@@ -39,7 +40,8 @@ def _transformers_greedy(model, prompt: list[int], max_new_tokens: int) -> list[
 def test_engine_on_a_local_checkpoint_matches_transformers_generate(checkpoint, budget):
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     runner = HFCausalLM.from_pretrained(checkpoint)
-    engine = Engine(runner, runner.cache_config(num_blocks=64), max_num_batched_tokens=budget)
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=64),
+                                         max_num_batched_tokens=budget))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=10))
@@ -53,7 +55,7 @@ def test_engine_on_a_local_checkpoint_matches_transformers_generate(checkpoint, 
 def test_hf_attention_runs_through_the_paged_cache(checkpoint):
     runner = HFCausalLM.from_pretrained(checkpoint)
     assert runner.model.config._attn_implementation == "paged_kv"
-    engine = Engine(runner, runner.cache_config(num_blocks=64))
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=64)))
     engine.add_request(list(range(40)), SamplingParams(max_tokens=2))
     engine.step()
     stats = engine.cache.stats()

@@ -13,6 +13,7 @@ import torch
 
 from paged_kv import PagedKVCache
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.limits import request_blocks
 
 from ..conftest import make_engine
@@ -151,7 +152,7 @@ def test_two_ranks_serve_the_hybrid_model_with_sinks(models, reference, kv_cache
     rank its heads)."""
     model = models["sinks"]
     config = model.cache_config(num_blocks=96, block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
-    with Engine(model, config, tensor_parallel_size=2, num_threads=1) as engine:
+    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2, num_threads=1)) as engine:
         outputs = engine.generate(PROMPTS, GREEDY)
         engine.check()
         assert engine.cache.stats().num_given_back > 0

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from paged_kv.config import LayerKind  # noqa: E402
 from paged_kv.engine import Engine, SamplingParams  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.integrations.hf_support import layer_kinds  # noqa: E402
 
@@ -104,7 +105,8 @@ def prompts() -> dict[int, list[int]]:
 
 def engine_for(path, block_size: int, **kwargs) -> Engine:
     runner = HFCausalLM.from_pretrained(path)
-    return Engine(runner, runner.cache_config(num_blocks=128, block_size=block_size), **kwargs)
+    return Engine(runner, EngineConfig(
+        cache=runner.cache_config(num_blocks=128, block_size=block_size), **kwargs))
 
 
 def greedy(**kwargs) -> SamplingParams:

@@ -11,6 +11,7 @@ import torch
 
 from paged_kv.cli import main
 from paged_kv.engine import Engine, SamplingParams, TinyLlamaConfig, sizing
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.sampling import token_logprobs
 
 from ..conftest import tiny_llama_config
@@ -52,8 +53,9 @@ def _check_against_dense(model, prompt, completion, num_top: int) -> None:
 
 
 def test_greedy_logprobs_match_the_dense_model(model):
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=8),
-                    max_num_batched_tokens=24)  # chunked prefill over several steps
+    engine = Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=64, block_size=8),
+        max_num_batched_tokens=24))  # chunked prefill over several steps
     prompts = _prompts()
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6, logprobs=3))
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -63,7 +65,7 @@ def test_greedy_logprobs_match_the_dense_model(model):
 
 
 def test_sampled_logprobs_are_of_the_model_distribution(model):
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=8))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=8)))
     prompts = _prompts(1)
     params = SamplingParams(max_tokens=8, temperature=1.5, top_k=20, seed=7, n=2, logprobs=2)
     outputs = engine.generate(prompts, params)
@@ -76,7 +78,7 @@ def test_sampled_logprobs_are_of_the_model_distribution(model):
 
 
 def test_no_logprobs_unless_asked(model):
-    engine = Engine(model, model.cache_config(num_blocks=64))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64)))
     [output] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert output.outputs[0].logprobs is None and output.outputs[0].cumulative_logprob is None
     [output] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, logprobs=0))
@@ -86,8 +88,8 @@ def test_no_logprobs_unless_asked(model):
 
 @pytest.mark.parametrize("budget", [7, 512], ids=["chunked prefill", "one step"])
 def test_prompt_logprobs_match_the_dense_model_and_skip_the_prefix_cache(model, budget):
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=4),
-                    max_num_batched_tokens=budget)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=4),
+                                        max_num_batched_tokens=budget))
     shared = _prompts()[3]
     engine.generate([[*shared, 1]], SamplingParams(max_tokens=1))  # caches shared's blocks
     prompt = [*shared, 5, 6]
@@ -108,8 +110,9 @@ def test_prompt_logprobs_match_the_dense_model_and_skip_the_prefix_cache(model, 
 
 
 def test_prompt_logprobs_are_recorded_once_when_a_preempted_prompt_is_recomputed(model):
-    engine = Engine(model, model.cache_config(num_blocks=9, block_size=4),
-                    max_num_batched_tokens=8)  # 8 usable blocks: 32 token slots
+    engine = Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=9, block_size=4),
+        max_num_batched_tokens=8))  # 8 usable blocks: 32 token slots
     prompts = [_prompts(2)[2], _prompts(3)[2]]  # 17 tokens each, + 6 to generate
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6, prompt_logprobs=0))
     assert engine.scheduler.num_preemptions > 0, "the case needs a preemption"
@@ -135,7 +138,7 @@ def test_bad_sampling_params_name_the_field(field, value):
 
 # -- EOS --------------------------------------------------------------------------------------
 def test_the_embedded_model_has_no_eos(model):
-    engine = Engine(model, model.cache_config(num_blocks=64))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64)))
     assert engine.eos_token_ids == frozenset()
     [output] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12))
     assert output.outputs[0].finish_reason == "length"
@@ -178,7 +181,7 @@ def test_engine_stops_at_the_checkpoint_eos_unless_ignored(llama_greedy, several
     eos = [greedy[later], greedy[stop]] if several else greedy[stop]
     runner = HFCausalLM.from_pretrained(_save_with_eos(llama_greedy, f"eos-{several}", eos))
     assert runner.eos_token_ids == (tuple(eos) if several else (eos,))
-    engine = Engine(runner, runner.cache_config(num_blocks=32))
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32)))
     [output] = engine.generate([prompt], SamplingParams(max_tokens=10))
     assert output.outputs[0].token_ids == greedy[:stop + 1], "stops at, and keeps, the EOS"
     assert output.outputs[0].finish_reason == "stop"
@@ -203,7 +206,7 @@ def test_engine_sizes_the_pool_from_free_memory(model, monkeypatch, caplog):
     per_block = model.cache_config(num_blocks=2).bytes_per_block
     seen = _fake_free(monkeypatch, 100 * per_block + 5)
     with caplog.at_level(logging.INFO, logger="paged_kv.engine.sizing"):
-        engine = Engine(model, memory_fraction=0.5)
+        engine = Engine(model, EngineConfig(memory_fraction=0.5))
     assert seen == [torch.device("cpu")]
     assert engine.cache.config.num_blocks == 50
     assert "# CPU blocks: 49 of 16 tokens = 784 tokens" in caplog.text
@@ -216,16 +219,16 @@ def test_engine_sizes_the_pool_from_free_memory(model, monkeypatch, caplog):
 def test_bad_memory_fraction_is_named(model, monkeypatch, fraction):
     _fake_free(monkeypatch, 1 << 30)
     with pytest.raises(ValueError, match="memory_fraction"):
-        Engine(model, memory_fraction=fraction)
+        Engine(model, EngineConfig(memory_fraction=fraction))
 
 
 def test_memory_fraction_with_a_cache_config_or_too_little_memory_is_an_error(model,
                                                                                monkeypatch):
-    with pytest.raises(ValueError, match="memory_fraction: give it or cache_config"):
-        Engine(model, model.cache_config(num_blocks=8), memory_fraction=0.5)
+    with pytest.raises(ValueError, match="memory_fraction: give it or cache, not both"):
+        Engine(model, EngineConfig(cache=model.cache_config(num_blocks=8), memory_fraction=0.5))
     _fake_free(monkeypatch, model.cache_config(num_blocks=2).bytes_per_block)
     with pytest.raises(ValueError, match=r"holds 1 blocks .* at least 2"):
-        Engine(model, memory_fraction=1.0)
+        Engine(model, EngineConfig(memory_fraction=1.0))
 
 
 def test_free_memory_reads_meminfo_and_rejects_other_devices(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from paged_kv.engine import (
     SamplingParams,
     TinyLlamaConfig,
 )
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.sampling import sample
 
 from ..conftest import make_engine
@@ -342,7 +343,7 @@ def test_sampling_params_reject_bad_values(kwargs, match):
 
 
 @pytest.mark.parametrize(("host_blocks", "kwargs", "match"), [
-    (0, dict(preemption="swap"), r"preemption='swap' needs cache_config.num_host_blocks > 0"),
+    (0, dict(preemption="swap"), r"preemption='swap' needs cache.num_host_blocks > 0"),
     (8, dict(preemption="bogus"), r"preemption: expected 'recompute' or 'swap', got 'bogus'"),
     (0, dict(max_num_seqs=0), r"max_num_seqs: expected >= 1, got 0"),
     (0, dict(max_num_batched_tokens=0), r"max_num_batched_tokens: expected >= 1, got 0"),
@@ -460,7 +461,8 @@ def test_a_failing_model_step_leaves_the_engine_able_to_continue(model, dense):
     """A model error mid-step returns the step's slots and fails that step's request with
     the error (never a success, never an exception out of `step`); the engine goes on and
     the next request gets exact tokens."""
-    engine = Engine(model, model.cache_config(num_blocks=64), max_num_batched_tokens=64)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64),
+                                        max_num_batched_tokens=64))
     prompt = list(range(1, 30))
     seen = []
     engine.add_request(prompt, SamplingParams(max_tokens=5), on_output=seen.append)

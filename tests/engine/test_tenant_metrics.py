@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from paged_kv.engine import Engine, SamplingParams
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.model import TinyLlamaConfig
 from paged_kv.tenants import TenantLimits, TenantPolicy
 
@@ -23,7 +24,8 @@ PARAMS = SamplingParams(max_tokens=2)
 
 
 def _engine(model, policy: TenantPolicy | None) -> Engine:
-    return Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK, tenants=policy))
+    return Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=64, block_size=BLOCK, tenants=policy)))
 
 
 def _value(text: str, name: str, **labels: str) -> float:

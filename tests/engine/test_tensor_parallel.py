@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from paged_kv.engine import Engine, EngineDeadError, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.parallel import TensorParallelError, kv_heads_of_rank
 
 from ..conftest import ROOT, tiny_llama_config
@@ -44,8 +45,8 @@ def test_two_ranks_equal_one_process(model, case, num_blocks, block_size, preemp
     def run(tp: int):
         config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
                                     num_host_blocks=num_blocks if preemption == "swap" else 0)
-        with Engine(model, config, max_num_batched_tokens=budget, preemption=preemption,
-                    tensor_parallel_size=tp) as engine:
+        with Engine(model, EngineConfig(cache=config, max_num_batched_tokens=budget,
+                                        preemption=preemption, tensor_parallel_size=tp)) as engine:
             outputs = engine.generate(PROMPTS, PARAMS)
             engine.check()
             preempted = engine.scheduler.num_preemptions
@@ -64,11 +65,11 @@ def test_two_ranks_equal_one_process(model, case, num_blocks, block_size, preemp
 
 def test_each_rank_holds_its_heads_of_the_same_blocks(model):
     config = model.cache_config(num_blocks=32)
-    with Engine(model, config) as single:
+    with Engine(model, EngineConfig(cache=config)) as single:
         single.generate(PROMPTS[:3], PARAMS[:3])
         whole = single.cache.pool.kv.clone()
         assert single.runner.collectives is None
-    with Engine(model, config, tensor_parallel_size=2) as engine:
+    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as engine:
         engine.generate(PROMPTS[:3], PARAMS[:3])
         assert engine.pool_bytes_per_rank() == [whole.nbytes // 2] * 2
         timed = engine.runner.collectives  # what the bench's communication split reads
@@ -84,7 +85,7 @@ def test_each_rank_holds_its_heads_of_the_same_blocks(model):
 
 def test_a_killed_worker_is_a_clear_error_not_a_hang(model):
     config = model.cache_config(num_blocks=32)
-    engine = Engine(model, config, tensor_parallel_size=2)
+    engine = Engine(model, EngineConfig(cache=config, tensor_parallel_size=2))
     try:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
         engine.runner.group.processes[0].kill()
@@ -99,7 +100,7 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(model):
     finally:
         engine.close()
     # a new engine starts afterwards, on fresh ports
-    with Engine(model, config, tensor_parallel_size=2) as again:
+    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as again:
         assert _tokens(again.generate([[1, 2, 3]], SamplingParams(max_tokens=2)))
 
 
@@ -115,7 +116,8 @@ def test_a_model_that_cannot_split_is_refused_before_any_process_starts(heads, k
                                       head_dim=8))
     start = time.monotonic()
     with pytest.raises(ValueError, match=message):
-        Engine(model, model.cache_config(num_blocks=8), tensor_parallel_size=size)
+        Engine(model, EngineConfig(cache=model.cache_config(num_blocks=8),
+                                   tensor_parallel_size=size))
     assert time.monotonic() - start < 5, "it must fail before spawning workers"
 
 
@@ -134,10 +136,10 @@ def test_a_local_llama_checkpoint_through_hf(tmp_path):
     runner = HFCausalLM.from_pretrained(tmp_path)
     cache_config = runner.cache_config(num_blocks=48)
     params = SamplingParams(max_tokens=8)
-    with Engine(runner, cache_config, max_num_batched_tokens=16) as single:
+    with Engine(runner, EngineConfig(cache=cache_config, max_num_batched_tokens=16)) as single:
         expected = _tokens(single.generate(PROMPTS[:4], params))
-    with Engine(runner, cache_config, max_num_batched_tokens=16,
-                tensor_parallel_size=2) as engine:
+    with Engine(runner, EngineConfig(cache=cache_config, max_num_batched_tokens=16,
+                                     tensor_parallel_size=2)) as engine:
         assert _tokens(engine.generate(PROMPTS[:4], params)) == expected
         whole = cache_config.bytes_per_block * cache_config.num_blocks
         assert engine.pool_bytes_per_rank() == [whole // 2] * 2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig, threads
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.threads import ThreadGovernor, intra_op_threads
 
 
@@ -88,9 +89,9 @@ def test_engine_steps_on_its_threads_and_restores_them():
     model.forward = spy
     before = torch.get_num_threads()
     other = 1 if before != 1 else 2
-    engine = Engine(model, model.cache_config(num_blocks=16), num_threads=other)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=16), num_threads=other))
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert seen and set(seen) == {other}
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="num_threads"):
-        Engine(model, model.cache_config(num_blocks=16), num_threads=0)
+        Engine(model, EngineConfig(cache=model.cache_config(num_blocks=16), num_threads=0))

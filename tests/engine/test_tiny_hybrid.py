@@ -18,6 +18,7 @@ import torch
 
 from paged_kv import LayerKind, PagedKVCache
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.parallel import ModelSpec
 from paged_kv.engine.threads import intra_op_threads
 from paged_kv.tiers.identity import model_fingerprint
@@ -79,9 +80,10 @@ def serve(model: TinyLlama, prompts: list[list[int]], params: SamplingParams = G
           block_size: int = 4, kv_cache_dtype: str = "auto", **engine_args) -> list:
     """The outputs of `prompts`, all added at once, in order; the cache is checked after
     every step and drained at the end."""
-    engine = Engine(model, model.cache_config(num_blocks=96, block_size=block_size,
-                                              kv_cache_dtype=kv_cache_dtype),
-                    num_threads=1, **engine_args)
+    engine = Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=96, block_size=block_size,
+                                 kv_cache_dtype=kv_cache_dtype),
+        num_threads=1, **engine_args))
     ids, outputs, _ = drive(engine, {0: [(p, params) for p in prompts]})
     assert_drained(engine)
     return [outputs[i] for i in ids]

@@ -25,6 +25,7 @@ from paged_kv.engine import (
     TinyLlamaConfig,
 )
 from paged_kv.engine import engine as engine_module
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.parallel import group
 from paged_kv.engine.parallel.plan import apply_ops
 from paged_kv.engine.parallel.sharding import ModelSpec
@@ -92,10 +93,11 @@ def test_a_failed_construction_leaves_the_process_usable(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(engine_module, "EngineMetrics", broken_metrics)
         with pytest.raises(RuntimeError, match="after the workers joined"):
-            Engine(model, config, tensor_parallel_size=2)
+            Engine(model, EngineConfig(cache=config, tensor_parallel_size=2))
     assert not torch.distributed.is_initialized()
-    want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    with Engine(model, config, tensor_parallel_size=2) as engine:
+    want = Engine(model, EngineConfig(cache=config)).generate([[1, 2, 3]],
+                                                              SamplingParams(max_tokens=4))
+    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as engine:
         got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
@@ -111,8 +113,9 @@ def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
         with pytest.raises(EngineDeadError, match="did not join"):
             group.TensorParallelGroup(ModelSpec.of(model), config, 2, timeout_s=2)
     assert not torch.distributed.is_initialized()
-    want = Engine(model, config).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    with Engine(model, config, tensor_parallel_size=2) as engine:
+    want = Engine(model, EngineConfig(cache=config)).generate([[1, 2, 3]],
+                                                              SamplingParams(max_tokens=4))
+    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as engine:
         got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
@@ -120,10 +123,12 @@ def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
 _RANK0 = textwrap.dedent("""
     import sys, time
     from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+    from paged_kv.engine.config import EngineConfig
     model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
                                       vocab_size=100, num_heads=4, num_kv_heads=2,
                                       head_dim=16))
-    engine = Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=32),
+                                        tensor_parallel_size=2))
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     print(" ".join(str(p.pid) for p in engine.runner.group.processes), flush=True)
     if sys.argv[1] == "sigint":  # Ctrl-C reaches the workers' old process group: they live
@@ -196,7 +201,8 @@ def test_a_failed_tensor_parallel_step_leaves_the_engine_dead(monkeypatch):
     the workers at once (they sit in an all-reduce rank 0 never joins: a polite stop would
     wait out the collective's 60 s timeout)."""
     model = TinyLlama(CONFIG, seed=1)
-    engine = Engine(model, model.cache_config(num_blocks=32), tensor_parallel_size=2)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=32),
+                                        tensor_parallel_size=2))
     try:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
 

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from paged_kv.cli import build_parser, main  # noqa: E402
 from paged_kv.engine import Engine, SamplingParams  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.integrations.hf_support import (  # noqa: E402
     UnsupportedModelError,
@@ -141,7 +142,7 @@ def test_softcap_or_sinks_alone_are_served_with_generate_tokens(name, tmp_path):
                               max_new_tokens=8, eos_token_id=None,
                               pad_token_id=0)[0, 40:].tolist()
     for runner in (HFCausalLM.from_pretrained(tmp_path), HFCausalLM(reference)):
-        engine = Engine(runner, runner.cache_config(num_blocks=32))
+        engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32)))
         output = engine.generate([tokens], SamplingParams(max_tokens=8, ignore_eos=True))[0]
         assert output.outputs[0].token_ids == want
 
@@ -160,7 +161,7 @@ def test_a_window_no_sequence_can_reach_is_served_and_matches_generate(tmp_path)
     ids = torch.tensor([tokens])
     want = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=8, pad_token_id=127)[0, 40:].tolist()
-    engine = Engine(runner, runner.cache_config(num_blocks=32))
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32)))
     assert engine.generate([tokens], SamplingParams(max_tokens=8))[0].outputs[0].token_ids \
         == want
 
@@ -174,7 +175,7 @@ def test_a_window_set_after_loading_fails_the_step_instead_of_serving_it(tmp_pat
                                     ).save_pretrained(tmp_path)
     runner = HFCausalLM.from_pretrained(tmp_path)
     runner.model.config.sliding_window = 8  # Mistral's attention reads it on every call
-    engine = Engine(runner, runner.cache_config(num_blocks=32))
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32)))
     output = engine.generate([list(range(20))], SamplingParams(max_tokens=2))[0]
     assert output.outputs[0].finish_reason == "error" and output.outputs[0].token_ids == []
     assert "UnsupportedModelError" in output.error and "layer 0" in output.error
@@ -191,7 +192,7 @@ def test_a_layer_that_never_attends_through_the_cache_fails_the_step(tmp_path):
     attention = runner.model.model.layers[1].self_attn
     attention.forward = lambda hidden_states, *args, **kwargs: (torch.zeros_like(
         hidden_states), None)
-    engine = Engine(runner, runner.cache_config(num_blocks=32))
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32)))
     output = engine.generate([list(range(20))], SamplingParams(max_tokens=2))[0]
     assert output.outputs[0].finish_reason == "error" and output.outputs[0].token_ids == []
     assert "layers [1] did not attend through the paged cache" in output.error

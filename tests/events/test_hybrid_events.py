@@ -14,6 +14,7 @@ import pytest
 from paged_kv import CacheConfig, LayerKind, PagedKVCache
 from paged_kv.core.groups.rules import group_key
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.events import KVEventsConfig, decode_batch
 from paged_kv.keys import block_keys, root_hash
 from paged_kv.router import PrefixIndex
@@ -32,8 +33,9 @@ def published(kinds: tuple[str, ...], prompts: list[list[int]], num_blocks: int,
     """Every event an engine over `kinds` published while serving `prompts` one after the
     other (3 tokens each), in order; the engine, closed."""
     model = TinyLlama(TinyLlamaConfig(**SHAPE, layer_kinds=kinds), seed=0)
-    engine = Engine(model, model.cache_config(num_blocks=num_blocks, block_size=BLOCK),
-                    kv_events=KVEventsConfig(ANY, ANY, token_ids=True), num_threads=1)
+    engine = Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=num_blocks, block_size=BLOCK),
+        kv_events=KVEventsConfig(ANY, ANY, token_ids=True), num_threads=1))
     socket = _sub(engine.events.endpoint)
     try:
         time.sleep(0.3)  # the subscription reaches the publisher before anything is sent

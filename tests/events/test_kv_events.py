@@ -15,6 +15,7 @@ import zmq
 
 from paged_kv.core.allocator import BlockAllocator
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.events import KVEventsConfig, decode_batch
 from paged_kv.events.publisher import EventPublisher
 from paged_kv.events.subscriber import EventSubscriber
@@ -79,8 +80,8 @@ def _drain(socket: zmq.Socket, idle: float = 0.3) -> list[list[bytes]]:
 def test_every_batch_parses_in_order_and_rebuilds_the_index(token_ids):
     model = _model()
     config = KVEventsConfig(ANY, ANY, topic="kv@replica@tiny", token_ids=token_ids)
-    engine = Engine(model, model.cache_config(num_blocks=24, block_size=BLOCK),
-                    kv_events=config)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=24, block_size=BLOCK),
+                                        kv_events=config))
     socket = _sub(engine.events.endpoint)
     try:
         time.sleep(0.3)  # the subscription reaches the publisher before anything is sent

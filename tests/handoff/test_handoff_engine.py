@@ -14,6 +14,7 @@ pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.handoff import HandoffConfig  # noqa: E402
 from paged_kv.handoff.params import parse_params  # noqa: E402
 
@@ -28,8 +29,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 def engine(role: str, dtype: str = "auto", **kwargs) -> Engine:
     model = TinyLlama(CONFIG, seed=1)
     handoff = None if role == "both" else HandoffConfig(role, secret="s", **kwargs)
-    return Engine(model, model.cache_config(num_blocks=64, block_size=4, kv_cache_dtype=dtype),
-                  handoff=handoff)
+    return Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=64, block_size=4, kv_cache_dtype=dtype),
+        handoff=handoff))
 
 
 def run(e: Engine, request_id: int, limit: int = 5000):
@@ -75,8 +77,8 @@ def test_pages_of_every_format_give_the_single_engines_tokens(dtype):
 def test_heartbeats_keep_a_waiting_requests_lease_alive():
     pre = engine("prefill", lease_s=0.6)
     model = TinyLlama(CONFIG, seed=1)
-    dec = Engine(model, model.cache_config(num_blocks=1100, block_size=4), max_num_seqs=1,
-                 handoff=HandoffConfig("decode", secret="s"))
+    dec = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=1100, block_size=4),
+                                     max_num_seqs=1, handoff=HandoffConfig("decode", secret="s")))
     try:
         prompt = list(range(1, 30))
         params = {**prefill(pre, prompt), "do_remote_prefill": True}

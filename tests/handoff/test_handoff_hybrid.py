@@ -21,6 +21,7 @@ pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.threads import intra_op_threads
 from paged_kv.handoff import HandoffConfig
 from paged_kv.handoff.params import parse_params
@@ -51,8 +52,9 @@ def engines(make_model, block_size: int, dtype: str = "auto") -> dict[str, Engin
         model = make_model()
         config = model.cache_config(num_blocks=128, block_size=block_size,
                                     kv_cache_dtype=dtype)
-        built[role] = Engine(model, config, num_threads=1, handoff=None if role == "both"
-                             else HandoffConfig(role, secret="s"))
+        built[role] = Engine(model, EngineConfig(
+            cache=config, num_threads=1,
+            handoff=None if role == "both" else HandoffConfig(role, secret="s")))
     return built
 
 

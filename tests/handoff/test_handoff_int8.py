@@ -32,6 +32,7 @@ pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.handoff import HandoffConfig
 from paged_kv.handoff.params import parse_params
 from paged_kv.keys import block_keys, encode_tokens, root_hash
@@ -51,9 +52,9 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 def engine(role: str, dtype: str) -> Engine:
     model = TinyLlama(CONFIG, seed=1)
     handoff = None if role == "both" else HandoffConfig(role, secret="s")
-    return Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK,
-                                            kv_cache_dtype=dtype),
-                  num_threads=1, handoff=handoff)
+    return Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=64, block_size=BLOCK, kv_cache_dtype=dtype),
+        num_threads=1, handoff=handoff))
 
 
 def cached_pages(e: Engine, prompt: list[int]) -> np.ndarray:

@@ -187,10 +187,11 @@ def test_a_fallback_is_counted_every_time_and_logged_once_a_minute_per_reason(ca
 
 def test_a_hand_off_role_with_tensor_parallelism_is_refused_before_anything_starts():
     from paged_kv.engine import Engine, TinyLlama
+    from paged_kv.engine.config import EngineConfig
     from paged_kv.handoff import HandoffConfig
 
     model = TinyLlama()
     config = model.cache_config(num_blocks=16, block_size=16)
     handoff = HandoffConfig("decode", "127.0.0.1", 0, "s", 30.0, "recompute")
     with pytest.raises(ValueError, match="handoff: not supported with tensor_parallel_size"):
-        Engine(model, config, tensor_parallel_size=2, handoff=handoff)
+        Engine(model, EngineConfig(cache=config, tensor_parallel_size=2, handoff=handoff))

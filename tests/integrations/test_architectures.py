@@ -23,6 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paged_kv.engine import Engine, SamplingParams  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.integrations.hf_architectures import (  # noqa: E402
     CAUSAL_ONLY_AS_DECODER,
@@ -91,7 +92,8 @@ def assert_engine_gives_generate_tokens(model: torch.nn.Module, case: str) -> No
     want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
     runner = HFCausalLM(model)
-    engine = Engine(runner, runner.cache_config(num_blocks=64, block_size=BLOCK_SIZE))
+    engine = Engine(runner, EngineConfig(
+        cache=runner.cache_config(num_blocks=64, block_size=BLOCK_SIZE)))
     output = engine.generate([tokens.tolist()],
                              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     assert output.error is None, output.error

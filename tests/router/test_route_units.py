@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.router import PrefixIndex, choose, prompt_keys
 from paged_kv.router.index import TIER_WEIGHTS
 
@@ -116,7 +117,7 @@ def test_the_imbalance_guard_takes_the_least_loaded():
 def test_prompt_keys_are_the_keys_an_engine_indexes():
     model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
                                       vocab_size=300, num_heads=4, head_dim=16), seed=0)
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=4))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=4)))
     prompt = list(range(1, 31))
     for salt in (None, "tenant"):
         engine.cache.reset_prefix_cache()

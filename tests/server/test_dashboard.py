@@ -233,6 +233,7 @@ def test_an_admin_key_sees_every_tenant_and_a_bad_key_nothing(monkeypatch):
     from starlette.testclient import TestClient
 
     from paged_kv.engine import Engine, TinyLlama, TinyLlamaConfig
+    from paged_kv.engine.config import EngineConfig
     from paged_kv.server import ByteTokenizer, InprocClient
     from paged_kv.server.http import dashboard
     from paged_kv.server.http.app import create_app
@@ -240,7 +241,7 @@ def test_an_admin_key_sees_every_tenant_and_a_bad_key_nothing(monkeypatch):
     model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
                                       vocab_size=300, num_heads=4, num_kv_heads=2,
                                       head_dim=16, max_position=512))
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=8))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=8)))
     app = create_app(InprocClient(engine), ByteTokenizer(), model_name="tiny",
                      api_keys={"key-a": "alice", "key-b": "bob"})
     app.state.service.admin_keys = {"root"}  # as the tenants file's admin_keys will set it

@@ -15,6 +15,7 @@ pytest.importorskip("fastapi")
 from starlette.testclient import TestClient
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.server import ByteTokenizer, InprocClient
 from paged_kv.server.http.app import create_app
 
@@ -25,14 +26,15 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 def make_client(model=None, tokenizer=None, *, num_blocks: int = 128, **app_kwargs):
     model = model or TinyLlama(CONFIG, seed=1)
-    engine = Engine(model, model.cache_config(num_blocks=num_blocks, block_size=8))
+    engine = Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=num_blocks, block_size=8)))
     app = create_app(InprocClient(engine), tokenizer or ByteTokenizer(), model_name="tiny",
                      **app_kwargs)
     return TestClient(app)
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
-    engine = Engine(model, model.cache_config(num_blocks=64, block_size=8))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=8)))
     return engine.generate([prompt], SamplingParams(max_tokens=n))[0].outputs[0].token_ids
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama
+from paged_kv.engine.config import EngineConfig
 from paged_kv.engine.limits import EngineLimits
 from paged_kv.engine.process.core_client import CoreClient
 from paged_kv.engine.process.engine_core import EngineCoreProc
@@ -176,7 +177,8 @@ def test_every_api_server_serves_after_a_burst(tmp_path):
 def core(tmp_path):
     """An `EngineCoreProc` with one running slot on a thread; yields (address, limits)."""
     model = TinyLlama(CONFIG, seed=1)
-    engine = Engine(model, model.cache_config(num_blocks=128, block_size=8), max_num_seqs=1)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=128, block_size=8),
+                                        max_num_seqs=1))
     address = f"ipc://{tmp_path}/core"
     engine_core = EngineCoreProc(engine, address, os.getppid())
     thread = threading.Thread(target=engine_core.run, daemon=True)
@@ -242,7 +244,8 @@ def test_max_waiting_zero_admits_before_the_core_first_speaks(tmp_path):
     from paged_kv.server.http.service import OpenAIService
 
     model = TinyLlama(CONFIG, seed=1)
-    engine = Engine(model, model.cache_config(num_blocks=128, block_size=8), max_num_seqs=1)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=128, block_size=8),
+                                        max_num_seqs=1))
     address = f"ipc://{tmp_path}/core"
 
     async def run() -> None:

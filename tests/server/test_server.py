@@ -27,6 +27,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.server import ByteTokenizer  # noqa: E402
 
 from ..conftest import ROOT, prometheus_value  # noqa: E402
@@ -99,7 +100,7 @@ def strict_server(tmp_path_factory):
 def reference():
     """``reference(prompts, max_tokens)``: greedy `Engine.generate` on `TinyLlama()`."""
     model = TinyLlama()
-    engine = Engine(model, model.cache_config(num_blocks=512))
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=512)))
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
@@ -438,7 +439,7 @@ def test_chat_completions_on_a_local_checkpoint(tmp_path):
     assert text == "<system>be brief\n<user>hi!\n<assistant>"
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     runner = HFCausalLM.from_pretrained(tmp_path / "ckpt")
-    engine = Engine(runner, runner.cache_config(num_blocks=64))
+    engine = Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=64)))
     want = engine.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
     with running_server("--model", str(tmp_path / "ckpt"), "--memory-mib", "2",
                         log=tmp_path / "log") as (_, url):

@@ -154,15 +154,17 @@ def tier_engines(tier_model):
     num_blocks=128)``: an `Engine` over `tier_model(seed)`; every one made is closed (its
     tier threads stopped) at teardown."""
     from paged_kv.engine import Engine
+    from paged_kv.engine.config import EngineConfig
 
     engines: list = []
 
     def make(tiers=None, *, seed: int = 0, block_size: int = BLOCK_SIZE,
              kv_cache_dtype: str = "auto", num_blocks: int = 128):
         model = tier_model(seed)
-        engine = Engine(model, model.cache_config(num_blocks=num_blocks, block_size=block_size,
-                                                  kv_cache_dtype=kv_cache_dtype),
-                        kv_tiers=tiers)
+        engine = Engine(model, EngineConfig(
+            cache=model.cache_config(num_blocks=num_blocks, block_size=block_size,
+                                     kv_cache_dtype=kv_cache_dtype),
+            kv_tiers=tiers))
         engines.append(engine)
         return engine
 
@@ -177,6 +179,7 @@ def reference_tokens(tier_model):
     greedy tokens of each prompt on an engine without tiers, each computed from scratch
     (the device prefix cache dropped first); memoised."""
     from paged_kv.engine import Engine
+    from paged_kv.engine.config import EngineConfig
 
     engines: dict[tuple, object] = {}
     memo: dict[tuple, list[int]] = {}
@@ -186,8 +189,8 @@ def reference_tokens(tier_model):
         config = (seed, block_size, kv_cache_dtype)
         if config not in engines:
             model = tier_model(seed)
-            engines[config] = Engine(model, model.cache_config(
-                num_blocks=128, block_size=block_size, kv_cache_dtype=kv_cache_dtype))
+            engines[config] = Engine(model, EngineConfig(cache=model.cache_config(
+                num_blocks=128, block_size=block_size, kv_cache_dtype=kv_cache_dtype)))
         engine = engines[config]
         for prompt in prompts:
             if (*config, tuple(prompt)) not in memo:

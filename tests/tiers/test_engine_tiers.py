@@ -20,6 +20,7 @@ import torch
 from paged_kv.config import KV_CACHE_DTYPES
 from paged_kv.engine import Engine
 from paged_kv.engine import engine as engine_module
+from paged_kv.engine.config import EngineConfig
 from paged_kv.tiers import TierConfig, codec
 from paged_kv.tiers.fetcher import TierFetcher
 
@@ -245,8 +246,8 @@ def test_tensor_parallel_with_tiers_is_refused_before_workers_start(tier_model, 
     monkeypatch.setattr(engine_module.TensorParallelRunner, "start", staticmethod(start))
     model = tier_model()
     with pytest.raises(ValueError, match="kv_tiers"):
-        Engine(model, model.cache_config(num_blocks=64), tensor_parallel_size=2,
-               kv_tiers=tiers)
+        Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64), tensor_parallel_size=2,
+                                   kv_tiers=tiers))
     assert started == []
 
 

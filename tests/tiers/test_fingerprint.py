@@ -173,6 +173,7 @@ def test_nested_config_fields_that_change_kv_count(field):
 @pytest.mark.parametrize("variant", ["rope_theta", "embedding_row"])
 def test_engines_whose_kv_differ_share_nothing_on_one_disk(tmp_path, variant):
     from paged_kv.engine import Engine
+    from paged_kv.engine.config import EngineConfig
 
     config = TierConfig(disk_dir=str(tmp_path / "disk"), disk_mib=8, fetch_deadline_s=5.0)
     prompts = random_prompts(3, PROMPT_LEN, seed=43)
@@ -181,7 +182,8 @@ def test_engines_whose_kv_differ_share_nothing_on_one_disk(tmp_path, variant):
                    else with_row_changed(writer_model, middle_row(prompts[0])))
 
     def serve(model) -> tuple[list[int], dict]:
-        with Engine(model, model.cache_config(num_blocks=128), kv_tiers=config) as engine:
+        with Engine(model, EngineConfig(cache=model.cache_config(num_blocks=128),
+                                        kv_tiers=config)) as engine:
             hits = [out.prefix_hit_tokens for out in serve_prompts(engine, prompts)]
             stats = tier_stats(engine)["disk"]
         return hits, stats
@@ -197,6 +199,7 @@ def test_engines_whose_kv_differ_share_nothing_on_one_disk(tmp_path, variant):
 @pytest.mark.usefixtures("fetch_always")
 def test_hf_engines_with_another_rope_theta_share_nothing(tmp_path):
     from paged_kv.engine import Engine
+    from paged_kv.engine.config import EngineConfig
 
     config = TierConfig(disk_dir=str(tmp_path / "disk"), disk_mib=8, fetch_deadline_s=5.0)
     prompts = random_prompts(2, PROMPT_LEN, seed=47, vocab=128)
@@ -204,7 +207,8 @@ def test_hf_engines_with_another_rope_theta_share_nothing(tmp_path):
     control, _ = hf_pair()
 
     def hits(model) -> list[int]:
-        with Engine(model, model.cache_config(num_blocks=64), kv_tiers=config) as engine:
+        with Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64),
+                                        kv_tiers=config)) as engine:
             return [out.prefix_hit_tokens for out in serve_prompts(engine, prompts)]
 
     assert hits(first) == [0, 0]

@@ -13,6 +13,7 @@ import torch
 
 from paged_kv.core.groups.rules import group_key
 from paged_kv.engine import Engine, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.tiers import TierConfig, codec
 
 from .conftest import MAX_TOKENS, random_prompts, serve_prompts, tier_stats, tokens_of
@@ -59,8 +60,9 @@ def engines():
 
     def make(model: TinyLlama, disk_dir) -> Engine:
         tiers = TierConfig(disk_dir=str(disk_dir), disk_mib=8, fetch_deadline_s=5.0)
-        engine = Engine(model, model.cache_config(num_blocks=96, block_size=BLOCK),
-                        kv_tiers=tiers, num_threads=1)
+        engine = Engine(model, EngineConfig(
+            cache=model.cache_config(num_blocks=96, block_size=BLOCK), kv_tiers=tiers,
+            num_threads=1))
         made.append(engine)
         return engine
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from paged_kv.engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from paged_kv.engine.config import EngineConfig
 from paged_kv.events import KVEventsConfig
 from paged_kv.events.subscriber import EventSubscriber
 from paged_kv.router import PrefixIndex, prompt_keys
@@ -20,8 +21,9 @@ BLOCK = 4
 def _engine(tiers: TierConfig) -> Engine:
     model = TinyLlama(TinyLlamaConfig(num_layers=1, hidden_size=64, intermediate_size=64,
                                       vocab_size=300, num_heads=4, head_dim=16), seed=0)
-    return Engine(model, model.cache_config(num_blocks=64, block_size=BLOCK), kv_tiers=tiers,
-                  kv_events=KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+    return Engine(model, EngineConfig(
+        cache=model.cache_config(num_blocks=64, block_size=BLOCK), kv_tiers=tiers,
+        kv_events=KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")))
 
 
 def _until(condition, timeout: float = 5.0) -> None:

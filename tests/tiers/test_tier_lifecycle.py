@@ -191,6 +191,7 @@ def test_an_engine_that_fails_to_start_releases_its_disk_directory(tmp_path, tie
     them, so a retry in the same process gets the disk directory back."""
     zmq = pytest.importorskip("zmq")
     from paged_kv.engine import Engine
+    from paged_kv.engine.config import EngineConfig
     from paged_kv.events import KVEventsConfig
     from paged_kv.tiers.disk import DiskStore
 
@@ -201,8 +202,8 @@ def test_an_engine_that_fails_to_start_releases_its_disk_directory(tmp_path, tie
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
         with pytest.raises(ValueError, match="--kv-events: cannot bind"):  # after the tiers
-            Engine(model, model.cache_config(num_blocks=32), kv_tiers=config,
-                   kv_events=KVEventsConfig(f"tcp://127.0.0.1:{port}", None))
+            Engine(model, EngineConfig(cache=model.cache_config(num_blocks=32), kv_tiers=config,
+                                       kv_events=KVEventsConfig(f"tcp://127.0.0.1:{port}", None)))
     finally:
         taken.close(linger=0)
     DiskStore(config.disk_dir, cap_bytes=1 << 20).close()  # not held by the failed engine

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from paged_kv.engine import Engine
+from paged_kv.engine.config import EngineConfig
 from paged_kv.tenants import TenantLimits, TenantPolicy, TierLimits
 from paged_kv.tiers import TierConfig, codec
 from paged_kv.tiers.shares import TierGhosts, TierShares, tenant_prefix
@@ -45,7 +46,7 @@ def engines(tier_model):
         model = tier_model(0)
         config = model.cache_config(num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                     tenants=policy)
-        made.append(Engine(model, config, kv_tiers=tiers))
+        made.append(Engine(model, EngineConfig(cache=config, kv_tiers=tiers)))
         return made[-1]
 
     yield make
@@ -61,7 +62,8 @@ def host_mib_for(blocks: int, nbytes: int) -> float:
 def block_nbytes(tier_model) -> int:
     """Bytes of one block of `tier_model(0)`'s pool."""
     model = tier_model(0)
-    with Engine(model, model.cache_config(num_blocks=8, block_size=BLOCK_SIZE)) as probe:
+    cache = model.cache_config(num_blocks=8, block_size=BLOCK_SIZE)
+    with Engine(model, EngineConfig(cache=cache)) as probe:
         return probe.cache.pool.block_nbytes
 
 

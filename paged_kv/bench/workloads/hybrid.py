@@ -68,10 +68,12 @@ def batch_tokens(scale: Scale) -> int:
 
 def _engine(runner: torch.nn.Module, num_blocks: int, scale: Scale):
     from ...engine import Engine  # the serve extra: imported when used
+    from ...engine.config import EngineConfig
 
     config = runner.cache_config(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    return Engine(runner, config, max_num_seqs=256, max_num_batched_tokens=batch_tokens(scale),
-                  num_threads=torch.get_num_threads())
+    return Engine(runner, EngineConfig(cache=config, max_num_seqs=256,
+                                       max_num_batched_tokens=batch_tokens(scale),
+                                       num_threads=torch.get_num_threads()))
 
 
 def _greedy(max_tokens: int):

@@ -133,12 +133,13 @@ def run_engine(runner: torch.nn.Module, prompts: list[list[int]], new_tokens: in
                num_blocks: int) -> PeerRun:
     """The engine on `runner` (an `HFCausalLM`), all requests queued at once."""
     from ...engine import Engine, SamplingParams
+    from ...engine.config import EngineConfig
 
     with PeakRSS() as rss:
         start = time.perf_counter()
-        engine = Engine(runner, runner.cache_config(num_blocks=num_blocks,
-                                                    block_size=BLOCK_SIZE),
-                        max_num_seqs=len(prompts), max_num_batched_tokens=BATCH_TOKENS)
+        engine = Engine(runner, EngineConfig(
+            cache=runner.cache_config(num_blocks=num_blocks, block_size=BLOCK_SIZE),
+            max_num_seqs=len(prompts), max_num_batched_tokens=BATCH_TOKENS))
         serve_start = time.perf_counter()
         ids = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts]
         finished, peak_blocks = {}, 0

@@ -73,8 +73,9 @@ def serve_config(model, config, requests: Sequence[TraceRequest]) -> tuple[Servi
     """Serve `requests` (greedy, their output lengths) on a fresh engine over `config`; the
     run's figures and the outputs in request order."""
     from ...engine import Engine  # the serve extra: imported when used
+    from ...engine.config import EngineConfig
 
-    engine = Engine(model, config, max_num_seqs=256)
+    engine = Engine(model, EngineConfig(cache=config, max_num_seqs=256))
     outputs, running, elapsed = run_to_completion(engine, requests)
     outputs.sort(key=lambda out: out.request_id)
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from ...engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from ...engine.config import EngineConfig
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat
@@ -33,8 +34,8 @@ def _run(model: TinyLlama, size: int, budget: int, requests: list[list[int]],
     per_rank_block = probe.bytes_per_block // size
     num_blocks = budget // per_rank_block
     config = model.cache_config(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    with Engine(model, config, max_num_seqs=256, max_num_batched_tokens=1024,
-                tensor_parallel_size=size) as engine:
+    with Engine(model, EngineConfig(cache=config, max_num_seqs=256, max_num_batched_tokens=1024,
+                                    tensor_parallel_size=size)) as engine:
         longest = config.num_usable_blocks * BLOCK_SIZE  # one sequence may hold them all
         for prompt in requests:
             engine.add_request(prompt, SamplingParams(max_tokens=new_tokens))

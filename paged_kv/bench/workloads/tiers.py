@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ...engine import Engine, SamplingParams, TinyLlama, TinyLlamaConfig
+from ...engine.config import EngineConfig
 from ...tiers import TierConfig, codec
 from ..netdelay import DelayProxy, free_port, redis_server
 from ..results import Plot, Series, WorkloadResult
@@ -56,7 +57,8 @@ def _model() -> TinyLlama:
 def _engine(model: TinyLlama, tiers: TierConfig | None) -> Engine:
     config = model.cache_config(num_blocks=2 * PROMPT_LEN // BLOCK_SIZE + 16,
                                 block_size=BLOCK_SIZE)
-    return Engine(model, config, max_num_batched_tokens=PROMPT_LEN, kv_tiers=tiers)
+    return Engine(model, EngineConfig(cache=config, max_num_batched_tokens=PROMPT_LEN,
+                                      kv_tiers=tiers))
 
 
 def _prompt(seed: int) -> list[int]:

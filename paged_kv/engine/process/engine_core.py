@@ -27,6 +27,7 @@ from ...handoff import HandoffConfig
 from ...tenants import TenantPolicy
 from ...tiers import TierConfig
 from .. import Engine, EngineDeadError, StepOutput
+from ..config import EngineConfig
 from ..limits import EngineLimits
 from ..sizing import pool_config
 from . import messages
@@ -51,10 +52,11 @@ def build_engine(model: torch.nn.Module, *, memory_mib: float, block_size: int,
                                   kv_cache_dtype=kv_cache_dtype)
     if tenants is not None:
         cache_config = dataclasses.replace(cache_config, tenants=tenants)
-    return Engine(model, cache_config, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
-                  tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
-                  kv_events=kv_events, handoff=handoff)
+    return Engine(model, EngineConfig(cache=cache_config, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      preemption=preemption,
+                                      tensor_parallel_size=tensor_parallel_size, kv_tiers=kv_tiers,
+                                      kv_events=kv_events, handoff=handoff))
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
