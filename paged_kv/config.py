@@ -14,12 +14,65 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # one scale per (token, layer, K/V, kv head) of 8-bit pages; bfloat16 for float32's range
 SCALE_DTYPE = torch.bfloat16
-ATTENTION_KINDS = ("full", "sliding", "chunked")
+ATTENTION_KINDS = ("full", "sliding", "chunked", "recurrent")
+NO_RECURRENT_ONLY = ("a model of recurrent layers only is not supported yet: an attention "
+                     "group leads the prefix cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """One state a recurrent layer keeps per sequence (`LayerKind.recurrent`).
+
+    Attributes
+    ----------
+    name : str
+        ``"conv"`` (the convolution window, transformers' ``conv_states``), ``"ssm"`` (a
+        Mamba selective-scan state) or ``"recurrent"`` (a gated delta rule's key-value
+        memory); both of the latter are transformers' ``recurrent_states``
+        (`paged_kv.integrations.recurrent.CACHE_ATTRIBUTES`).
+    shape : tuple of int
+        Per sequence, without the batch dim: ``(channels, kernel)`` for ``"conv"``,
+        ``(heads, head_dim, state)`` for Mamba-2, ``(intermediate, state)`` for Mamba-1,
+        ``(value_heads, key_head_dim, value_head_dim)`` for a gated delta rule.
+    dtype : torch.dtype
+        What the state is kept in (transformers' choice: the conv window in the model's
+        dtype, the SSM / delta-rule state in float32).
+
+    Examples
+    --------
+    >>> StateSpec("ssm", (4, 16, 6), torch.float32).nbytes  # 4 * 16 * 6 * 4 bytes
+    1536
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"StateSpec.name: expected a non-empty str, got {self.name!r}")
+        shape = self.shape
+        if not isinstance(shape, tuple | list) or not shape or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+            raise ValueError(f"StateSpec.shape: expected a tuple of ints >= 1, got {shape!r}")
+        object.__setattr__(self, "shape", tuple(shape))
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"StateSpec.dtype: expected a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def numel(self) -> int:
+        """Elements per sequence."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per sequence."""
+        return self.numel * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """What one layer's attention reads of the past, which decides what the cache keeps.
+    """What one layer reads of the past, which decides what the cache keeps.
 
     Parameters
     ----------
@@ -28,17 +81,28 @@ class LayerKind:
         included (a query at position ``i`` sees keys ``j`` with ``i - span < j <= i``;
         Mistral, Gemma's local layers, gpt-oss). ``"chunked"``: the earlier tokens of its
         own chunk of `span` (``j // span == i // span``; Llama 4's local layers).
+        ``"recurrent"``: no attention; the layer carries a fixed-size state per sequence
+        from token to token (Mamba, a gated delta net, a short convolution), described by
+        `states`.
     span : int
-        The window or chunk length in tokens (>= 1); 0 for full attention.
+        The window or chunk length in tokens (>= 1); 0 for full attention and recurrent
+        layers.
+    states : tuple of StateSpec
+        A recurrent layer's states (at least one); empty for every attention kind.
 
     Examples
     --------
     >>> LayerKind.sliding(512).window, LayerKind.chunked(8192).chunk, LayerKind().is_full
     (512, 8192, True)
+    >>> mamba = LayerKind.recurrent((StateSpec("conv", (96, 4), torch.bfloat16),
+    ...                              StateSpec("ssm", (4, 16, 8), torch.float32)))
+    >>> str(mamba), mamba.is_recurrent, mamba.state_bytes  # 96 * 4 * 2 + 4 * 16 * 8 * 4
+    ('recurrent', True, 2816)
     """
 
     attention: str = "full"
     span: int = 0
+    states: tuple[StateSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -48,9 +112,24 @@ class LayerKind:
             raise ValueError(f"LayerKind.span: expected an int, got {self.span!r}")
         if self.attention == "full" and self.span:
             raise ValueError(f"LayerKind.span: full attention has no span, got {self.span}")
-        if self.attention != "full" and self.span < 1:
+        if self.attention == "recurrent":
+            self._check_states()
+        elif self.attention != "full" and self.span < 1:
             raise ValueError(f"LayerKind.span: a {self.attention} layer needs a span >= 1, "
                              f"got {self.span}")
+        if self.attention != "recurrent" and self.states:
+            raise ValueError(f"LayerKind.states: a {self.attention} attention layer keeps "
+                             f"no recurrent state, got {self.states!r}")
+
+    def _check_states(self) -> None:
+        if self.span:
+            raise ValueError(f"LayerKind.span: a recurrent layer has no span, got {self.span}")
+        states = self.states
+        if not isinstance(states, tuple | list) or not states or not all(
+                isinstance(spec, StateSpec) for spec in states):
+            raise ValueError(f"LayerKind.states: a recurrent layer needs a tuple of at least "
+                             f"one StateSpec, got {states!r}")
+        object.__setattr__(self, "states", tuple(states))
 
     @classmethod
     def full(cls) -> LayerKind:
@@ -66,6 +145,21 @@ class LayerKind:
     def chunked(cls, chunk: int) -> LayerKind:
         """Local attention inside aligned chunks of `chunk` tokens."""
         return cls("chunked", chunk)
+
+    @classmethod
+    def recurrent(cls, states: tuple[StateSpec, ...]) -> LayerKind:
+        """A recurrent layer keeping `states` per sequence (a slot of the state slab)."""
+        return cls("recurrent", 0, tuple(states))
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the layer keeps a recurrent state instead of K/V per token."""
+        return self.attention == "recurrent"
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the layer's states per sequence (0 for an attention layer)."""
+        return sum(spec.nbytes for spec in self.states)
 
     @property
     def is_full(self) -> bool:
@@ -83,7 +177,9 @@ class LayerKind:
         return self.span if self.attention == "chunked" else 0
 
     def __str__(self) -> str:
-        return "full" if self.is_full else f"{self.attention}:{self.span}"
+        if self.is_full or self.is_recurrent:
+            return self.attention
+        return f"{self.attention}:{self.span}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +213,17 @@ class CacheConfig:
         beside them (see docs/architecture.md). `write` takes and `gather` / `attention`
         return `dtype` either way.
     layer_kinds : tuple of LayerKind
-        One per layer: full attention, a sliding window or chunked local attention (see
-        `LayerKind`); empty (the default) means every layer is full attention.
+        One per layer: full attention, a sliding window, chunked local attention or a
+        recurrent layer (see `LayerKind`); empty (the default) means every layer is full
+        attention.
     tenants : TenantPolicy, optional
         How tenants (prefix-cache salts) share the cached blocks: quotas, reservations,
         soft retention (see `paged_kv.tenants`); None (the default): one global LRU.
+    num_state_slots : int
+        Slots of the state slab beside the pool (docs/architecture.md, "Recurrent state"):
+        one slot holds every recurrent layer's states of one sequence
+        (`state_bytes_per_slot`), as a resident sequence's live state or as a prefix
+        checkpoint. At least 1 when `layer_kinds` has recurrent layers; 0 otherwise.
 
     Examples
     --------
@@ -149,10 +251,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     layer_kinds: tuple[LayerKind, ...] = ()
     tenants: TenantPolicy | None = None
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         minimums = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1,
-                    "num_blocks": 2, "num_host_blocks": 0, "max_num_seqs": 1}
+                    "num_blocks": 2, "num_host_blocks": 0, "max_num_seqs": 1,
+                    "num_state_slots": 0}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -201,6 +305,17 @@ class CacheConfig:
         # all full attention is the default layout: one spelling of it, so configs compare
         object.__setattr__(self, "layer_kinds",
                            () if all(k.is_full for k in kinds) else tuple(kinds))
+        recurrent = sum(kind.is_recurrent for kind in kinds)
+        if recurrent == len(kinds) and kinds:
+            raise ValueError(f"CacheConfig.layer_kinds: {NO_RECURRENT_ONLY}")
+        if recurrent and self.num_state_slots < 1:
+            raise ValueError(f"CacheConfig.num_state_slots: {recurrent} recurrent layers keep "
+                             f"their states in slots of the state slab: expected >= 1 "
+                             f"(one per resident sequence, more for prefix checkpoints), "
+                             f"got {self.num_state_slots}")
+        if not recurrent and self.num_state_slots:
+            raise ValueError(f"CacheConfig.num_state_slots: no recurrent layer keeps a state: "
+                             f"expected 0, got {self.num_state_slots}")
 
     def kind_of(self, layer: int) -> LayerKind:
         """The `LayerKind` of `layer`."""
@@ -224,34 +339,59 @@ class CacheConfig:
         return self.cache_dtype.itemsize
 
     @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep K/V per token (all but the recurrent ones)."""
+        return self.num_layers - len(self.recurrent_layers)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state (`LayerKind.recurrent`), in order."""
+        return tuple(layer for layer, kind in enumerate(self.layer_kinds) if kind.is_recurrent)
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers, K and V (scales included)."""
+        """Bytes one token occupies across all attention layers, K and V (scales
+        included); a recurrent layer keeps no bytes per token (`state_bytes_per_slot`)."""
         scale_bytes = SCALE_DTYPE.itemsize if self.is_quantized else 0
         per_head = self.head_dim * self.element_size + scale_bytes
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        return 2 * self.num_attention_layers * self.num_kv_heads * per_head
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one slot of the state slab: every recurrent layer's states of one
+        sequence (0 without recurrent layers)."""
+        return sum(kind.state_bytes for kind in self.layer_kinds)
 
     @property
     def layer_groups(self) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
         """The layers a block spans, as ``(kind, layers)`` groups (see `group_layers`): one
-        group of every layer for a full-attention model."""
+        group of every layer for a full-attention model; the recurrent layers, if any, in
+        one last group that holds no blocks."""
         return group_layers(self.layer_kinds or (_FULL,) * self.num_layers)
 
     @property
     def group_size(self) -> int:
-        """Layers one block holds: all of them for a uniform model, a group's for a hybrid
-        one (each group of layers has its own block table; see `group_layers`)."""
+        """Layers one block holds: all of them for a uniform model, an attention group's
+        for a hybrid one (each group of layers has its own block table; see
+        `group_layers`)."""
         return len(self.layer_groups[0][1])
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across the layers it spans (`group_size`), K and V (scales
         included): the unit the pool hands out."""
-        return self.bytes_per_token * self.block_size * self.group_size // self.num_layers
+        return (self.bytes_per_token * self.block_size * self.group_size
+                // self.num_attention_layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state slab: `num_state_slots` slots of `state_bytes_per_slot`."""
+        return self.state_bytes_per_slot * self.num_state_slots
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the whole device pool (the null block included)."""
-        return self.bytes_per_block * self.num_blocks
+        """Bytes of the whole device pool (the null block included) and the state slab."""
+        return self.bytes_per_block * self.num_blocks + self.state_bytes
 
     @property
     def num_usable_blocks(self) -> int:
@@ -268,7 +408,8 @@ class CacheConfig:
 
         A full group holds a block per `block_size` tokens; a window (chunk) group only
         what its queries still read: the window (chunk) and the step's tokens, plus one
-        block for alignment.
+        block for alignment; the recurrent group none (its states are a slot of the state
+        slab).
 
         Examples
         --------
@@ -281,12 +422,13 @@ class CacheConfig:
         step = num_tokens if step_tokens is None else min(step_tokens, num_tokens)
         return sum(full if kind.is_full else min(full, self.blocks_for(kind.span + step - 1)
                                                  + 1)
-                   for kind, _ in self.layer_groups)
+                   for kind, _ in self.layer_groups if not kind.is_recurrent)
 
     @classmethod
     def for_memory(cls, budget_bytes: int, *, num_layers: int, num_kv_heads: int,
                    head_dim: int, block_size: int = 16, **kwargs) -> CacheConfig:
-        """Size `num_blocks` so the pool fits in `budget_bytes`.
+        """Size `num_blocks` so the pool fits in `budget_bytes` (less the state slab's
+        bytes, when `num_state_slots` is given).
 
         Examples
         --------
@@ -300,11 +442,12 @@ class CacheConfig:
         """
         probe = cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     block_size=block_size, num_blocks=2, **kwargs)
-        num_blocks = math.floor(budget_bytes / probe.bytes_per_block)
+        num_blocks = math.floor((budget_bytes - probe.state_bytes) / probe.bytes_per_block)
         if num_blocks < 2:
             raise ValueError(
                 f"CacheConfig.for_memory: budget_bytes={budget_bytes} holds {num_blocks} blocks "
-                f"of {probe.bytes_per_block} bytes; at least 2 are needed (one is the null block)"
+                f"of {probe.bytes_per_block} bytes beside a state slab of {probe.state_bytes}; "
+                f"at least 2 are needed (one is the null block)"
             )
         return dataclasses.replace(probe, num_blocks=num_blocks)
 
@@ -313,24 +456,37 @@ _FULL = LayerKind()
 
 
 def group_layers(kinds: tuple[LayerKind, ...]) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
-    """Split layers into groups of one kind and one size, full-attention groups first.
+    """Split layers into groups of one kind and one size, full-attention groups first, and
+    the recurrent layers, if any, in one last group.
 
-    Every group has as many layers as the rarest kind (vLLM's rule): then one block of any
-    group has the same bytes, one pool serves them all, and each group gets its own block
-    table (a window group's table gives back the blocks its window has left). A kind whose
-    count is not a multiple of that size gets a last group with fewer real layers; its
-    missing layers' planes are padding (``group_size`` per block still).
+    Every attention group has as many layers as the rarest attention kind (vLLM's rule):
+    then one block of any group has the same bytes, one pool serves them all, and each
+    group gets its own block table (a window group's table gives back the blocks its window
+    has left). A kind whose count is not a multiple of that size gets a last group with
+    fewer real layers; its missing layers' planes are padding (``group_size`` per block
+    still). Recurrent layers hold no blocks (their states are slots of the state slab), so
+    they neither count towards that size nor split: one state group of all of them, its
+    kind the first recurrent layer's. An attention group leads (it hashes the prompts and
+    leads the prefix cache), so a layout of recurrent layers alone is refused.
 
     Examples
     --------
     >>> w, f = LayerKind.sliding(512), LayerKind.full()
     >>> [(str(kind), layers) for kind, layers in group_layers((w, w, f, w, w, f))]
     [('full', (2, 5)), ('sliding:512', (0, 1)), ('sliding:512', (3, 4))]
+    >>> r = LayerKind.recurrent((StateSpec("ssm", (2, 4), torch.float32),))
+    >>> [(str(kind), layers) for kind, layers in group_layers((r, r, r, f, r, r, r, f))]
+    [('full', (3, 7)), ('recurrent', (0, 1, 2, 4, 5, 6))]
     """
     by_kind: dict[LayerKind, list[int]] = {}
+    recurrent = tuple(layer for layer, kind in enumerate(kinds) if kind.is_recurrent)
     for layer, kind in enumerate(kinds):
-        by_kind.setdefault(kind, []).append(layer)
+        if not kind.is_recurrent:
+            by_kind.setdefault(kind, []).append(layer)
+    if not by_kind:
+        raise ValueError(NO_RECURRENT_ONLY)
     size = min(map(len, by_kind.values()))
     order = sorted(by_kind, key=lambda kind: not kind.is_full)  # stable: first seen first
-    return tuple((kind, tuple(by_kind[kind][start:start + size])) for kind in order
-                 for start in range(0, len(by_kind[kind]), size))
+    groups = tuple((kind, tuple(by_kind[kind][start:start + size])) for kind in order
+                   for start in range(0, len(by_kind[kind]), size))
+    return groups + (((kinds[recurrent[0]], recurrent),) if recurrent else ())

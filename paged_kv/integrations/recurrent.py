@@ -52,11 +52,11 @@ holds the same states. A recurrent model of another type is refused by name
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
+
+from ..config import StateSpec  # moved to the config (floor 0); re-exported here
 
 __all__ = ["CACHE_ATTRIBUTES", "RECURRENCES", "RECURRENT_LAYER_TYPES", "StateSpec",
            "hybrid_layers", "recurrent_layers", "state_bytes_per_sequence"]
@@ -71,40 +71,6 @@ CACHE_ATTRIBUTES = {"conv": "conv_states", "ssm": "recurrent_states",
                     "recurrent": "recurrent_states"}
 # recurrent model types whose config lists no layer_types (their own cache classes)
 RECURRENT_WITHOUT_LAYER_TYPES = {"rwkv": "RWKV time mixing", "xlstm": "mLSTM"}
-
-
-@dataclasses.dataclass(frozen=True)
-class StateSpec:
-    """One state a recurrent layer keeps per sequence.
-
-    Attributes
-    ----------
-    name : str
-        ``"conv"`` (the convolution window, transformers' ``conv_states``), ``"ssm"`` (a
-        Mamba selective-scan state) or ``"recurrent"`` (a gated delta rule's key-value
-        memory); both of the latter are transformers' ``recurrent_states``
-        (`CACHE_ATTRIBUTES`).
-    shape : tuple of int
-        Per sequence, without the batch dim: ``(channels, kernel)`` for ``"conv"``,
-        ``(heads, head_dim, state)`` for Mamba-2, ``(intermediate, state)`` for Mamba-1,
-        ``(value_heads, key_head_dim, value_head_dim)`` for a gated delta rule.
-    dtype : torch.dtype
-        What transformers allocates it in.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        """Elements per sequence."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes per sequence."""
-        return self.numel * self.dtype.itemsize
 
 
 Reader = Callable[[object, torch.dtype], tuple[StateSpec, ...]]
