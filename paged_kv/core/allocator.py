@@ -393,9 +393,9 @@ class BlockAllocator:
             token_ids = b"".join(pieces)
             if not keys:
                 return
+        self._eviction.tag(block_ids, keys, parents, index)  # before the index holds them
         index.update(zip(keys, block_ids, strict=True))
         ids = np.array(block_ids, dtype=np.int64)
-        self._eviction.tag(block_ids, keys, parents, index)
         self._key_of.update(zip(block_ids, keys, strict=True))
         self._tokens_of.update(zip(block_ids, pieces, strict=True))
         self._indexed[ids] = True

@@ -57,8 +57,8 @@ class EvictionPolicy(Protocol):
 
     def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
-        """`block_ids` (live) were just indexed under `keys`, chaining from `parents`
-        (`index`: the prefix index, key -> block, them included)."""
+        """`block_ids` (live) are being indexed under `keys` (none indexed yet), chaining
+        from `parents` (`index`: the prefix index, key -> block, before they join it)."""
 
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
               forget: Forget) -> list[int]:

@@ -75,7 +75,7 @@ class TenantEviction:
     def __init__(self, policy: TenantPolicy, num_blocks: int,
                  clock: Callable[[], float] = time.monotonic, *, ride: bool = True,
                  margin: int | None = None) -> None:
-        self.ledger = ledger = TenantLedger(policy, num_blocks, clock)
+        self.ledger = ledger = TenantLedger(policy, num_blocks, clock)  # read: `usage`
         self.policy, self.names = policy, ledger.names
         self._tags = TenantTags(self.names, num_blocks)
         self._ids = self._tags.ids  # salted root -> tenant
@@ -85,12 +85,18 @@ class TenantEviction:
         self._rides, self._riding = ride, ride
         self._work = self._owed = 0  # split work done, and owed for the switches (blocks)
         self._margin = max(num_blocks // 64, 8) if margin is None else margin
+        # while riding, the tenants of blocks that left the order and are not yet off the
+        # ledger's counts (`_settle`): a step's evictions cost no count per tenant
+        self._pending: list[int] = []
         # the tenants with a reservation, and a lower bound of the blocks each holds above
-        # it (-1: unknown), so an eviction while riding rarely looks at them one by one
-        self._reserving = [t for t, usage in enumerate(ledger.usage()) if usage.reservation]
+        # it (-1: unknown; math.inf: none reserves), so an eviction while riding rarely
+        # looks at them one by one and `held` is a sum made once while every one holds
+        self._reserve = [usage.reservation for usage in ledger.usage()]
+        self._reserving = [t for t, reserve in enumerate(self._reserve) if reserve]
         self._floor = -1 if self._reserving else math.inf
         # whether a tenant's defaults retain blocks (its budget is whole while riding)
         self._keeps = [ledger.retains(t, None, None) for t in range(len(self.names))]
+        self._reserved = sum(self._reserve)
 
     # -- what readers see -------------------------------------------------------------------
     @property
@@ -113,6 +119,7 @@ class TenantEviction:
 
     def usage(self) -> list[TenantUsage]:
         """Each tenant's cached and retained blocks now, the unnamed first."""
+        self._settle()
         return self.ledger.usage()
 
     def retained_blocks(self, tenant: int) -> list[int]:
@@ -127,13 +134,18 @@ class TenantEviction:
     def reserved_for(self, root: bytes | None) -> int:
         """Of the blocks reservations keep from everyone, those the tenant of salted root
         `root` may take itself (its own reservation; None: a step mixing tenants, 0)."""
+        self._settle()
         return self.ledger.reserved_for(None if root is None else self._tags.tenant_id(root))
 
     def held(self, root: bytes | None) -> int:
         """Cached blocks a request under `root` may not take: the other tenants'
         reservations (every one, for None)."""
-        if root is None:
-            return self.ledger.protected
+        if self._riding:
+            if self._floor < 0:
+                self._renew()
+            if self._floor >= 0:  # every reserving tenant holds its reservation whole
+                return self._reserved - (0 if root is None else
+                                         self._reserve[self._ids.get(root, 0)])
         return self.ledger.protected - self.reserved_for(root)
 
     # -- the allocator's calls -----------------------------------------------------------
@@ -156,6 +168,9 @@ class TenantEviction:
                     else ledger.retains(tenant, priority, seconds)):
                 self.cached.update(dict.fromkeys(block_ids))
                 ledger.add(tenant, len(tenants))
+                if ledger.room(tenant) >= 0:  # (counts not yet settled only over-count)
+                    return []
+                self._settle()
                 if ledger.room(tenant) >= 0:
                     return []
                 over = self._oldest_of(tenant, -ledger.room(tenant))
@@ -182,8 +197,7 @@ class TenantEviction:
             self.ledger.removed(block_ids, tenants)
             return
         self._floor -= len(block_ids)
-        for tenant, count in self._tally(tenants).items():
-            self.ledger.add(tenant, -count)
+        self._pending += tenants
 
     def evict(self, count: int, requester: bytes | None, forget: Forget) -> list[int]:
         """Take `count` victims for an allocation under salted root `requester` (None: a
@@ -218,6 +232,7 @@ class TenantEviction:
         """Forget every cached block: one (empty) order again."""
         self.cached.clear()
         self.ledger.clear()
+        self._pending.clear()
         self._riding, self._work = self._rides, 0
         self._floor = -1 if self._reserving else math.inf
 
@@ -230,36 +245,50 @@ class TenantEviction:
         popitem = cached.popitem
         evicted = [popitem(False)[0] for _ in range(count)]
         tenants = self._tags.of(evicted)
-        first = tenants[0]
-        taken = {first: count} if tenants.count(first) == count else self._tally(tenants)
-        if count > self._floor and not self._spares(taken, asking, count):
+        if count > self._floor and not self._spares(tenants, asking):
             for block_id in reversed(evicted):  # back to the front, as they were
                 cached[block_id] = None
                 cached.move_to_end(block_id, last=False)
             return None
         self._floor -= count
-        add = self.ledger.add
-        for tenant, lost in taken.items():
-            add(tenant, -lost)
+        self._pending += tenants
         keys = forget(evicted)
+        mine = 0 if asking is None else tenants.count(asking)
         if asking is None:
             self.ghost.evicted(keys, "device", "global")
-        elif len(taken) == 1:  # one tenant's blocks: its own pressure, or another's
-            self.ghost.evicted(keys, "device", "own" if first == asking else "tenant",
-                               None if first == asking else self.names[asking])
+        elif mine == count:
+            self.ghost.evicted(keys, "device", "own")
+        elif not mine:
+            self.ghost.evicted(keys, "device", "tenant", self.names[asking])
         else:
             self._blame(keys, tenants, asking)
         return evicted
 
-    def _spares(self, taken: Mapping[int, int], asking: int | None, count: int) -> bool:
-        """Whether every tenant but `asking` keeps its reservation after losing `taken`
-        blocks (`count` in all); renews the lower bound of what they hold above it."""
-        ledger = self.ledger
-        self._floor = min(map(ledger.spare, self._reserving))
-        return count <= self._floor or all(
-            tenant == asking or ledger.spare(tenant) >= lost for tenant, lost in taken.items())
+    def _spares(self, tenants: Sequence[int], asking: int | None) -> bool:
+        """Whether every tenant but `asking` keeps its reservation after losing the blocks
+        of `tenants`; renews the lower bound of what they hold above it."""
+        self._renew()
+        if len(tenants) <= self._floor:
+            return True
+        spare = self.ledger.spare
+        return all(tenant == asking or spare(tenant) >= lost
+                   for tenant, lost in self._tally(tenants).items())
 
-    def _tally(self, tenants: tuple[int, ...]) -> dict[int, int]:
+    def _renew(self) -> None:
+        """Settle the counts and make the lower bound exact (riding)."""
+        self._settle()
+        if self._reserving:
+            self._floor = min(map(self.ledger.spare, self._reserving))
+
+    def _settle(self) -> None:
+        """Take the blocks that left the order off their tenants' counts."""
+        if self._pending:
+            add = self.ledger.add
+            for tenant, count in self._tally(self._pending).items():
+                add(tenant, -count)
+            self._pending.clear()
+
+    def _tally(self, tenants: Sequence[int]) -> dict[int, int]:
         """How many of `tenants` each tenant is: ``{tenant: count}``."""
         if len(self.names) <= 8:  # a C-level count per tenant beats a Counter
             return {t: n for t in range(len(self.names)) if (n := tenants.count(t))}
@@ -267,6 +296,8 @@ class TenantEviction:
 
     def _split(self) -> None:
         """Stop riding: the order's blocks go to their tenants' lists."""
+        self._settle()
+        self._floor = -1  # kept only while riding
         order = list(self.cached)
         self.ledger.adopt(order, self._tags.of(order))
         self._riding, self._work, self._owed = False, 0, len(order)
@@ -333,6 +364,7 @@ class TenantEviction:
     def snapshot(self) -> tuple:
         """Comparable copy of the state by tenant, the same riding or split: each tenant's
         ordinary blocks in order, its retained ones, the counts."""
+        self._settle()
         if not self._riding:
             return self.ledger.snapshot()
         order: list[list[int]] = [[] for _ in self.names]
@@ -345,6 +377,7 @@ class TenantEviction:
     def check(self) -> None:
         """Raise `InvariantError` unless the ledger holds the cached blocks by tenant:
         counted riding (its lists empty), listed when split."""
+        self._settle()
         held: list[set[int]] = [set() for _ in self.names]
         for block_id, tenant in zip(self.cached, self._tags.of(list(self.cached)),
                                     strict=True):

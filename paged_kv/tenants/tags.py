@@ -12,7 +12,6 @@ when a parent is neither a root nor indexed, which is rare, so tagging appends i
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Mapping, Sequence
 
@@ -60,33 +59,32 @@ class TenantTags:
 
     def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
-        """Record the tenant of `block_ids`, being indexed under `keys` (`index` holds them
-        already) and chaining from `parents`."""
+        """Record the tenant of `block_ids`, about to be indexed under `keys` (`index`
+        holds none of them yet) and chaining from `parents`."""
         tenant_of = self._tenant
-        if parents[1:] == keys[:-1]:  # the usual case: one chain, so one tenant
-            tenant = self._tenant_of_parent(parents[0], index)
+        if len(keys) == 1 or (parents[1] == keys[0] and parents[1:] == keys[:-1]):
+            tenant = self._tenant_of_parent(parents[0], index)  # one chain: one tenant
             for block_id in block_ids:
                 tenant_of[block_id] = tenant
             self._key_tenants.remember(keys, tenant)
             return
         try:  # a decode step's blocks: each chains from its sequence's block indexed before
             owners = operator.itemgetter(*parents)(index)  # a tuple: two parents or more
-        except KeyError:  # a parent not indexed
-            owners = ()
-        if owners and set(owners).isdisjoint(block_ids):  # (not one indexed just now)
+        except KeyError:  # a parent not indexed: not indexed yet (in this batch), or gone
+            owners = None
+        if owners is not None:
             tenants = self.of(owners)
             for block_id, tenant in zip(block_ids, tenants, strict=True):
                 tenant_of[block_id] = tenant
             self._key_tenants.remember(keys, tenants)
             return
-        last_key, tenant, tagged = None, 0, []
+        batch: dict[bytes, int] = {}  # the tenants of this batch's keys, as they are found
         for block_id, key, parent in zip(block_ids, keys, parents, strict=True):
-            if parent != last_key:
+            tenant = batch.get(parent)
+            if tenant is None:
                 tenant = self._tenant_of_parent(parent, index)
-            tenant_of[block_id] = tenant
-            tagged.append(tenant)
-            last_key = key
-        self._key_tenants.remember(keys, tagged)
+            tenant_of[block_id] = batch[key] = tenant
+        self._key_tenants.remember(list(batch), list(batch.values()))  # keys are distinct
 
     def _tenant_of_parent(self, parent: bytes, index: Mapping[bytes, int]) -> int:
         """The tenant of a block chaining from `parent`: a salted root's, an indexed
@@ -126,8 +124,7 @@ class LazyKeyMemory:
         if not self.capacity:
             return
         self._keys += keys
-        self._tenants += (itertools.repeat(tenants, len(keys)) if isinstance(tenants, int)
-                          else tenants)
+        self._tenants += [tenants] * len(keys) if isinstance(tenants, int) else tenants
         if len(self._keys) > self.capacity:  # the memory would have dropped these
             del self._keys[:len(self._keys) - self.capacity // 2]
             del self._tenants[:len(self._tenants) - self.capacity // 2]
