@@ -46,7 +46,7 @@ class CacheStats:
     num_shared_blocks : int
         Live blocks with more than one owner.
     total_bytes : int
-        The pool's ``nbytes``.
+        The pool's ``nbytes``, and the state slab's (``state_bytes``) when there is one.
     live_bytes, cached_bytes : int
         Bytes of live / cached blocks.
     num_live_tokens : int
@@ -71,6 +71,17 @@ class CacheStats:
     num_given_back, bytes_given_back : int
         Blocks (and their bytes) window and chunked rows gave back to the pool as their
         window moved on (cumulative; 0 for a uniform layout).
+    state_bytes : int
+        Bytes of the recurrent layers' state slab (0 without recurrent layers).
+    num_live_states : int
+        Slab slots holding a resident sequence's live state (one per sequence).
+    num_checkpoints, checkpoint_bytes : int
+        Slab slots holding a prefix checkpoint (a sequence's states at a block boundary),
+        and their bytes; evictable, as cached blocks are.
+    checkpoints_written, checkpoints_hit, checkpoints_evicted : int
+        Checkpoints taken at block boundaries (less those a failed step never wrote),
+        copied into an admitted sequence's live state, and evicted for another slot
+        (cumulative).
     """
 
     num_blocks: int
@@ -92,6 +103,13 @@ class CacheStats:
     blocks_by_kind: tuple[tuple[str, int], ...] = ()
     num_given_back: int = 0
     bytes_given_back: int = 0
+    state_bytes: int = 0
+    num_live_states: int = 0
+    num_checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    checkpoints_written: int = 0
+    checkpoints_hit: int = 0
+    checkpoints_evicted: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -18,7 +18,7 @@ from ..config import CacheConfig
 from ..keys import KEY_BYTES, root_hash
 from .allocator import BlockAllocator
 from .batch import SeqId, StepBatch
-from .groups.admission import plan_groups
+from .groups.admission import plan_groups, row_only
 from .groups.groups import LayerGroup
 from .groups.layout import GroupLayout
 from .page_table import PageTables
@@ -164,8 +164,7 @@ class Admissions:
                                         lookup=plan.root is not None)
         # the row and its hits only, as `add_sequence`: its tokens' blocks come with its
         # step, so it takes no block now and always fits
-        self._commit_admission(plan._replace(count=0, requested=0, revived=0),
-                               "commit_admission()")
+        self._commit_admission(row_only(plan), "commit_admission()")
         return plan.num_hit
 
     def _plan_admission(self, what: str, seq_id: SeqId, tokens: np.ndarray | None,
@@ -193,10 +192,11 @@ class Admissions:
     def _commit_admission(self, plan: Admission, what: str, *, prepare: bool = False,
                           ) -> StepBatch | None:
         """Check an admission's plan, then commit its row (and, with `prepare`, its next
-        tokens' step)."""
+        tokens' step); a layout's groups check their own part first (the state slots of
+        recurrent layers)."""
         self._planner.check(plan, what, root=plan.root)
         if self._layout is not None:
-            batch = self._layout.commit_admission(plan, prepare)
+            batch = self._layout.commit_admission(plan, prepare, what)
         else:
             batch = self._committer.admit(plan) if prepare else self._committer.add_row(plan)
         self._after_mutation()

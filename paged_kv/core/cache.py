@@ -5,7 +5,9 @@
     KVPool          the one preallocated K/V tensor (and the host pool's tensor)
     LayerGroup      one per group of same-kind layers (`paged_kv.core.groups`): its
                     PageTables, its SwapSpace (host block ids, swapped-out sequences) and
-                    its kind's rules; a uniform model's cache has one
+                    its kind's rules; a uniform model's cache has one; the recurrent
+                    layers' StateGroup holds the state slab (a live slot per sequence,
+                    prefix checkpoints) instead of blocks
     paged_kv.core.step   a step's (or an admission's) parse -> plan -> check -> commit over
                     the owners: StepPlanner reads them, StepCommitter changes them
 
@@ -41,6 +43,7 @@ from ..config import CacheConfig
 from ..errors import InvariantError, OutOfBlocksError, PagedKVError
 from ..kernels.quant import raw
 from ..keys import BlockEvent, root_hash
+from ..tenants import eviction_for
 from .accounting import CacheStats, compute_stats
 from .admission import Admissions
 from .allocator import BlockAllocator
@@ -91,11 +94,13 @@ class PagedKVCache(Admissions, LayerAccess):
         self.config = config
         self._allocator = BlockAllocator(config.num_blocks,
                                          enable_prefix_caching=config.enable_prefix_caching,
-                                         tenants=config.tenants)
-        # a block spans one group's layers: the pool has a plane per layer of a group
+                                         eviction=eviction_for(config.tenants,
+                                                               config.num_blocks))
+        # a block spans one group's layers: the pool has a plane per layer of a group (the
+        # recurrent layers' states are the state group's slab, not planes)
         self._pool = KVPool(dataclasses.replace(config, num_layers=config.group_size,
-                                                layer_kinds=()) if config.layer_kinds
-                            else config)
+                                                layer_kinds=(), num_state_slots=0)
+                            if config.layer_kinds else config)
         self._groups = build_groups(config, self._allocator, self._pool, compiled)
         leader = self._groups[0]
         self._tables, self._planner, self._committer, self._swap = (
@@ -141,9 +146,13 @@ class PagedKVCache(Admissions, LayerAccess):
     # -- sequence lifecycle ---------------------------------------------------------------
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share all of `parent`'s blocks; the first write into a shared,
-        partly filled block copies it (copy-on-write)."""
+        partly filled block copies it (copy-on-write). A recurrent state is copied into a
+        slot of the child's own (`OutOfBlocksError` naming state slots when none is
+        obtainable; nothing changed)."""
         require_resident(self._tables, "fork()", parent)
         require_new(self._tables, "fork()", child)
+        for group in self._groups:
+            group.check_fork(parent, "fork()")
         for group in self._groups:
             group.fork(self._allocator, parent, child)
         self._after_mutation()
@@ -159,6 +168,12 @@ class PagedKVCache(Admissions, LayerAccess):
         With ``unwritten=True`` the K/V past `num_tokens` was never written (a failed step
         planned it): those blocks first leave the prefix index, so neither a later prompt
         nor a lower tier ever finds them.
+
+        With recurrent layers the live state after `num_tokens` is restored from a state
+        checkpoint there (zeros at 0); another length is refused (ValueError), except with
+        ``unwritten=True``: the failed step's checkpoints leave the index, and a state that
+        cannot be restored is marked lost (its next step or fork raises `PagedKVError`:
+        free it and admit it again).
         """
         require_truncatable(self._tables, seq_id, num_tokens)
         if self._layout is not None:  # checks every group first, then cuts all but the leader
@@ -425,12 +440,22 @@ class PagedKVCache(Admissions, LayerAccess):
         if self._layout is None:
             return layer, batch_or_seq_ids, self._tables
         index, plane = self._plane[layer]
+        if self.config.kind_of(layer).is_recurrent:
+            raise ValueError(f"layer {layer} is recurrent: it keeps a state, not K/V pages "
+                             f"(states, read_states, write_states)")
         if isinstance(batch_or_seq_ids, StepBatch):
             if len(batch_or_seq_ids.groups) != len(self._groups):
                 raise ValueError("batch: not a StepBatch this cache's prepare() returned "
                                  "(it has no batch per layer group)")
             batch_or_seq_ids = batch_or_seq_ids.groups[index]
         return plane, batch_or_seq_ids, self._groups[index].tables
+
+    def _state_group(self, layer: int, what: str) -> LayerGroup:
+        """The group holding recurrent layer `layer`'s states (ValueError for another)."""
+        if not self.config.kind_of(layer).is_recurrent:
+            raise ValueError(f"{what}: layer {layer} is {self.config.kind_of(layer)} "
+                             f"attention: it keeps K/V pages, not a recurrent state")
+        return self._groups[self._plane[layer][0]]
 
     # -- validation helpers ---------------------------------------------------------------
     def _after_mutation(self) -> None:
@@ -450,6 +475,6 @@ def snapshot(cache: PagedKVCache) -> tuple:
         pool.kv, pool.host, pool.scales, pool.host_scales))
     host = None if cache._swap is None else cache._swap.snapshot()
     # a hybrid layout's every layer group: its rows, and the blocks its window gave back
-    groups = tuple((g.tables.snapshot(), g.released.tobytes())
-                   for g in cache.groups)
+    # (the state group's slots and slab too)
+    groups = tuple(g.snapshot() for g in cache.groups)
     return cache.allocator.snapshot(), cache.tables.snapshot(), host, tensors, groups

@@ -1,13 +1,17 @@
 """`LayerAccess`: the worker side of the cache — a layer's K/V written into its slots,
-read back contiguous, or attended to from the pages.
+read back contiguous, or attended to from the pages; a recurrent layer's states read and
+written in the state slab.
 
 A mixin of `PagedKVCache`: every method reads the step's `StepBatch` (or resident
 sequences) and the pool, and changes no owner; where a layer's pages are (its pool plane,
 and the block tables of its layer group) is `_pages`'s answer, which a layout with several
-layer groups overrides.
+layer groups overrides, and where a recurrent layer's states are is `_state_group`'s.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -148,6 +152,81 @@ class LayerAccess:
                                        else self._workspace_for(batch),
                                        **self._scales_of(plane),
                                        **attention_kind(self.config, layer, sinks, softcap))
+
+    # -- recurrent states ------------------------------------------------------------------
+    def states(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The state slab's tensors of recurrent layer `layer`: ``[num_state_slots,
+        *spec.shape]`` each, in the order of its `LayerKind.states`, indexed by the slots a
+        step's `paged_kv.core.groups.state.StateBatch` names (a kernel reads and writes
+        them in place; see `read_states` and `write_states`)."""
+        require_layer(self.config, "states()", layer)
+        return self._state_group(layer, "states()").slab.tensors(layer)
+
+    def read_states(self, layer: int, batch: StepBatch) -> tuple[torch.Tensor, ...]:
+        """The step's initial states of recurrent layer `layer`: a copy of each row's live
+        state, ``[B, *spec.shape]`` per spec (the rows in the step's order).
+
+        Examples
+        --------
+        >>> from paged_kv import CacheConfig, LayerKind, PagedKVCache
+        >>> from paged_kv.config import StateSpec
+        >>> ssm = LayerKind.recurrent((StateSpec("ssm", (2, 3), torch.float32),))
+        >>> cache = PagedKVCache(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8, num_state_slots=4,
+        ...                                  layer_kinds=(LayerKind(), ssm)))
+        >>> _, batch = cache.admit("a", [1, 2, 3, 4, 5])
+        >>> (state,) = cache.read_states(1, batch)  # a new sequence starts from zeros
+        >>> state.shape, bool(state.any())
+        (torch.Size([1, 2, 3]), False)
+        >>> state_batch = batch.groups[1]  # the state after token 3 is saved (block 0)
+        >>> state_batch.emit_tokens.tolist(), state_batch.num_emitted
+        ([3], 1)
+        >>> cache.write_states(1, batch, (torch.ones(1, 2, 3),), (torch.ones(1, 2, 3),))
+        """
+        require_layer(self.config, "read_states()", layer)
+        self._require_batch("read_states()", batch)
+        group = self._state_group(layer, "read_states()")
+        return group.slab.read(layer, group.batch_of(batch, "read_states()").slots)
+
+    def write_states(self, layer: int, batch: StepBatch, final: Sequence[torch.Tensor],
+                     emitted: Sequence[torch.Tensor] | None = None) -> None:
+        """Write the step's states of recurrent layer `layer`: each row's final states into
+        its live slot, and the states after the batch's ``emit_tokens`` into their
+        checkpoint slots. Every tensor is checked before any is written.
+
+        Parameters
+        ----------
+        final : sequence of torch.Tensor
+            One per spec of the layer, ``[B, *spec.shape]`` of ``spec.dtype`` on the cache's
+            device, in the step's row order.
+        emitted : sequence of torch.Tensor, optional
+            One per spec, ``[E, *spec.shape]``, ``E`` the batch's ``num_emitted``; None only
+            when it is 0.
+
+        Mutates
+        -------
+        The slab's live slots of the step's rows, and its checkpoint slots named by the
+        batch (``emit_slots``).
+        """
+        what = "write_states()"
+        require_layer(self.config, what, layer)
+        self._require_batch(what, batch)
+        group = self._state_group(layer, what)
+        states, slab = group.batch_of(batch, what), group.slab
+        slab.check_states(f"{what}: final", layer, final, states.batch_size)
+        if emitted is None and states.num_emitted:
+            raise ValueError(f"{what}: emitted: the batch saves {states.num_emitted} state "
+                             f"checkpoints (its emit_tokens): expected their states, got None")
+        if emitted is not None:
+            slab.check_states(f"{what}: emitted", layer, emitted, states.num_emitted)
+        slab.write(layer, states.slots, final)
+        if states.num_emitted:
+            slab.write(layer, states.emit_slots, emitted)
+
+    def _state_group(self, layer: int, what: str) -> Any:
+        """The layer group holding recurrent layer `layer`'s states (the cache's answer;
+        a `paged_kv.core.groups.state_group.StateGroup`)."""
+        raise NotImplementedError
 
     def _pages(self, layer: int, batch_or_seq_ids: BatchOrSeqIds,
                ) -> tuple[int, BatchOrSeqIds, PageTables]:

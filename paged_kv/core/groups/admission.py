@@ -7,6 +7,9 @@ for the longest hit it accepts (`LayerGroup.accepted_hit`: all blocks for full a
 blocks the window or chunk still reads for the others), and the hit shrinks until all
 agree (vLLM's hybrid coordinator: one pass per shrink, and a full group is downward
 closed). A window group's row then starts with the null block where its window has left.
+A recurrent state group accepts a hit only where it holds a state checkpoint (or at 0),
+so a hit is never served without its state. Each group answers through its own methods
+(`LayerGroup.lookup`, `accepted_hit`, `hits_at`, `add_row`, ...).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import numpy as np
 
 from ...keys import TOKEN_BYTES
 from ..allocator import BlockAllocator
-from ..step.commit import admission_batch
 from ..step.plan import Admission
 from .groups import LayerGroup, filled_blocks
 from .rules import group_key
@@ -31,7 +33,9 @@ class HybridAdmission(NamedTuple):
     leader : Admission
         The leading group's plan, cut to the agreed hit.
     group_hits : tuple of list of int
-        For each other group, its block at every column of the hit (0 = given back).
+        For each other group, its part of the hit (`LayerGroup.hits_at`): an attention
+        group's block at every column (0 = given back); the state group's checkpoint slot
+        at the hit's end (none for a hit of 0).
     requested, revived : int
         Over all groups.
     """
@@ -85,21 +89,33 @@ class HybridAdmission(NamedTuple):
         return parent, keys, np.concatenate(parts)
 
 
+def row_only(plan: Admission | HybridAdmission) -> Admission | HybridAdmission:
+    """`plan` preparing no token: its row and hits alone, which take no block (what
+    `PagedKVCache.commit_admission` adds; a hybrid plan's count is its leader's)."""
+    if isinstance(plan, HybridAdmission):
+        return plan._replace(leader=row_only(plan.leader), requested=0, revived=0)
+    return plan._replace(count=0, requested=0, revived=0)
+
+
 def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admission,
                 block_size: int, max_tokens: int | None) -> HybridAdmission:
     """The admission of `plan` (the leading group's) over every group; changes nothing."""
     width = block_size * TOKEN_BYTES
     found: list[dict[int, int | None]] = [{} for _ in groups]
 
-    def cached_in(group: LayerGroup):
+    def found_in(group: LayerGroup):
         memo = found[group.index]
 
-        def cached(column: int) -> bool:
+        def find(column: int) -> int | None:
             if column not in memo:
-                memo[column] = allocator.lookup(group_key(plan.keys[column], group.index),
-                                                plan.data[column * width:(column + 1) * width])
-            return memo[column] is not None
-        return cached
+                memo[column] = group.lookup(allocator, plan.keys[column],
+                                            plan.data[column * width:(column + 1) * width])
+            return memo[column]
+        return find
+
+    def cached_in(group: LayerGroup):
+        find = found_in(group)
+        return lambda column: find(column) is not None
 
     # a full leading group's lookup is its leading run; a window one (every layer a window)
     # is asked like the others, right to left from the prompt's last full block
@@ -115,18 +131,16 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
             break
         end = agreed
 
-    def hits_of(group: LayerGroup) -> list[int]:
-        first = group.skipped_blocks(end * block_size) if end else 0
-        return [0] * first + [found[group.index][column] for column in range(first, end)]
-
     leader = plan
     if window_led:
-        leader = _cut(plan, hits_of(groups[0]), block_size, max_tokens, allocator)
+        leader = _cut(plan, groups[0].hits_at(end, found_in(groups[0])), block_size,
+                      max_tokens, allocator)
     elif end < len(plan.hits):
         leader = _cut(plan, plan.hits[:end], block_size, max_tokens, allocator)
-    group_hits = tuple(hits_of(group) for group in groups[1:])
-    revived = leader.revived + (sum(allocator.count_cached([b for b in hits if b])
-                                    for hits in group_hits) if leader.count else 0)
+    group_hits = tuple(group.hits_at(end, found_in(group)) for group in groups[1:])
+    revived = leader.revived + (sum(group.revived(allocator, hits) for group, hits
+                                    in zip(groups[1:], group_hits, strict=True))
+                                if leader.count else 0)
     return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived,
                            tuple(groups))
 
@@ -150,10 +164,9 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
     """Commit a checked `HybridAdmission`: every group's row, and with `prepare` the
     batches of its next tokens (one per group). The hits of every group are shared first,
     so no group's allocation can evict a block another group is about to take."""
-    leader_plan, block_size = plan.leader, groups[0].tables.block_size
-    for hits in plan.group_hits:
-        if any(hits):
-            allocator.share([block for block in hits if block])
+    leader_plan = plan.leader
+    for group, hits in zip(groups[1:], plan.group_hits, strict=True):
+        group.share_hits(allocator, hits)
     leader = groups[0]
     first = leader.committer.admit(leader_plan) if prepare else None
     if not prepare:
@@ -161,26 +174,14 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
     row = leader.tables.row_of[leader_plan.seq_id]
     leader.released_of(np.array([row]))
     leader.released[row] = leader_plan.hits.count(0)  # a window leader's given-back columns
-    count = leader_plan.count if prepare else 0
-    end, num_new = leader_plan.num_hit + count, (leader_plan.requested if prepare else 0)
-    batches = [first]
-    tokens = None if leader_plan.tokens is None else leader_plan.tokens[:end]
-    for group, hits in zip(groups[1:], plan.group_hits, strict=True):
-        assert group.tables.add(leader_plan.seq_id) == row, "layer groups' rows diverged"
-        new = (allocator.allocate(num_new, leader_plan.root) if num_new
-               else np.empty(0, dtype=np.int64))
-        ids = np.concatenate((np.array(hits, dtype=np.int64), new))
-        if ids.size:
-            group.tables.extend_row(row, 0, end, ids, tokens)
-        group.released_of(np.array([row]))
-        group.released[row] = hits.count(0)
-        if prepare:
-            batches.append(admission_batch(leader_plan.seq_id, ids, end, count, new,
-                                           block_size, device))
+    filled = []
     if prepare and leader.planner.indexing and len(groups) > 1:
         # its prompt's blocks that filled, under the leader's keys
         filled = filled_blocks(allocator, leader.tables, np.array([row]),
                                np.array([leader_plan.num_hit]), [leader_plan.chain])
-        for group in groups[1:]:
-            group.mirror(allocator, filled)
-    return tuple(batches) if prepare else ()
+    batches = (first, *(group.add_row(allocator, leader_plan, hits, row, prepare, filled,
+                                      device)
+                        for group, hits in zip(groups[1:], plan.group_hits, strict=True)))
+    for group in groups[1:]:
+        group.mirror(allocator, filled)
+    return batches if prepare else ()

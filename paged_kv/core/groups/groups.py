@@ -17,15 +17,22 @@ from typing import ClassVar
 import numpy as np
 
 from ...config import CacheConfig, LayerKind
+from ...errors import ensure
 from ...keys import encode_tokens
+from ..accounting import CacheStats, empty_slots_per_block
 from ..allocator import BlockAllocator
-from ..batch import SeqId
+from ..batch import SeqId, StepBatch
 from ..page_table import PageTables
 from ..pool import KVPool
-from ..step.commit import StepCommitter
-from ..step.plan import StepPlanner
+from ..step.commit import StepCommitter, admission_batch
+from ..step.parse import Step
+from ..step.plan import Admission, StepPlan, StepPlanner
+from ..step.prefix import forget_unwritten
 from ..swap import SwapSpace
 from .rules import group_key
+
+# a leading group's block that filled in a step: (row, column, key, parent key, token bytes)
+Filled = tuple[int, int, bytes, bytes, bytes]
 
 
 @dataclasses.dataclass
@@ -34,6 +41,12 @@ class LayerGroup:
     cache is one full-attention group. A subclass per layer kind
     (`paged_kv.core.groups.kinds`) says what its rows give back (`skipped_tokens`) and so
     which blocks a prefix hit needs (`accepted_hit`); the rest is shared.
+
+    `GroupLayout` and the admission (`paged_kv.core.groups.admission`) do a group's part of
+    every operation through its methods (`plan_step`, `commit_step`, `add_row`,
+    `truncate`, `block_counts`, `check_rows`, ...), whose defaults here are the attention
+    kinds' (block tables over the shared pool); a kind that keeps something else (the
+    recurrent state group, `paged_kv.core.groups.state_group`) overrides them.
 
     Attributes
     ----------
@@ -64,8 +77,10 @@ class LayerGroup:
     @classmethod
     def build(cls, index: int, kind: LayerKind, layers: tuple[int, ...], config: CacheConfig,
               allocator: BlockAllocator, pool: KVPool, compiled: bool | None,
-              host_allocator: BlockAllocator | None) -> LayerGroup:
-        """A group over the shared allocator and pool (and host pool, when there is one)."""
+              host_allocator: BlockAllocator | None, leader: LayerGroup | None = None,
+              ) -> LayerGroup:
+        """A group over the shared allocator and pool (and host pool, when there is one);
+        `leader` is the leading group (None for it), which an attention group never reads."""
         own = (config if index == 0 or not config.enable_prefix_caching  # only group 0 hashes
                else dataclasses.replace(config, enable_prefix_caching=False))
         tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
@@ -106,7 +121,70 @@ class LayerGroup:
             end = missing  # every longer hit below `end` needs that block too
         return 0
 
+    # -- an admission (`paged_kv.core.groups.admission`) ----------------------------------
+    def lookup(self, allocator: BlockAllocator, key: bytes, data: bytes) -> int | None:
+        """What the group holds cached at the leading group's block `key` (of token bytes
+        `data`): its cached block under its `group_key`, or None."""
+        return allocator.lookup(group_key(key, self.index), data)
+
+    def hits_at(self, end: int, found: Callable[[int], int | None]) -> list[int]:
+        """The group's part of an agreed hit of `end` blocks: its block at every column (0
+        where its rows give blocks back), `found(column)` being what `lookup` found."""
+        first = self.skipped_blocks(end * self.tables.block_size) if end else 0
+        return [0] * first + [found(column) for column in range(first, end)]
+
+    def revived(self, allocator: BlockAllocator, hits: list[int]) -> int:
+        """Cached blocks that taking `hits` moves out of the obtainable ones."""
+        return allocator.count_cached([block for block in hits if block])
+
+    def share_hits(self, allocator: BlockAllocator, hits: list[int]) -> None:
+        """Own `hits` (before any group allocates, so none is evicted meanwhile)."""
+        if any(hits):
+            allocator.share([block for block in hits if block])
+
+    def check_admission(self, hits: list[int], what: str) -> None:
+        """Raise, changing nothing, unless the group can add a row with `hits` now; an
+        attention group's blocks are `check_capacity`'s, so nothing here."""
+
+    def add_row(self, allocator: BlockAllocator, plan: Admission, hits: list[int], row: int,
+                prepare: bool, filled: list[Filled], device) -> StepBatch | None:
+        """Add the admitted sequence's row (at `row`, the leading group's) with `hits`,
+        then with `prepare` the blocks of its next ``plan.count`` tokens; their batch.
+        `filled`: the leading group's blocks that filled (attention groups index theirs
+        in `mirror`)."""
+        ensure(self.tables.add(plan.seq_id) == row, "layer groups' rows diverged")
+        count = plan.count if prepare else 0
+        end, num_new = plan.num_hit + count, (plan.requested if prepare else 0)
+        new = allocator.allocate(num_new, plan.root) if num_new else np.empty(0, dtype=np.int64)
+        ids = np.concatenate((np.array(hits, dtype=np.int64), new))
+        if ids.size:
+            self.tables.extend_row(row, 0, end, ids,
+                                   None if plan.tokens is None else plan.tokens[:end])
+        self.released_of(np.array([row]))
+        self.released[row] = hits.count(0)
+        if not prepare:
+            return None
+        return admission_batch(plan.seq_id, ids, end, count, new, self.tables.block_size,
+                               device)
+
+    # -- a step (`GroupLayout.step`) --------------------------------------------------------
+    def plan_step(self, step: Step, decode: bool | None) -> StepPlan:
+        """The plan of the group's blocks for `step` (changes nothing)."""
+        return self.planner.plan(step, decode=decode)
+
+    def commit_step(self, plan: StepPlan, filled: list[Filled]) -> StepBatch:
+        """Commit a checked plan into the group's rows; the group's batch. `filled`: the
+        leading group's blocks that filled in the step (see `add_row`)."""
+        return self.committer.commit(plan)
+
+    def needed_per_row(self, step: Step) -> np.ndarray:
+        """``[B]`` blocks each row of `step` takes in the group (before any give-back)."""
+        return self.planner.plan(step, fast=False).per_sequence()
+
     # -- the lifecycle every kind shares ---------------------------------------------------
+    def check_fork(self, parent: SeqId, what: str) -> None:
+        """Raise, changing nothing, unless `parent` can be forked now (a fork shares
+        blocks: nothing to check for an attention group)."""
     def fork(self, allocator: BlockAllocator, parent: SeqId, child: SeqId) -> None:
         """`child`'s row shares all of `parent`'s blocks, and what it gave back."""
         row = self.tables.fork(parent, child)
@@ -130,6 +208,65 @@ class LayerGroup:
     def can_truncate(self, row: int, num_tokens: int) -> bool:
         """Whether the row still holds every block a query after `num_tokens` reads."""
         return self.released_of(np.array([row]))[0] <= self.skipped_blocks(num_tokens)
+
+    def check_truncate(self, allocator: BlockAllocator, seq_id: SeqId, num_tokens: int,
+                       unwritten: bool) -> None:
+        """Raise ValueError, changing nothing, unless `seq_id` can keep `num_tokens`."""
+        if not self.can_truncate(self.tables.row_of[seq_id], num_tokens):
+            raise ValueError(f"truncate(): {seq_id!r}'s {self.kind} layers gave back the "
+                             f"blocks a query after {num_tokens} tokens reads")
+
+    def truncate(self, allocator: BlockAllocator, seq_id: SeqId, num_tokens: int,
+                 unwritten: bool) -> None:
+        """Cut a checked row of a group after the leading one to `num_tokens` (`unwritten`:
+        its blocks past them leave the prefix index first)."""
+        if unwritten:
+            forget_unwritten(allocator, self.tables, seq_id, num_tokens, self.tables.block_size)
+        allocator.free(self.tables.truncate(seq_id, num_tokens, None), unique=True)
+
+    def check_swap(self, what: str) -> None:
+        """Raise, changing nothing, unless the group's rows can move to the host pool."""
+
+    # -- accounting and checking -----------------------------------------------------------
+    def block_counts(self, block_size: int) -> tuple[int, int, int] | None:
+        """Blocks of swapped rows (host), empty slots in resident rows' last blocks, and
+        blocks resident rows hold (less those given back); None for a group holding none."""
+        tables = self.tables
+        rows = tables.rows()
+        out, rows = rows[tables.swapped[rows]], rows[~tables.swapped[rows]]
+        swapped = sum(int(np.count_nonzero(tables.block_ids[row, :tables.num_blocks[row]]))
+                      for row in out.tolist())
+        empty = sum(empty_slots_per_block(tables.block_ids[rows], tables.num_blocks[rows],
+                                          tables.num_tokens[rows], block_size).values())
+        held = int(tables.num_blocks[rows].sum() - self.released_of(rows).sum())
+        return swapped, empty, held
+
+    def stat_fields(self, stats: CacheStats) -> dict:
+        """`CacheStats` fields the group sets beyond the blocks (none for attention)."""
+        return {}
+
+    def check_rows(self, leader: PageTables, num_blocks: int) -> np.ndarray:
+        """Check the group's rows against the leading group's (same sequences, same
+        lengths) and its own invariants; returns ``[num_blocks]`` owners of each block."""
+        tables = self.tables
+        ensure(tables.row_of == leader.row_of, f"group {self.index}'s rows diverged")
+        rows = leader.rows()
+        ensure(np.array_equal(tables.num_tokens[rows], leader.num_tokens[rows]),
+               f"group {self.index}'s token counts diverged")
+        tables.check(null_prefix=self.released_of(np.arange(tables.num_tokens.size)))
+        return tables.owners(num_blocks)
+
+    def host_owners(self, num_host_blocks: int) -> np.ndarray:
+        """``[num_host_blocks]`` owners of each host block among the swapped rows."""
+        return self.tables.owners(num_host_blocks, swapped=True)
+
+    def check_host(self, host: np.ndarray) -> None:
+        """Check the group's swap space against `host`, every group's host owners."""
+        self.swap.check(host.copy())
+
+    def snapshot(self) -> tuple:
+        """Comparable copy of the group's rows (for tests of rejected calls)."""
+        return self.tables.snapshot(), self.released.tobytes()
 
     def released_of(self, rows: np.ndarray) -> np.ndarray:
         """``[B]`` leading columns given back by each of `rows` (grown with the tables)."""
@@ -169,8 +306,7 @@ class LayerGroup:
         allocator.free(ids)  # two forked rows may give back one block: one owner each
         return int(ids.size)
 
-    def mirror(self, allocator: BlockAllocator,
-               filled: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
+    def mirror(self, allocator: BlockAllocator, filled: list[Filled]) -> None:
         """Index this group's blocks at the columns `filled_blocks` found under the keys
         the leading group gave its blocks there (`group_key`): one hash per block of the
         prompt, for every group."""
@@ -182,7 +318,7 @@ class LayerGroup:
 
 def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,
                   old_lens: np.ndarray, chains: list[bytes | None] | None = None,
-                  ) -> list[tuple[int, int, bytes, bytes, bytes]]:
+                  ) -> list[Filled]:
     """The leading group's blocks of `rows` that filled since `old_lens` and are indexed:
     ``(row, column, key, parent key, token bytes)`` each, found once a step for every other
     group to `LayerGroup.mirror`.

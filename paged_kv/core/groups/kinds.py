@@ -17,6 +17,7 @@ from ...config import CacheConfig
 from ..allocator import BlockAllocator
 from ..pool import KVPool
 from .groups import LayerGroup
+from .state_group import StateGroup
 
 
 class FullAttentionGroup(LayerGroup):
@@ -50,17 +51,23 @@ class ChunkedGroup(LayerGroup):
         return num_tokens // self.kind.span * self.kind.span
 
 
-# the group class of each `LayerKind.attention`
+# the group class of each `LayerKind.attention` (a recurrent layer's state group holds a
+# slot of the state slab per row, not blocks: its own module)
 GROUP_OF_ATTENTION: dict[str, type[LayerGroup]] = {
-    "full": FullAttentionGroup, "sliding": SlidingWindowGroup, "chunked": ChunkedGroup}
+    "full": FullAttentionGroup, "sliding": SlidingWindowGroup, "chunked": ChunkedGroup,
+    "recurrent": StateGroup}
 
 
 def build_groups(config: CacheConfig, allocator: BlockAllocator, pool: KVPool,
                  compiled: bool | None) -> tuple[LayerGroup, ...]:
-    """The layer groups of `config` (`CacheConfig.layer_groups`, full attention first),
-    each its kind's class, over one allocator and pool (and one host pool when swapping)."""
+    """The layer groups of `config` (`CacheConfig.layer_groups`, full attention first, the
+    recurrent state group last), each its kind's class, over one allocator and pool (and
+    one host pool when swapping); every group after the first is told the leading one."""
     host = (BlockAllocator(config.num_host_blocks + 1, enable_prefix_caching=False)
             if config.num_host_blocks else None)  # one host pool, every group's ids
-    return tuple(GROUP_OF_ATTENTION[kind.attention].build(index, kind, layers, config,
-                                                          allocator, pool, compiled, host)
-                 for index, (kind, layers) in enumerate(config.layer_groups))
+    groups: list[LayerGroup] = []
+    for index, (kind, layers) in enumerate(config.layer_groups):
+        groups.append(GROUP_OF_ATTENTION[kind.attention].build(
+            index, kind, layers, config, allocator, pool, compiled, host,
+            leader=groups[0] if groups else None))
+    return tuple(groups)

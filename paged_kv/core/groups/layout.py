@@ -12,7 +12,10 @@ later prefix hit), and a prefix hit is the longest every group accepts
 
 `PagedKVCache` holds one when its layout needs it and otherwise runs its single
 full-attention group's fast path itself; it validates every call before it gets here, and
-the capacity check is the step's own (`paged_kv.core.step.plan.check_capacity`).
+the capacity check is the step's own (`paged_kv.core.step.plan.check_capacity`). Each
+group does its part through its own methods (`LayerGroup.plan_step`, `commit_step`,
+`check_rows`, ...), so a kind that holds no blocks (the recurrent state group) plugs in
+without a test of its kind here.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import numpy as np
 
 from ...config import CacheConfig
 from ...errors import OutOfBlocksError, ensure
-from ..accounting import CacheStats, empty_slots_per_block
+from ..accounting import CacheStats
 from ..allocator import BlockAllocator
 from ..batch import SeqId, StepBatch
 from ..step.parse import Step
 from ..step.plan import StepPlan, check_capacity
-from ..step.prefix import forget_unwritten
 from .admission import HybridAdmission, commit_groups
 from .groups import LayerGroup, filled_blocks
 
@@ -45,9 +47,12 @@ class GroupLayout:
         self.given_back = 0  # blocks rows gave back, since the start
 
     # -- admission ------------------------------------------------------------------------
-    def commit_admission(self, plan: HybridAdmission, prepare: bool) -> StepBatch | None:
-        """Commit a checked admission over every group (with `prepare`, its step batch,
-        one batch per group in ``groups``)."""
+    def commit_admission(self, plan: HybridAdmission, prepare: bool,
+                         what: str = "admit()") -> StepBatch | None:
+        """Commit an admission whose blocks were checked, once every group says it can
+        take it (with `prepare`, its step batch, one batch per group in ``groups``)."""
+        for group, hits in zip(self.groups[1:], plan.group_hits, strict=True):
+            group.check_admission(hits, what)
         batches = commit_groups(list(self.groups), self.allocator, plan, prepare,
                                 self.config.device)
         return dataclasses.replace(batches[0], groups=batches) if prepare else None
@@ -55,9 +60,11 @@ class GroupLayout:
     # -- a step ---------------------------------------------------------------------------
     def step(self, step: Step, what: str, decode: bool | None) -> StepBatch:
         """Plan a step in every group, check it (less what the step gives back first),
-        give back, commit, and index other groups' filled blocks under the leader's keys."""
+        give back, commit, and index other groups' filled blocks under the leader's keys
+        (the blocks that filled are found once the leader committed, and every other
+        group's commit is handed them)."""
         rows, allocator, tables = step.rows, self.allocator, self.leader.tables
-        plans = [group.planner.plan(step, decode=decode) for group in self.groups]
+        plans = [group.plan_step(step, decode) for group in self.groups]
         releases = [group.releasable(rows) for group in self.groups]
         credit = sum(int(self.freed(group, *release).sum())
                      for group, release in zip(self.groups, releases, strict=True))
@@ -71,13 +78,13 @@ class GroupLayout:
         for group, (moving, upto) in zip(self.groups, releases, strict=True):
             if moving.size:
                 self.given_back += group.release(allocator, moving, upto)
-        batches = tuple(group.committer.commit(plan) for group, plan in zip(
-            self.groups, plans, strict=True))
-        if mirrored:
-            filled = filled_blocks(allocator, tables, rows, old_lens, chains)
-            for group in self.groups[1:]:
-                group.mirror(allocator, filled)
-        return dataclasses.replace(batches[0], groups=batches)
+        first = self.leader.commit_step(plans[0], [])
+        filled = filled_blocks(allocator, tables, rows, old_lens, chains) if mirrored else []
+        batches = (first, *(group.commit_step(plan, filled) for group, plan in zip(
+            self.groups[1:], plans[1:], strict=True)))
+        for group in self.groups[1:]:
+            group.mirror(allocator, filled)
+        return dataclasses.replace(first, groups=batches)
 
     def freed(self, group: LayerGroup, rows: np.ndarray, upto: np.ndarray) -> np.ndarray:
         """``[len(rows)]`` blocks each row's give-back makes obtainable: those every owner
@@ -93,8 +100,7 @@ class GroupLayout:
     def num_blocks_needed(self, step: Step) -> np.ndarray:
         """``[B]`` blocks each row of `step` takes in every group, less what its
         give-back returns first."""
-        need = sum(group.planner.plan(step, fast=False).per_sequence()
-                   for group in self.groups)
+        need = sum(group.needed_per_row(step) for group in self.groups)
         position = None
         for group in self.groups:
             moving, upto = group.releasable(step.rows)
@@ -108,20 +114,16 @@ class GroupLayout:
     def truncate_others(self, seq_id: SeqId, num_tokens: int, unwritten: bool) -> None:
         """Check every group still holds what a query after `num_tokens` reads, then cut
         the rows of the groups after the leader (the leader's row is the cache's)."""
-        row = self.leader.tables.row_of[seq_id]
         for group in self.groups:
-            if not group.can_truncate(row, num_tokens):
-                raise ValueError(f"truncate(): {seq_id!r}'s {group.kind} layers gave back "
-                                 f"the blocks a query after {num_tokens} tokens reads")
+            group.check_truncate(self.allocator, seq_id, num_tokens, unwritten)
         for group in self.groups[1:]:
-            if unwritten:
-                forget_unwritten(self.allocator, group.tables, seq_id, num_tokens,
-                                 self.config.block_size)
-            self.allocator.free(group.tables.truncate(seq_id, num_tokens, None), unique=True)
+            group.truncate(self.allocator, seq_id, num_tokens, unwritten)
 
     def swap(self, seq_id: SeqId, what: str, *, out: bool) -> None:
         """Move every group's blocks of `seq_id` to the host pool or back (all or nothing;
         the caller checked the sequence and the host pool)."""
+        for group in self.groups:
+            group.check_swap(what)
         swap = self.leader.swap
         rows = np.array([self.leader.tables.row_of[seq_id]])
         # what no later query reads leaves before the swap-out, as it would before the
@@ -145,24 +147,23 @@ class GroupLayout:
     def stats(self, base: CacheStats) -> CacheStats:
         """`base` (the leading group's stats) with live blocks by layer kind and the blocks
         rows gave back; empty slots are counted in every group's resident rows, and a
-        swapped sequence's host blocks in every group (not the leading group's alone)."""
+        swapped sequence's host blocks in every group (not the leading group's alone); and
+        what a group that holds no blocks adds (`LayerGroup.stat_fields`: the state slab)."""
         block_size = self.config.block_size
-        empty, by_kind, swapped = 0, {}, 0
+        empty, by_kind, swapped, extra = 0, {}, 0, {}
         for group in self.groups:
-            tables = group.tables
-            rows = tables.rows()
-            out, rows = rows[tables.swapped[rows]], rows[~tables.swapped[rows]]
-            swapped += sum(int(np.count_nonzero(tables.block_ids[row, :tables.num_blocks[row]]))
-                           for row in out.tolist())
-            empty += sum(empty_slots_per_block(tables.block_ids[rows], tables.num_blocks[rows],
-                                               tables.num_tokens[rows], block_size).values())
-            held = int(tables.num_blocks[rows].sum() - group.released_of(rows).sum())
-            by_kind[str(group.kind)] = by_kind.get(str(group.kind), 0) + held
+            counts = group.block_counts(block_size)
+            extra.update(group.stat_fields(base))
+            if counts is None:
+                continue
+            swapped += counts[0]
+            empty += counts[1]
+            by_kind[str(group.kind)] = by_kind.get(str(group.kind), 0) + counts[2]
         return dataclasses.replace(
             base, num_empty_slots=empty, num_live_tokens=base.num_live_blocks * block_size
             - empty, num_swapped_blocks=swapped, blocks_by_kind=tuple(by_kind.items()),
             num_given_back=self.given_back,
-            bytes_given_back=self.given_back * self.config.bytes_per_block)
+            bytes_given_back=self.given_back * self.config.bytes_per_block, **extra)
 
     def check(self) -> None:
         """Every group's rows (nulls only where its kind gave blocks back), the same
@@ -170,17 +171,11 @@ class GroupLayout:
         over groups."""
         leader, owners = self.leader.tables, np.zeros(self.config.num_blocks, dtype=np.int64)
         for group in self.groups:
-            tables = group.tables
-            ensure(tables.row_of == leader.row_of, f"group {group.index}'s rows diverged")
-            rows = leader.rows()
-            ensure(np.array_equal(tables.num_tokens[rows], leader.num_tokens[rows]),
-                   f"group {group.index}'s token counts diverged")
-            tables.check(null_prefix=group.released_of(np.arange(tables.num_tokens.size)))
-            owners += tables.owners(self.config.num_blocks)
+            owners += group.check_rows(leader, self.config.num_blocks)
         owners[0] = 0
         self.allocator.check_invariants(owners)
         if self.leader.swap is not None:
-            host = sum(group.tables.owners(self.config.num_host_blocks + 1, swapped=True)
+            host = sum(group.host_owners(self.config.num_host_blocks + 1)
                        for group in self.groups)
             for group in self.groups:
-                group.swap.check(host.copy())
+                group.check_host(host)

@@ -1,0 +1,356 @@
+"""The state slab and its slots: where recurrent layers keep their states, beside the pool.
+
+A recurrent layer keeps a fixed-size state per sequence (`paged_kv.config.StateSpec`: a
+convolution window, an SSM or delta-rule state), not K/V per token. The cache keeps them
+in a slab of state-sized slots allocated once beside the block pool: per recurrent layer
+and per state one tensor ``[num_state_slots, *spec.shape]``, so slot ``s`` of every one of
+them is one sequence's states (kernels index the states by slot, as vLLM's and SGLang's
+do). A slot is in exactly one state:
+
+- *free*;
+- *live*: a resident sequence's state, read and written by each of its steps;
+- *checkpoint*: a copy of a sequence's states at a block boundary, indexed under that
+  block's group key (`paged_kv.core.groups.rules.group_key`), so a later prompt that
+  shares the prefix to that boundary starts from it (copied into its own live slot).
+  A checkpoint is *pending* from the commit that takes it until the forward that writes
+  it is known to have run (the taking row's next step, or its removal): a pending one is
+  neither served nor evicted. A written one is evictable: `CheckpointPolicy` chooses
+  which goes when a slot is wanted.
+
+`StateSlots` keeps that bookkeeping (ints, never tensors), `StateSlab` the tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..._checks import check_tensor
+from ...config import StateSpec
+from ...errors import OutOfBlocksError, PagedKVError, ensure
+
+
+class OutOfStateSlotsError(OutOfBlocksError):
+    """A call needed more state slots than the slab can give; nothing was changed (an
+    `OutOfBlocksError`, so a scheduler that backs off on one backs off on both)."""
+
+    def __init__(self, requested: int, free: int, what: str) -> None:
+        self.requested, self.free = requested, free
+        PagedKVError.__init__(
+            self, f"{what}: out of state slots: requested {requested}, only {free} "
+                  f"obtainable (free + evictable checkpoints); free finished sequences, "
+                  f"preempt one, or raise num_state_slots")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBatch:
+    """A step's recurrent-state entry in ``StepBatch.groups`` (at the state group's index).
+
+    Attributes
+    ----------
+    slots : torch.Tensor
+        ``[B]`` int64 live slot of each row, in the step's row order: a layer reads its
+        initial states there and writes its final states back.
+    emit_tokens : torch.Tensor
+        ``[E]`` int64 index, in the step's packed token order, of each token after which a
+        checkpoint is saved (the last token of a block that filled in the step).
+    emit_slots : torch.Tensor
+        ``[E]`` int64 the checkpoint slot each of those states goes to.
+    """
+
+    slots: torch.Tensor
+    emit_tokens: torch.Tensor
+    emit_slots: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the step."""
+        return self.slots.shape[0]
+
+    @property
+    def num_emitted(self) -> int:
+        """States the step saves as checkpoints (``E``)."""
+        return self.emit_slots.shape[0]
+
+
+class CheckpointPolicy:
+    """Which written checkpoint goes first when a slot is wanted: the least valuable one,
+    its value the tokens of prefill it saves (its position), ties least recently used
+    (added or served) first. A heap with lazy deletion: O(log n) a choice.
+
+    The one place the policy lives: `StateSlots` calls `add`, `touch`, `remove`, `victim`
+    and `admits` only, so a Marconi-style policy (FLOPs saved per byte, admission at a
+    shared prefix's junction) replaces this class alone.
+    """
+
+    def __init__(self) -> None:
+        self._rank: dict[int, tuple[int, int]] = {}  # slot -> (value, last use)
+        self._heap: list[tuple[int, int, int]] = []  # (value, last use, slot), some stale
+        self._clock = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._rank
+
+    def add(self, slot: int, value: int) -> None:
+        """Make `slot`, a written checkpoint worth `value` tokens, evictable."""
+        rank = (value, next(self._clock))
+        self._rank[slot] = rank
+        heapq.heappush(self._heap, (*rank, slot))
+        if len(self._heap) > 2 * len(self._rank) + 64:  # drop the stale entries
+            self._heap = [(*rank, s) for s, rank in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def touch(self, slot: int) -> None:
+        """`slot` was served: it is now the most recently used of its value."""
+        self.add(slot, self._rank[slot][0])
+
+    def remove(self, slot: int) -> None:
+        """`slot` is no checkpoint any more."""
+        del self._rank[slot]
+
+    def victim(self, exclude: int | None = None) -> int | None:
+        """The checkpoint to evict first (never `exclude`), or None when there is none."""
+        heap, held, found = self._heap, [], None
+        while heap:
+            value, used, slot = heap[0]
+            if self._rank.get(slot) != (value, used):
+                heapq.heappop(heap)  # stale: removed, or touched since
+            elif slot == exclude:
+                held.append(heapq.heappop(heap))
+            else:
+                found = slot
+                break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
+
+    def admits(self, value: int, victim: int) -> bool:
+        """Whether a new checkpoint worth `value` ranks above `victim` (so `victim` may go
+        for it): more valuable, or as valuable and newer."""
+        return self._rank[victim][0] <= value
+
+
+class StateSlots:
+    """Which slot of the state slab is free, live (a row's) or a checkpoint (a key's);
+    see the module docstring. Never touches a tensor.
+
+    Parameters
+    ----------
+    num_slots : int
+        Slots in the slab (`CacheConfig.num_state_slots`).
+    policy : CheckpointPolicy, optional
+        Which written checkpoint goes first (default: least valuable, then LRU).
+    """
+
+    def __init__(self, num_slots: int, policy: CheckpointPolicy | None = None) -> None:
+        self.num_slots = num_slots
+        self.policy = CheckpointPolicy() if policy is None else policy
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, ...
+        self._live: dict[int, int] = {}                  # row -> its live slot
+        self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
+        self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
+        self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
+        self.written = self.hits = self.evicted = 0      # checkpoints, since the start
+
+    # -- queries --------------------------------------------------------------------------
+    def live_of(self, rows: Sequence[int]) -> np.ndarray:
+        """``[len(rows)]`` int64 live slot of each row."""
+        return np.fromiter(map(self._live.__getitem__, rows), dtype=np.int64, count=len(rows))
+
+    @property
+    def num_live(self) -> int:
+        """Slots holding a resident sequence's state."""
+        return len(self._live)
+
+    @property
+    def num_checkpoints(self) -> int:
+        """Slots holding a checkpoint (pending ones included)."""
+        return len(self._key_of)
+
+    def obtainable(self, exclude: int | None = None) -> int:
+        """Slots a live state can take now: free, or a written checkpoint evicted (less
+        `exclude`, the checkpoint an admission copies from)."""
+        return len(self._free) + len(self.policy) - (exclude in self.policy)
+
+    def find(self, key: bytes) -> int | None:
+        """The written checkpoint indexed under `key`, or None (a pending one is not
+        served: its forward may not have run)."""
+        slot = self._slot_of.get(key)
+        return slot if slot in self.policy else None
+
+    def position_of(self, slot: int) -> int:
+        """Tokens a checkpoint's state has consumed."""
+        return self._key_of[slot][1]
+
+    # -- mutators -------------------------------------------------------------------------
+    def take_live(self, row: int, exclude: int | None = None) -> int:
+        """Give `row` a live slot: a free one, else the policy's victim (never `exclude`).
+        The caller checked `obtainable`."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self.policy.victim(exclude)
+            ensure(slot is not None, "no state slot to take (obtainable() was not checked)")
+            self._evict(slot)
+        self._live[row] = slot
+        return slot
+
+    def release_live(self, row: int) -> None:
+        """`row` is gone: its live slot is free."""
+        self._free.append(self._live.pop(row))
+
+    def served(self, slot: int) -> None:
+        """A checkpoint was copied into an admitted sequence's live slot."""
+        self.hits += 1
+        self.policy.touch(slot)
+
+    def offer(self, key: bytes, position: int, row: int) -> int | None:
+        """A slot for the checkpoint of `row` after `position` tokens, indexed under `key`
+        (pending until `confirm`), or None: the key is indexed already, or no slot is free
+        and no written checkpoint ranks below it (dense while there is room, thinned by
+        value under pressure)."""
+        if key in self._slot_of:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self.policy.victim()
+            if slot is None or not self.policy.admits(position, slot):
+                return None
+            self._evict(slot)
+        self._slot_of[key], self._key_of[slot] = slot, (key, position)
+        self._pending.setdefault(row, []).append(key)
+        self.written += 1
+        return slot
+
+    def confirm(self, rows: Sequence[int]) -> None:
+        """The checkpoints these rows' last commit took were written (their forward ran):
+        servable and evictable from now on."""
+        for row in rows:
+            for key in self._pending.pop(row, ()):
+                slot = self._slot_of[key]
+                self.policy.add(slot, self._key_of[slot][1])
+
+    def drop_pending(self, row: int, num_tokens: int) -> None:
+        """`row`'s last step failed past `num_tokens` tokens: the checkpoints it took after
+        them were never written, and go (their slots free); those up to it were."""
+        for key in self._pending.pop(row, ()):
+            slot = self._slot_of[key]
+            if self._key_of[slot][1] <= num_tokens:
+                self.policy.add(slot, self._key_of[slot][1])
+                continue
+            del self._slot_of[key], self._key_of[slot]
+            self._free.append(slot)
+            self.written -= 1
+
+    def _evict(self, slot: int) -> None:
+        key, _ = self._key_of.pop(slot)
+        del self._slot_of[key]
+        self.policy.remove(slot)
+        self.evicted += 1
+
+    # -- checking -------------------------------------------------------------------------
+    def check(self, rows: Sequence[int]) -> None:
+        """Live slots are exactly `rows`' (the resident rows), one each; the checkpoint
+        index and its slots agree; free, live and checkpoints partition the slots."""
+        ensure(sorted(self._live) == sorted(rows), "live state slots are not the rows'")
+        live = list(self._live.values())
+        ensure(len(set(live)) == len(live), "two rows share a live state slot")
+        ensure(all(self._key_of.get(slot, (None,))[0] == key
+                   for key, slot in self._slot_of.items())
+               and len(self._slot_of) == len(self._key_of), "checkpoint index out of step")
+        # every checkpoint is either pending (a row's last commit took it) or written (the
+        # policy's), never both, and the policy holds nothing else
+        pending = [self._slot_of[key] for keys in self._pending.values() for key in keys]
+        written = [slot for slot in self._key_of if slot in self.policy]
+        ensure(sorted(pending + written) == sorted(self._key_of)
+               and len(self.policy) == len(written),
+               "a checkpoint is neither pending nor evictable, or both")
+        every = self._free + live + list(self._key_of)
+        ensure(len(every) == len(set(every)) == self.num_slots,
+               "free, live and checkpoint slots do not partition the slab")
+
+    def snapshot(self) -> tuple:
+        """Comparable copy of the bookkeeping (for tests of rejected calls)."""
+        return (tuple(self._free), tuple(sorted(self._live.items())),
+                tuple(sorted(self._key_of.items())),
+                tuple(sorted((row, tuple(keys)) for row, keys in self._pending.items())),
+                tuple(sorted(s for s in self._key_of if s in self.policy)),
+                self.written, self.hits, self.evicted)
+
+
+class StateSlab:
+    """The states' tensors: per recurrent layer and per `StateSpec` one tensor
+    ``[num_slots, *spec.shape]`` of ``spec.dtype`` on `device`, zeros, allocated once.
+
+    Parameters
+    ----------
+    specs : dict of int to tuple of StateSpec
+        Each recurrent layer's states.
+    num_slots : int
+    device : torch.device
+    """
+
+    def __init__(self, specs: dict[int, tuple[StateSpec, ...]], num_slots: int,
+                 device: torch.device) -> None:
+        self.specs, self.device = specs, device
+        self._tensors = {layer: tuple(torch.zeros((num_slots, *spec.shape), dtype=spec.dtype,
+                                                  device=device) for spec in layer_specs)
+                         for layer, layer_specs in specs.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor of the slab."""
+        return sum(t.nbytes for tensors in self._tensors.values() for t in tensors)
+
+    def tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer `layer`'s tensors, ``[num_slots, *spec.shape]`` each, in its specs' order."""
+        return self._tensors[layer]
+
+    def copy(self, source: int, target: int) -> None:
+        """Slot `target` of every tensor becomes a copy of slot `source`."""
+        for tensors in self._tensors.values():
+            for tensor in tensors:
+                tensor[target].copy_(tensor[source])
+
+    def zero(self, slot: int) -> None:
+        """Slot `slot` of every tensor becomes the zero state (a sequence's start)."""
+        for tensors in self._tensors.values():
+            for tensor in tensors:
+                tensor[slot].zero_()
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of `layer`'s states at `slots` (``[B]`` int64): ``[B, *spec.shape]`` each."""
+        return tuple(tensor.index_select(0, slots) for tensor in self._tensors[layer])
+
+    def check_states(self, what: str, layer: int, states: object, count: int) -> None:
+        """TypeError / ValueError naming `what` unless `states` is one tensor per spec of
+        `layer`, ``[count, *spec.shape]`` of its dtype on the slab's device."""
+        specs = self.specs[layer]
+        if not isinstance(states, tuple | list) or len(states) != len(specs):
+            got = (f"{len(states)} tensors" if isinstance(states, tuple | list)
+                   else type(states).__name__)
+            raise TypeError(f"{what}: expected a tuple of {len(specs)} tensors (layer "
+                            f"{layer}'s states: {', '.join(s.name for s in specs)}), "
+                            f"got {got}")
+        for spec, tensor in zip(specs, states, strict=True):
+            check_tensor(f"{what}[{spec.name!r}]", tensor, (count, *spec.shape),
+                         dtype=spec.dtype, device=self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, states: Sequence[torch.Tensor]) -> None:
+        """Scatter checked `states` (``[len(slots), *spec.shape]`` each) into `slots`."""
+        for tensor, state in zip(self._tensors[layer], states, strict=True):
+            tensor.index_copy_(0, slots, state)
+
+    def snapshot(self) -> tuple[bytes, ...]:
+        """Comparable bytes of every tensor (for tests of rejected calls)."""
+        return tuple(bytes(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+                     for tensors in self._tensors.values() for t in tensors)

@@ -1,0 +1,306 @@
+"""`StateGroup`: the recurrent layers' group, whose rows hold a state slot, not blocks.
+
+Every recurrent layer of a model is in one group (`paged_kv.config.group_layers`), placed
+after the attention groups. Its rows follow theirs (same sequences, same rows, same token
+counts), but a row holds no block: it holds a live slot of the state slab
+(`paged_kv.core.groups.state`), which every step of the sequence reads and writes in
+place. Its rules:
+
+- **a prefix hit needs its state.** A hit of ``c`` blocks is accepted only where a written
+  checkpoint sits at exactly ``c`` (the states after token ``c * block_size - 1``), or at
+  ``c == 0`` (the zero state); `accepted_hit` rounds down to the nearest one, so a hit is
+  never served without its state. The admission copies the checkpoint into the new
+  sequence's live slot (the checkpoint stays cached), or zeroes it;
+- **checkpoints at block boundaries.** For every block of the leading group that fills in
+  a step and is indexed, the group offers a checkpoint (`StateSlots.offer`: dense while a
+  slot is free, then only over a less valuable one), indexed at commit under that block's
+  group key, as attention blocks are; the step's `StateBatch` tells the forward which
+  token's state goes to which slot;
+- **fork** copies the parent's live state into the child's own slot; **free** returns the
+  live slot (checkpoints stay); **truncate** restores the live state from a checkpoint at
+  the kept length (or zeroes it at 0) and refuses any other length, except after a failed
+  step (``unwritten=True``), which drops the checkpoints the step took and marks a state
+  it cannot restore as lost (a later step or fork of it raises: free it and admit it
+  again); **swap** is refused (no host copy of states yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ...config import CacheConfig, LayerKind
+from ...errors import PagedKVError, ensure
+from ..accounting import CacheStats
+from ..allocator import BlockAllocator
+from ..batch import SeqId, StepBatch
+from ..page_table import PageTables
+from ..pool import KVPool
+from ..step.parse import Step
+from ..step.plan import Admission, StepPlan
+from .groups import Filled, LayerGroup
+from .rules import group_key
+from .state import OutOfStateSlotsError, StateBatch, StateSlab, StateSlots
+
+
+@dataclasses.dataclass
+class StateGroup(LayerGroup):
+    """The recurrent layers' group (see the module docstring).
+
+    Attributes
+    ----------
+    slots : StateSlots
+        Which slab slot is free, live (a row's) or a checkpoint (a key's).
+    slab : StateSlab
+        The states' tensors.
+    leader : PageTables
+        The leading group's tables: the keys of a row's blocks (a checkpoint's key).
+    lost : set of int
+        Rows whose live state a failed step left unknown (see `truncate`).
+    """
+
+    slots: StateSlots | None = None
+    slab: StateSlab | None = None
+    leader: PageTables | None = None
+    lost: set[int] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def build(cls, index: int, kind: LayerKind, layers: tuple[int, ...], config: CacheConfig,
+              allocator: BlockAllocator, pool: KVPool, compiled: bool | None,
+              host_allocator: BlockAllocator | None, leader: LayerGroup | None = None,
+              ) -> StateGroup:
+        """The group, its slab of `config.num_state_slots` slots (each recurrent layer's
+        `LayerKind.states`), and its rows following `leader`'s (no swap space)."""
+        group = super().build(index, kind, layers, config, allocator, pool, compiled, None)
+        group.slots = StateSlots(config.num_state_slots)
+        group.slab = StateSlab({layer: config.kind_of(layer).states for layer in layers},
+                               config.num_state_slots, config.device)
+        group.leader = leader.tables
+        return group
+
+    # -- the kind's rules ------------------------------------------------------------------
+    def skipped_tokens(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
+        """Every token: the group reads no token's K/V (a tier or a hand-off asks it for
+        no block)."""
+        return num_tokens
+
+    def accepted_hit(self, end: int, cached) -> int:
+        """The largest hit of at most `end` blocks with a written checkpoint at its end
+        (``cached(c - 1)``: one after block ``c - 1``), or 0 (the zero state)."""
+        while end > 0 and not cached(end - 1):
+            end -= 1
+        return end
+
+    def lookup(self, allocator: BlockAllocator, key: bytes, data: bytes) -> int | None:
+        """The written checkpoint after the leading group's block `key`, or None."""
+        return self.slots.find(group_key(key, self.index))
+
+    def hits_at(self, end: int, found) -> list[int]:
+        """The checkpoint slot a hit of `end` blocks starts from (none at 0)."""
+        return [found(end - 1)] if end else []
+
+    def revived(self, allocator: BlockAllocator, hits: list[int]) -> int:
+        return 0
+
+    def share_hits(self, allocator: BlockAllocator, hits: list[int]) -> None:
+        """Nothing: a checkpoint is copied, never owned (`add_row` keeps it from eviction
+        while taking the live slot)."""
+
+    # -- an admission ----------------------------------------------------------------------
+    def check_admission(self, hits: list[int], what: str) -> None:
+        """`OutOfStateSlotsError` unless a live slot is obtainable besides the checkpoint
+        the admission copies from."""
+        if self.slots.obtainable(hits[0] if hits else None) < 1:
+            raise OutOfStateSlotsError(1, 0, what)
+
+    def add_row(self, allocator: BlockAllocator, plan: Admission, hits: list[int], row: int,
+                prepare: bool, filled: list[Filled], device) -> StateBatch | None:
+        """The row's live slot, holding a copy of the hit's checkpoint (or zeros), and
+        with `prepare` the checkpoints of the blocks its first tokens fill."""
+        ensure(self.tables.add(plan.seq_id) == row, "layer groups' rows diverged")
+        count = plan.count if prepare else 0
+        rows = np.array([row])
+        self.tables.set_num_tokens(rows, np.array([plan.num_hit + count]))
+        source = hits[0] if hits else None
+        live = self.slots.take_live(row, exclude=source)
+        if source is None:
+            self.slab.zero(live)
+        else:
+            self.slab.copy(source, live)
+            self.slots.served(source)
+        if not prepare:
+            return None
+        return self._batch(rows, np.array([plan.num_hit]), np.array([count]), filled)
+
+    # -- a step ----------------------------------------------------------------------------
+    def plan_step(self, step: Step, decode: bool | None) -> StepPlan:
+        """No block; refused (changing nothing) for a row whose state a failed step lost."""
+        if self.lost:
+            self._require_state(step.rows.tolist(), "a step")
+        return StepPlan(step, 0, np.zeros(step.rows.size, dtype=np.int64))
+
+    def commit_step(self, plan: StepPlan, filled: list[Filled]) -> StateBatch:
+        """The rows' new lengths; their last commit's checkpoints are written now (their
+        forward ran), and the blocks that filled get checkpoints where the policy allows."""
+        step = plan.step
+        rows = step.rows
+        old = self.tables.num_tokens[rows].copy()
+        self.tables.set_num_tokens(rows, old + step.counts)
+        self.slots.confirm(rows.tolist())
+        return self._batch(rows, old, step.counts, filled)
+
+    def needed_per_row(self, step: Step) -> np.ndarray:
+        return np.zeros(step.rows.size, dtype=np.int64)
+
+    def mirror(self, allocator: BlockAllocator, filled: list[Filled]) -> None:
+        """Nothing: the checkpoints were indexed by `commit_step` / `add_row`."""
+
+    def _batch(self, rows: np.ndarray, old: np.ndarray, counts: np.ndarray,
+               filled: list[Filled]) -> StateBatch:
+        """The `StateBatch` of `rows` (their tokens packed in order, ``counts`` each after
+        ``old``), offering a checkpoint after each block in `filled`."""
+        block_size, position_of = self.tables.block_size, {r: i for i, r in
+                                                          enumerate(rows.tolist())}
+        starts = np.cumsum(counts) - counts
+        tokens, slots = [], []
+        for row, column, key, _, _ in filled:
+            i, position = position_of[row], (column + 1) * block_size
+            slot = self.slots.offer(group_key(key, self.index), position, row)
+            if slot is not None:
+                tokens.append(int(starts[i] + position - 1 - old[i]))
+                slots.append(slot)
+        device = self.slab.device
+        return StateBatch(torch.from_numpy(self.slots.live_of(rows.tolist())).to(device),
+                          torch.tensor(tokens, dtype=torch.int64, device=device),
+                          torch.tensor(slots, dtype=torch.int64, device=device))
+
+    # -- the lifecycle ---------------------------------------------------------------------
+    def check_fork(self, parent: SeqId, what: str) -> None:
+        """`OutOfStateSlotsError` unless a slot is obtainable for the child's state."""
+        self._require_state([self.tables.row_of[parent]], what)
+        if self.slots.obtainable() < 1:
+            raise OutOfStateSlotsError(1, 0, what)
+
+    def fork(self, allocator: BlockAllocator, parent: SeqId, child: SeqId) -> None:
+        """`child`'s row, and a live slot holding a copy of `parent`'s state."""
+        row = self.tables.fork(parent, child)
+        slot = self.slots.take_live(row)
+        self.slab.copy(int(self.slots.live_of([self.tables.row_of[parent]])[0]), slot)
+
+    def remove(self, allocator: BlockAllocator, seq_id: SeqId, retain: dict) -> None:
+        """Drop the row: its last step's checkpoints are written (it ran), its live slot
+        goes free."""
+        row = self.tables.row_of[seq_id]
+        self.slots.confirm([row])
+        self.slots.release_live(row)
+        self.lost.discard(row)
+        self.tables.remove(seq_id)
+
+    def check_truncate(self, allocator: BlockAllocator, seq_id: SeqId, num_tokens: int,
+                       unwritten: bool) -> None:
+        """ValueError unless the live state after `num_tokens` can be restored: 0 tokens,
+        the row's own length, or a written checkpoint there (after a failed step, with
+        `unwritten`, never: an unknown state is marked lost instead)."""
+        row = self.tables.row_of[seq_id]
+        current = int(self.tables.num_tokens[row])
+        if unwritten or num_tokens in (0, current):
+            return
+        if self._restore_point(allocator, row, num_tokens) is None:
+            raise ValueError(
+                f"truncate(): {seq_id!r}'s recurrent layers hold its state after {current} "
+                f"tokens and no state checkpoint at {num_tokens}: truncate to 0 or to a "
+                f"block boundary with a checkpoint, or free it and admit it again")
+
+    def truncate(self, allocator: BlockAllocator, seq_id: SeqId, num_tokens: int,
+                 unwritten: bool) -> None:
+        """Restore the live state after `num_tokens` (`unwritten`: the failed step's
+        checkpoints past them go first, and a state that cannot be restored is lost)."""
+        row = self.tables.row_of[seq_id]
+        current = int(self.tables.num_tokens[row])
+        if unwritten:
+            self.slots.drop_pending(row, num_tokens)
+        if num_tokens < current:
+            live = int(self.slots.live_of([row])[0])
+            source = self._restore_point(allocator, row, num_tokens) if num_tokens else None
+            if num_tokens == 0:
+                self.slab.zero(live)
+            elif source is not None:
+                self.slab.copy(source, live)
+            if num_tokens == 0 or source is not None:
+                self.lost.discard(row)
+            else:  # only after a failed step: check_truncate refused any other
+                self.lost.add(row)
+        self.tables.set_num_tokens(np.array([row]), np.array([num_tokens]))
+
+    def _restore_point(self, allocator: BlockAllocator, row: int, num_tokens: int,
+                       ) -> int | None:
+        """The written checkpoint after the row's first `num_tokens` tokens, or None."""
+        column = num_tokens // self.tables.block_size - 1
+        if num_tokens % self.tables.block_size or column < 0:
+            return None
+        block = int(self.leader.block_ids[row, column])
+        key = allocator.block_hash(block) if block else None
+        return None if key is None else self.slots.find(group_key(key, self.index))
+
+    def _require_state(self, rows: list[int], what: str) -> None:
+        """PagedKVError, naming the first, if a row's state was lost (see `truncate`)."""
+        if self.lost.isdisjoint(rows):
+            return
+        seq_of = {row: seq_id for seq_id, row in self.tables.row_of.items()}
+        lost = [seq_of[row] for row in rows if row in self.lost]
+        if lost:
+            raise PagedKVError(
+                f"{what}: the recurrent state of {lost[0]!r} was lost when a failed step "
+                f"was rolled back (truncate(unwritten=True) to a length with no state "
+                f"checkpoint): free it and admit it again")
+
+    def check_swap(self, what: str) -> None:
+        raise PagedKVError(f"{what}: a layout with recurrent layers cannot swap yet (their "
+                           f"states have no host copy); preempt by recompute (free) instead")
+
+    # -- accounting and checking -----------------------------------------------------------
+    def block_counts(self, block_size: int) -> None:
+        return None
+
+    def stat_fields(self, stats: CacheStats) -> dict:
+        """The slab's bytes (in ``total_bytes`` too), live states and checkpoints."""
+        slots, nbytes = self.slots, self.slab.nbytes
+        return dict(total_bytes=stats.total_bytes + nbytes, state_bytes=nbytes,
+                    num_live_states=slots.num_live, num_checkpoints=slots.num_checkpoints,
+                    checkpoint_bytes=slots.num_checkpoints * nbytes // slots.num_slots,
+                    checkpoints_written=slots.written, checkpoints_hit=slots.hits,
+                    checkpoints_evicted=slots.evicted)
+
+    def check_rows(self, leader: PageTables, num_blocks: int) -> np.ndarray:
+        """The rows follow the leader's and hold no block; the slots partition the slab
+        and the live ones are exactly the rows'."""
+        tables = self.tables
+        ensure(tables.row_of == leader.row_of, f"group {self.index}'s rows diverged")
+        rows = leader.rows()
+        ensure(np.array_equal(tables.num_tokens[rows], leader.num_tokens[rows]),
+               f"group {self.index}'s token counts diverged")
+        ensure(not tables.num_blocks.any(), "a state group's row holds blocks")
+        ensure(self.lost <= set(rows.tolist()), "a lost state of no row")
+        self.slots.check(rows.tolist())
+        return tables.owners(num_blocks)
+
+    def host_owners(self, num_host_blocks: int) -> np.ndarray:
+        return np.zeros(num_host_blocks, dtype=np.int64)
+
+    def check_host(self, host: np.ndarray) -> None:
+        """Nothing: the group has no swap space."""
+
+    def snapshot(self) -> tuple:
+        return (*super().snapshot(), self.slots.snapshot(), self.slab.snapshot(),
+                tuple(sorted(self.lost)))
+
+    # -- the worker side -------------------------------------------------------------------
+    def batch_of(self, batch: StepBatch, what: str) -> StateBatch:
+        """The `StateBatch` in `batch` (ValueError for a batch of another cache)."""
+        groups = batch.groups
+        if len(groups) <= self.index or not isinstance(groups[self.index], StateBatch):
+            raise ValueError(f"{what}: batch: not a StepBatch this cache's prepare() "
+                             f"returned (it has no recurrent-state entry)")
+        return groups[self.index]
