@@ -87,7 +87,7 @@ class TenantEviction:
         self._margin = max(num_blocks // 64, 8) if margin is None else margin
         # while riding, the tenants of blocks that left the order and are not yet off the
         # ledger's counts (`_settle`): a step's evictions cost no count per tenant
-        self._pending: list[int] = []
+        self._pending: bytearray | list[int] = bytearray() if len(self.names) <= 256 else []
         # the tenants with a reservation, and a lower bound of the blocks each holds above
         # it (-1: unknown; math.inf: none reserves), so an eviction while riding rarely
         # looks at them one by one and `held` is a sum made once while every one holds
@@ -197,7 +197,7 @@ class TenantEviction:
             self.ledger.removed(block_ids, tenants)
             return
         self._floor -= len(block_ids)
-        self._pending += tenants
+        self._pending.extend(tenants)
 
     def evict(self, count: int, requester: bytes | None, forget: Forget) -> list[int]:
         """Take `count` victims for an allocation under salted root `requester` (None: a
@@ -251,7 +251,7 @@ class TenantEviction:
                 cached.move_to_end(block_id, last=False)
             return None
         self._floor -= count
-        self._pending += tenants
+        self._pending.extend(tenants)
         keys = forget(evicted)
         mine = 0 if asking is None else tenants.count(asking)
         if asking is None:
@@ -341,18 +341,12 @@ class TenantEviction:
         """Remember `keys` (of blocks of `tenants`) as evicted from the device by `asking`'s
         pressure: ``own`` for its blocks, ``tenant`` for others' (``global`` for a step
         mixing tenants)."""
-        ghost = self.ghost
-        mine = [tenant == asking for tenant in tenants]
         if asking is None:
-            ghost.evicted(keys, "device", "global")
-        elif all(mine):
-            ghost.evicted(keys, "device", "own")
-        elif not any(mine):
-            ghost.evicted(keys, "device", "tenant", self.names[asking])
-        else:
-            ghost.evicted(list(itertools.compress(keys, mine)), "device", "own")
-            ghost.evicted([k for k, own in zip(keys, mine, strict=True) if not own],
-                          "device", "tenant", self.names[asking])
+            self.ghost.evicted(keys, "device", "global")
+            return
+        own, other = ("device", "own", None), ("device", "tenant", self.names[asking])
+        self.ghost.evicted_each(dict(zip(keys, [own if tenant == asking else other
+                                                for tenant in tenants], strict=True)))
 
     def _blame_runs(self, runs: list[tuple[int, list[int]]], keys: list[bytes],
                     asking: int | None) -> None:

@@ -118,6 +118,12 @@ class GhostList:
         if self.capacity and keys:
             self._evicted.update(dict.fromkeys(keys, (tier, pressure, by)))
 
+    def evicted_each(self, entries: dict[bytes, tuple]) -> None:
+        """Remember each key of `entries` as evicted, with its own ``(tier, pressure, by)``
+        (one eviction whose blocks were under different pressures)."""
+        if self.capacity and entries:
+            self._evicted.update(entries)
+
     def seen(self, parents: list[bytes]) -> None:
         """Remember that blocks chaining from `parents` were indexed."""
         if self.capacity and parents:
