@@ -158,7 +158,7 @@ class StateSlots:
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
-        self.written = self.hits = self.evicted = 0      # checkpoints, since the start
+        self.num_written = self.num_hits = self.num_evicted = 0  # checkpoints, so far
 
     # -- queries --------------------------------------------------------------------------
     def live_of(self, rows: Sequence[int]) -> np.ndarray:
@@ -180,11 +180,18 @@ class StateSlots:
         `exclude`, the checkpoint an admission copies from)."""
         return len(self._free) + len(self.policy) - (exclude in self.policy)
 
-    def find(self, key: bytes) -> int | None:
-        """The written checkpoint indexed under `key`, or None (a pending one is not
-        served: its forward may not have run)."""
+    def find(self, key: bytes, row: int | None = None) -> int | None:
+        """The written checkpoint indexed under `key`, or None: a pending one is not
+        served (its forward may not have run), unless `row` took it and says it ran."""
         slot = self._slot_of.get(key)
-        return slot if slot in self.policy else None
+        if slot in self.policy or (row is not None and key in self._pending.get(row, ())):
+            return slot
+        return None
+
+    def checkpoints(self) -> list[tuple[bytes, int, int]]:
+        """``(key, slot, position)`` of every written checkpoint (servable, evictable)."""
+        return [(key, slot, position) for slot, (key, position) in self._key_of.items()
+                if slot in self.policy]
 
     def position_of(self, slot: int) -> int:
         """Tokens a checkpoint's state has consumed."""
@@ -209,7 +216,7 @@ class StateSlots:
 
     def served(self, slot: int) -> None:
         """A checkpoint was copied into an admitted sequence's live slot."""
-        self.hits += 1
+        self.num_hits += 1
         self.policy.touch(slot)
 
     def offer(self, key: bytes, position: int, row: int) -> int | None:
@@ -228,7 +235,7 @@ class StateSlots:
             self._evict(slot)
         self._slot_of[key], self._key_of[slot] = slot, (key, position)
         self._pending.setdefault(row, []).append(key)
-        self.written += 1
+        self.num_written += 1
         return slot
 
     def confirm(self, rows: Sequence[int]) -> None:
@@ -249,13 +256,13 @@ class StateSlots:
                 continue
             del self._slot_of[key], self._key_of[slot]
             self._free.append(slot)
-            self.written -= 1
+            self.num_written -= 1
 
     def _evict(self, slot: int) -> None:
         key, _ = self._key_of.pop(slot)
         del self._slot_of[key]
         self.policy.remove(slot)
-        self.evicted += 1
+        self.num_evicted += 1
 
     # -- checking -------------------------------------------------------------------------
     def check(self, rows: Sequence[int]) -> None:
@@ -284,7 +291,7 @@ class StateSlots:
                 tuple(sorted(self._key_of.items())),
                 tuple(sorted((row, tuple(keys)) for row, keys in self._pending.items())),
                 tuple(sorted(s for s in self._key_of if s in self.policy)),
-                self.written, self.hits, self.evicted)
+                self.num_written, self.num_hits, self.num_evicted)
 
 
 class StateSlab:

@@ -201,13 +201,14 @@ class StateGroup(LayerGroup):
     def check_truncate(self, allocator: BlockAllocator, seq_id: SeqId, num_tokens: int,
                        unwritten: bool) -> None:
         """ValueError unless the live state after `num_tokens` can be restored: 0 tokens,
-        the row's own length, or a written checkpoint there (after a failed step, with
-        `unwritten`, never: an unknown state is marked lost instead)."""
+        the row's own length, or a written checkpoint there, the row's own last ones
+        included (its tokens were written: it rolls back tokens it computed); after a
+        failed step (`unwritten`) never: an unknown state is marked lost instead."""
         row = self.tables.row_of[seq_id]
         current = int(self.tables.num_tokens[row])
         if unwritten or num_tokens in (0, current):
             return
-        if self._restore_point(allocator, row, num_tokens) is None:
+        if self._restore_point(allocator, row, num_tokens, own=True) is None:
             raise ValueError(
                 f"truncate(): {seq_id!r}'s recurrent layers hold its state after {current} "
                 f"tokens and no state checkpoint at {num_tokens}: truncate to 0 or to a "
@@ -221,6 +222,8 @@ class StateGroup(LayerGroup):
         current = int(self.tables.num_tokens[row])
         if unwritten:
             self.slots.drop_pending(row, num_tokens)
+        else:  # its forward ran: what it computed was written
+            self.slots.confirm([row])
         if num_tokens < current:
             live = int(self.slots.live_of([row])[0])
             source = self._restore_point(allocator, row, num_tokens) if num_tokens else None
@@ -235,14 +238,16 @@ class StateGroup(LayerGroup):
         self.tables.set_num_tokens(np.array([row]), np.array([num_tokens]))
 
     def _restore_point(self, allocator: BlockAllocator, row: int, num_tokens: int,
-                       ) -> int | None:
-        """The written checkpoint after the row's first `num_tokens` tokens, or None."""
+                       own: bool = False) -> int | None:
+        """The written checkpoint after the row's first `num_tokens` tokens, or None
+        (`own`: the row's pending ones count as written)."""
         column = num_tokens // self.tables.block_size - 1
         if num_tokens % self.tables.block_size or column < 0:
             return None
         block = int(self.leader.block_ids[row, column])
         key = allocator.block_hash(block) if block else None
-        return None if key is None else self.slots.find(group_key(key, self.index))
+        return None if key is None else self.slots.find(group_key(key, self.index),
+                                                         row if own else None)
 
     def _require_state(self, rows: list[int], what: str) -> None:
         """PagedKVError, naming the first, if a row's state was lost (see `truncate`)."""
@@ -270,8 +275,8 @@ class StateGroup(LayerGroup):
         return dict(total_bytes=stats.total_bytes + nbytes, state_bytes=nbytes,
                     num_live_states=slots.num_live, num_checkpoints=slots.num_checkpoints,
                     checkpoint_bytes=slots.num_checkpoints * nbytes // slots.num_slots,
-                    checkpoints_written=slots.written, checkpoints_hit=slots.hits,
-                    checkpoints_evicted=slots.evicted)
+                    checkpoints_written=slots.num_written, checkpoints_hit=slots.num_hits,
+                    checkpoints_evicted=slots.num_evicted)
 
     def check_rows(self, leader: PageTables, num_blocks: int) -> np.ndarray:
         """The rows follow the leader's and hold no block; the slots partition the slab
