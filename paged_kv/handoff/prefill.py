@@ -97,7 +97,7 @@ class PrefillRole(EnginePart):
         ids = self._run(keys, tokens, size)
         keys = keys[:len(ids)]
         leased, starts = list(keys), None
-        if len(groups) > 1:
+        if self.cache.config.layer_kinds:  # a layout of layer kinds: every other group's run
             starts = []
             for group in groups[1:]:
                 first, found = self._group_run(group, keys, tokens, size)

@@ -27,8 +27,8 @@ from paged_kv.keys import block_keys, encode_tokens, root_hash  # noqa: E402
 from paged_kv.tiers.codec import Fingerprint  # noqa: E402
 
 from ..conftest import prometheus_value  # noqa: E402
-from ..serving.conftest import prompt  # noqa: E402
-from ..serving.test_tiny_hybrid import SHAPE  # noqa: E402
+from ..engine.conftest import prompt  # noqa: E402
+from ..engine.test_tiny_hybrid import SHAPE  # noqa: E402
 from .conftest import signed  # noqa: E402
 from .test_handoff_hybrid import (  # noqa: E402
     GREEDY,

@@ -27,8 +27,8 @@ from paged_kv.handoff import HandoffConfig
 from paged_kv.handoff.params import parse_params
 
 from ..conftest import prometheus_value
-from ..serving.conftest import prompt
-from ..serving.test_tiny_hybrid import SHAPE, VARIANTS
+from ..engine.conftest import prompt
+from ..engine.test_tiny_hybrid import SHAPE, VARIANTS
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -226,7 +226,7 @@ def test_hf_hybrid_checkpoints_give_generates_tokens(family, tmp_path):
     transformers = pytest.importorskip("transformers")
     from paged_kv.engine.hf import HFCausalLM
 
-    from ..serving.test_hybrid_models import hybrid_configs, save_checkpoint
+    from ..engine.test_hybrid_models import hybrid_configs, save_checkpoint
 
     save_checkpoint(hybrid_configs()[family][0], tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -252,7 +252,7 @@ def gemma2_checkpoint(path):
     a word-level tokenizer of 96 printable characters (serve needs one), saved at `path`."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
-    from ..serving.test_hybrid_models import hybrid_configs, save_checkpoint
+    from ..engine.test_hybrid_models import hybrid_configs, save_checkpoint
 
     save_checkpoint(hybrid_configs()["gemma2"][0], path)
     vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(95)}}

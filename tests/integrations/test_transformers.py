@@ -19,7 +19,7 @@ from paged_kv.core.cache import snapshot  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
 from ..conftest import assert_same_snapshot  # noqa: E402
-from ..serving.test_hybrid_models import FAMILIES, hybrid_configs  # noqa: E402
+from ..engine.test_hybrid_models import FAMILIES, hybrid_configs  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_NEW_TOKENS = 20
