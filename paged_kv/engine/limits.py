@@ -1,5 +1,5 @@
-"""What the engine accepts: its configuration, and a request it can ever run (ValueError or
-TypeError naming the problem, before anything changes)."""
+"""What the engine accepts: a request it can ever run (ValueError or TypeError naming the
+problem, before anything changes; the engine's own configuration is `EngineConfig`'s)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,6 @@ from typing import Any
 
 from ..config import CacheConfig
 from .sampling import SamplingParams
-
-
-def check_limits(cache_config: CacheConfig, preemption: str, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
-    """ValueError naming the argument, before anything is built."""
-    if preemption not in ("recompute", "swap"):
-        raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
-    if preemption == "swap" and not cache_config.num_host_blocks:
-        raise ValueError("preemption='swap' needs cache_config.num_host_blocks > 0")
-    for name, value in (("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if value < 1:
-            raise ValueError(f"{name}: expected >= 1, got {value}")
 
 
 def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model_config: Any,

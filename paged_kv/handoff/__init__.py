@@ -21,27 +21,9 @@ if TYPE_CHECKING:
 
     from ..core.cache import PagedKVCache
     from ..parts import EnginePart
-    from ..tiers.base import TierConfig
     from ..tiers.manager import TierManager
 
-__all__ = ["HandoffConfig", "add_handoff_flags", "open_role", "open_tiers_and_role"]
-
-
-def open_tiers_and_role(tiers: TierConfig | None, config: HandoffConfig | None,
-                        cache: PagedKVCache, model: torch.nn.Module,
-                        ) -> tuple[TierManager | None, EnginePart | None]:
-    """An engine's tiers (`paged_kv.tiers.manager.open_tiers`; a decode engine always has
-    them: its hand-offs come through their fetch path) and its hand-off role (`open_role`);
-    the tiers are closed again when the role cannot start."""
-    from ..tiers.manager import open_tiers
-
-    manager = open_tiers(tiers, cache, model, always=getattr(config, "role", "") == "decode")
-    try:
-        return manager, open_role(config, cache, manager, model)
-    except BaseException:
-        if manager is not None:
-            manager.close()
-        raise
+__all__ = ["HandoffConfig", "add_handoff_flags", "open_role"]
 
 
 def open_role(config: HandoffConfig | None, cache: PagedKVCache, tiers: TierManager | None,
