@@ -194,7 +194,7 @@ CORE = "paged_kv.core"
 # new one is caught without this list changing
 OWNER_QUERIES = {
     "allocator": {"count_cached", "can_allocate", "block_hash", "lookup", "match", "snapshot",
-                  "check_invariants"},
+                  "check_invariants", "obtainable"},
     "tables": {"rows_of", "resolve_rows", "chains", "chain", "root", "ahead", "rows", "check",
                "blocks", "num_tokens_of", "owners", "snapshot"},
 }

@@ -66,9 +66,11 @@ class SwapSpace:
         the keys they had."""
         block_ids = self._move(seq_id, self._tables.blocks(seq_id), self._device_allocator,
                                self.allocator, "swap_in()")
-        token_ids = self._tables.token_ids[self._tables.row_of[seq_id]]
-        size = self._tables.block_size
-        parent = b""  # events report the first block's parent as unknown
+        row = self._tables.row_of[seq_id]
+        token_ids, size = self._tables.token_ids[row], self._tables.block_size
+        # the first block chains from the row's salted root, as at its admission: a tenant
+        # policy reads the tenant from it
+        parent = self._tables.root(row) or b""
         for j, key in enumerate(self._keys.pop(seq_id)):
             if key is not None:
                 block_tokens = encode_tokens(token_ids[j * size:(j + 1) * size])

@@ -66,11 +66,6 @@ class Scheduler:
     def _available(self, step_blocks: int) -> int:
         return self.cache.allocator.num_obtainable_blocks - step_blocks
 
-    def _own(self, admission: Admission) -> int:
-        """Cached blocks a tenant's reservation keeps from others but not from itself."""
-        ledger = self.cache.allocator.tenants
-        return ledger.reserved_for(admission.root) if ledger is not None else 0
-
     def _schedule_running(self, step: dict[Sequence, int]) -> tuple[bool, int]:
         """Running sequences in order, as far as the budget goes; preempt from the back
         until their blocks fit. One block count for the whole set per try."""
@@ -158,7 +153,9 @@ class Scheduler:
                     and self._start_fetch(seq, admission):
                 self.waiting.popleft()  # loading while the others step
                 continue
-            if not fits(admission, self._available(self._reserved) + self._own(admission)):
+            # the cache's one capacity number for this tenant (its own reservation counts)
+            obtainable = self.cache.allocator.obtainable(admission.root)
+            if not fits(admission, obtainable - self._reserved):
                 return
             # the plan is committed as tested (planned again only if the cache changed);
             # a prompt not looked up is added bare, its blocks indexed as they fill

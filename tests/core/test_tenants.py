@@ -332,3 +332,26 @@ def test_tier_limits_scale_by_the_pools_usable_blocks():
     # 10 usable blocks (11 with the null block), a tier of 20: twice the pool
     assert policy.tier_limits("A", "host", 20, 11) == TierLimits(quota=10, reservation=4)
     assert policy.tier_limits("B", "host", 20, 11) == TierLimits(quota=None, reservation=0)
+
+
+def test_a_swapped_in_sequences_blocks_stay_its_tenants():
+    """Swap-in indexes a sequence's blocks again chaining from its salted root when their
+    cached copies were evicted meanwhile (it chained from an empty parent before: the
+    stored event named no parent, and a tenant policy counted the blocks as nobody's)."""
+    from paged_kv.keys import root_hash
+
+    policy = TenantPolicy({"A": TenantLimits(quota=6), "B": TenantLimits()})
+    cache = PagedKVCache(tiny_config(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4,
+                                     num_blocks=8, num_host_blocks=16, tenants=policy))
+    cache.admit("a", list(range(12)), salt="A")
+    cache.swap_out("a")
+    cache.admit("x", list(range(100, 128)))  # 7 blocks: evicts a's cached copies
+    cache.free("x")
+    cache.take_events()
+    cache.swap_in("a")
+    stored = [e for e in cache.take_events() if e.kind == "stored"]
+    assert stored and stored[0].parents[0] == root_hash("A")
+    cache.free("a")
+    usage = {u.tenant: u.cached for u in cache.allocator.tenants.usage()}
+    assert usage == {None: 4, "A": 3, "B": 0}
+    cache.check()
