@@ -79,7 +79,7 @@ class StepBatch:
     _host: tuple[np.ndarray, np.ndarray, np.ndarray]  # block tables, num blocks, seq lens
     _csr: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
     # a hybrid layout's step: one batch per layer group (each its own block tables and
-    # slots), this one being the first group's; empty for a uniform layout
+    # slots), this one being the first group's; empty on a uniform cache's fast path
     groups: tuple = dataclasses.field(default=(), repr=False)
 
     @property

@@ -1,14 +1,13 @@
 """`paged-kv serve`: an OpenAI-compatible HTTP server over the engine.
 
-Needs the ``serve`` extra (fastapi, uvicorn, pyzmq, msgspec). Two rooms, each knowing one
-thing, and the entry point that wires them:
+Needs the ``serve`` extra (fastapi, uvicorn, pyzmq, msgspec). The HTTP floor, over the
+engine's (`paged_kv.engine.process` hosts the `Engine` in a process of its own under
+``paged-kv serve`` — `engine_core.EngineCoreProc`, reached through `core_client.CoreClient`
+— or on a thread of this one, `inproc_client.InprocClient`; both clients meet the
+`EngineClient` protocol this floor talks to):
 
 - `http/`: requests, tenants, tokenizers and HTTP (the FastAPI app, its routes, OpenAI's
   request and response shapes, one request's generation);
-- `engine/`: hosting the `Engine`, in a process of its own under ``paged-kv serve``
-  (`engine_core.EngineCoreProc`, reached through `core_client.CoreClient`) or on a thread
-  of this one (`inproc_client.InprocClient`); both clients meet the `EngineClient`
-  protocol the HTTP room talks to;
 - `serve.py`: ``paged-kv serve``, the engine-core process and the API server processes.
 
 The engine knows sequences and the cache blocks. Tenancy reaches the cache only as the salt
