@@ -17,7 +17,6 @@ evicted before the prefix that other sequences are likelier to share.
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 from collections.abc import Iterable
 
@@ -27,6 +26,7 @@ from .._checks import read_only
 from ..errors import OutOfBlocksError, ensure
 from ..keys import BlockEvent, chain_pieces, hash_pieces, split_blocks
 from .eviction import EvictionPolicy, GhostList, LruEviction
+from .prefix_index import PrefixIndex
 
 NULL_BLOCK = 0
 
@@ -66,17 +66,14 @@ class BlockAllocator:
         # alone) and their eviction order
         self._eviction: EvictionPolicy = (LruEviction(num_blocks) if eviction is None
                                           else eviction)
-        # per block, its key and its token bytes (valid where indexed; stale entries stay):
-        # dicts of the bytes the hashing made anyway, so storing a step's blocks is one
-        # C-level update and evicting or comparing one a dict access, never a numpy call
-        self._key_of: dict[int, bytes] = {}
-        self._tokens_of: dict[int, bytes] = {}
-        self._indexed = np.zeros(num_blocks, dtype=bool)
+        # the prefix index (key -> block, each block's key and tokens: `PrefixIndex`) and
+        # its indexed flags, changed by the index alone
+        self._prefix = PrefixIndex(num_blocks)
+        self._indexed = self._prefix.indexed
         # shared or indexed: a write must copy it first (kept up to date by every mutator,
         # so a decode step tests its last blocks with one lookup)
         self._protected = np.zeros(num_blocks, dtype=bool)
         self._views = tuple(map(read_only, (self._refcount, self._indexed, self._protected)))
-        self._index: dict[bytes, int] = {}
         self._prefix_tokens = [0, 0]  # prompt tokens looked up, and found cached (cumulative)
         # bounded, so a user who never drains events does not leak memory; each is kept as
         # the arguments of its BlockEvent (lists this class made and never changes again),
@@ -166,14 +163,11 @@ class BlockAllocator:
 
     def block_hash(self, block_id: int) -> bytes | None:
         """The prefix key `block_id` is indexed under, or None."""
-        return self._key_of[block_id] if self._indexed[block_id] else None
+        return self._prefix.block_hash(block_id)
 
     def lookup(self, key: bytes, token_ids: bytes) -> int | None:
         """Block indexed under `key` whose tokens equal `token_ids`, else None."""
-        block_id = self._index.get(key)
-        if block_id is None or self._tokens_of[block_id] != token_ids:
-            return None
-        return block_id
+        return self._prefix.lookup(key, token_ids)
 
     def match(self, token_ids: bytes, num_blocks: int, keys: list[bytes], parent_key: bytes,
               ) -> tuple[list[int], list[bytes]]:
@@ -191,28 +185,7 @@ class BlockAllocator:
         keys : list of bytes
             The keys known now: those given, then those hashed on the way.
         """
-        hits: list[int] = []
-        keys = list(keys)
-        if not num_blocks:
-            return hits, keys
-        get, tokens_of = self._index.get, self._tokens_of
-        width = len(token_ids) // num_blocks
-        known = range(0, min(len(keys), num_blocks) * width, width)
-        for start, key in zip(known, keys, strict=False):  # given keys: nothing to hash
-            block_id = get(key)
-            if block_id is None or tokens_of[block_id] != token_ids[start:start + width]:
-                return hits, keys
-            hits.append(block_id)
-        parent_key, sha256 = keys[-1] if keys else parent_key, hashlib.sha256
-        for start in range(len(keys) * width, num_blocks * width, width):  # lazily
-            piece = token_ids[start:start + width]
-            parent_key = sha256(parent_key + piece).digest()  # keys.hash_block, inlined
-            keys.append(parent_key)
-            block_id = get(parent_key)
-            if block_id is None or tokens_of[block_id] != piece:
-                break
-            hits.append(block_id)
-        return hits, keys
+        return self._prefix.match(token_ids, num_blocks, keys, parent_key)
 
     # -- mutators -------------------------------------------------------------------------
     def allocate(self, num_blocks: int, requester: bytes | None = None) -> np.ndarray:
@@ -248,13 +221,8 @@ class BlockAllocator:
     def _unindex(self, evicted: list[int]) -> list[bytes]:
         """Take evicted blocks (the policy's, no longer cached) out of the index; returns
         their keys (the policy's ``forget``)."""
-        gone = list(map(self._key_of.__getitem__, evicted))
-        index = self._index
-        for key in gone:
-            del index[key]
-        ids = np.array(evicted, dtype=np.int64)
-        self._indexed[ids] = False
-        self._protected[ids] = False
+        gone = self._prefix.remove(evicted)
+        self._protected[evicted] = False
         self._events.append(("evicted", evicted, gone))
         return gone
 
@@ -333,7 +301,7 @@ class BlockAllocator:
                  parent_key: bytes = b"") -> bool:
         """Index a live, full block under `key` (chained from `parent_key`, which events
         report); False when that key is already indexed."""
-        if not self.enable_prefix_caching or key in self._index:
+        if not self.enable_prefix_caching or key in self._prefix:
             return False
         self._insert([key], [block_id], [token_ids], [parent_key], token_ids)
         return True
@@ -379,29 +347,11 @@ class BlockAllocator:
         """Index blocks in bulk (``block_ids[i]`` holds ``pieces[i]``, the slices of
         `token_ids`, and chains from ``parents[i]``); a key indexed before (or twice here)
         keeps its first block."""
-        index = self._index
-        if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
-            first: dict[bytes, int] = {}
-            for i, key in enumerate(keys):
-                if key not in index:
-                    first.setdefault(key, i)
-            chosen = list(first.values())
-            keys = [keys[i] for i in chosen]
-            block_ids = [block_ids[i] for i in chosen]
-            parents = [parents[i] for i in chosen]
-            pieces = [pieces[i] for i in chosen]
-            token_ids = b"".join(pieces)
-            if not keys:
-                return
-        self._eviction.tag(block_ids, keys, parents, index)  # before the index holds them
-        index.update(zip(keys, block_ids, strict=True))
-        ids = np.array(block_ids, dtype=np.int64)
-        self._key_of.update(zip(block_ids, keys, strict=True))
-        self._tokens_of.update(zip(block_ids, pieces, strict=True))
-        self._indexed[ids] = True
-        self._protected[ids] = True
-        self._events.append(("stored", tuple(block_ids), tuple(keys), tuple(parents),
-                             token_ids))
+        stored = self._prefix.insert(keys, block_ids, pieces, parents, token_ids,
+                                     self._eviction.tag)
+        if stored is not None:
+            self._protected[list(stored[0])] = True
+            self._events.append(("stored", *stored))
 
     def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
         """Take `block_ids` out of the prefix index (those not indexed are skipped): their
@@ -409,15 +359,12 @@ class BlockAllocator:
         Returns how many left the index."""
         ids = [b for b in dict.fromkeys(np.asarray(block_ids, dtype=np.int64).tolist())
                if self._indexed[b]]
-        keys = [self._key_of[block_id] for block_id in ids]
-        for key in keys:
-            del self._index[key]
+        keys = self._prefix.remove(ids)
         cached = list(filter(self._eviction.cached.__contains__, ids))
         if cached:  # unowned: free now
             self._eviction.uncache(cached)
             self._free.extend(cached)
         if ids:
-            self._indexed[ids] = False
             self._protected[ids] = self._refcount[ids] > 1
             self._events.append(("removed", ids, keys))
         return len(ids)
@@ -427,8 +374,7 @@ class BlockAllocator:
         dropped = list(self._eviction.cached)
         self._eviction.clear()
         self._free.extend(reversed(dropped))
-        self._index.clear()
-        self._indexed[:] = False
+        self._prefix.clear()
         np.greater(self._refcount, 1, out=self._protected)
         if dropped:
             self._events.append(("freed", dropped))
@@ -447,9 +393,7 @@ class BlockAllocator:
     def snapshot(self) -> tuple:
         """Comparable copy of the whole state (for tests of rejected calls)."""
         return (self._refcount.tobytes(), tuple(self._free), tuple(self._eviction.cached),
-                tuple(sorted(self._index.items())),
-                tuple(self._tokens_of[b] for b in np.flatnonzero(self._indexed).tolist()),
-                tuple(self._prefix_tokens), self._eviction.snapshot())
+                *self._prefix.snapshot(), tuple(self._prefix_tokens), self._eviction.snapshot())
 
     def check_invariants(self, owners: np.ndarray | None = None) -> None:
         """Raise `InvariantError` if the block states do not partition the pool.
@@ -467,13 +411,7 @@ class BlockAllocator:
         ensure(sorted(everything) == list(range(1, self.num_blocks)), "blocks leaked or invented")
         ensure(self._refcount.min() >= 0, "negative refcount")
         ensure(self._refcount[NULL_BLOCK] == 0, "the null block was handed out")
-        ensure(not self._indexed[free].any(), "a free block is still indexed")
-        ensure(self._indexed[cached].all(), "a cached block is not indexed")
-        for key, block_id in self._index.items():
-            ensure(bool(self._indexed[block_id]) and self._key_of[block_id] == key,
-                   f"index entry of {block_id} is stale")
-        ensure(len(self._index) == int(np.count_nonzero(self._indexed)),
-               "the indexed flags disagree with the index")
+        self._prefix.check(free, cached)
         ensure(np.array_equal(self._protected, (self._refcount > 1) | self._indexed),
                "the write-protected flags disagree with refcounts and the index")
         self._eviction.check()
