@@ -239,7 +239,8 @@ class BlockAllocator:
         self._protected[ids] = True  # now shared, or a revived cached block (indexed)
 
     def free(self, block_ids: Iterable[int] | np.ndarray, *, unique: bool = False,
-             priority: int | None = None, retention_seconds: float | None = None) -> None:
+             priority: int | None = None, retention_seconds: float | None = None,
+             root: bytes | None = None) -> None:
         """Drop one owner per entry of `block_ids` (a repeated id drops one owner per entry;
         ``unique=True`` promises there is none, which saves a slower scatter).
 
@@ -247,7 +248,9 @@ class BlockAllocator:
         released tail first, so the tail is evicted first and the prefix outlives it. The
         eviction policy takes the newly cached ones: under a tenant policy, `priority` and
         `retention_seconds` (None: the tenant's defaults) retain their head, and a tenant
-        past its quota loses its oldest cached blocks at once.
+        past its quota loses its oldest cached blocks at once. `root` is the salted root
+        every indexed block of `block_ids` chains from (one sequence's blocks: the policy
+        need not look each one's tenant up), or None.
         """
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
@@ -278,7 +281,7 @@ class BlockAllocator:
             self._events.append(("freed", freed))
         if cached:
             self._release(self._eviction.cache(cached, priority, retention_seconds,
-                                               self._unindex))
+                                               self._unindex, root))
 
     def _release(self, evicted: list[int]) -> None:
         """Free cached blocks the policy evicted (out of it and the index already)."""

@@ -61,9 +61,11 @@ class EvictionPolicy(Protocol):
         from `parents` (`index`: the prefix index, key -> block, before they join it)."""
 
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
-              forget: Forget) -> list[int]:
+              forget: Forget, root: bytes | None = None) -> list[int]:
         """`block_ids` (tail first) just became cached, released by a request that asked
         for `priority` and `seconds` of soft retention (None: the policy's defaults).
+        `root`, when given, is the salted root every one of them chains from (one
+        sequence's blocks), so a policy need not look each block's tenant up.
         Returns the blocks the policy evicted at once (out of it and, through `forget`,
         out of the index) for the allocator to free."""
 
@@ -136,7 +138,7 @@ class LruEviction(EvictionPolicy):
         self.ghost.seen(parents)
 
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
-              forget: Forget) -> list[int]:
+              forget: Forget, root: bytes | None = None) -> list[int]:
         """Append `block_ids` to the order (nothing is retained, no quota): none evicted."""
         self.cached.update(dict.fromkeys(block_ids))
         return []

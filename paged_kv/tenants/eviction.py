@@ -156,11 +156,17 @@ class TenantEviction:
         self.ghost.seen(parents)
 
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
-              forget: Forget) -> list[int]:
+              forget: Forget, root: bytes | None = None) -> list[int]:
         """`block_ids` (tail first) just became cached; the blocks of a tenant past its
         quota go at once, its oldest first (``own_quota``): returns them. Riding, they join
-        the order while they are one tenant's and retain none; else the lists."""
-        tenants = self._tags.of(block_ids)
+        the order while they are one tenant's and retain none; else the lists. Given the
+        salted `root` they all chain from, their tenant is its tenant, unless a tag ever
+        fell back to the unnamed for a parent found nowhere (`TenantTags.misses`): then,
+        as without it, each block's tag is read."""
+        if root is not None and not self._tags.misses:  # every tag is its chain's root's
+            tenants = (self._ids.get(root, 0),) * len(block_ids)
+        else:
+            tenants = self._tags.of(block_ids)
         tenant, ledger = tenants[0], self.ledger
         if self._riding:
             if tenants.count(tenant) == len(tenants) and not (

@@ -12,6 +12,8 @@ when a parent is neither a root nor indexed, which is rare, so tagging appends i
 
 from __future__ import annotations
 
+import collections
+import itertools
 import operator
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +48,10 @@ class TenantTags:
         self._tenant: bytearray | list[int] = (bytearray(num_blocks) if len(names) <= 256
                                                else [0] * num_blocks)
         self._key_tenants = LazyKeyMemory(default_capacity(num_blocks))
+        # parents found nowhere (not a root, not indexed, forgotten): their blocks were
+        # tagged unnamed though their chain's root may name a tenant; while none was, every
+        # tag is the tenant of the root its chain starts from
+        self.misses = 0
 
     def tenant_id(self, root: bytes | None) -> int:
         """The index of the tenant whose salted root is `root` (0: not named, or None)."""
@@ -64,8 +70,8 @@ class TenantTags:
         tenant_of = self._tenant
         if len(keys) == 1 or (parents[1] == keys[0] and parents[1:] == keys[:-1]):
             tenant = self._tenant_of_parent(parents[0], index)  # one chain: one tenant
-            for block_id in block_ids:
-                tenant_of[block_id] = tenant
+            collections.deque(map(tenant_of.__setitem__, block_ids, itertools.repeat(tenant)),
+                              maxlen=0)  # the loop in C
             self._key_tenants.remember(keys, tenant)
             return
         try:  # a decode step's blocks: each chains from its sequence's block indexed before
@@ -74,8 +80,7 @@ class TenantTags:
             owners = None
         if owners is not None:
             tenants = self.of(owners)
-            for block_id, tenant in zip(block_ids, tenants, strict=True):
-                tenant_of[block_id] = tenant
+            collections.deque(map(tenant_of.__setitem__, block_ids, tenants), maxlen=0)
             self._key_tenants.remember(keys, tenants)
             return
         batch: dict[bytes, int] = {}  # the tenants of this batch's keys, as they are found
@@ -95,7 +100,11 @@ class TenantTags:
         owner = index.get(parent)
         if owner is not None:
             return self._tenant[owner]
-        return self._key_tenants.get(parent, 0)
+        tenant = self._key_tenants.get(parent, -1)
+        if tenant < 0:
+            self.misses += 1
+            return 0
+        return tenant
 
 
 class LazyKeyMemory:

@@ -203,7 +203,8 @@ class LayerGroup:
         if swapped:
             self.swap.drop(seq_id, blocks)
         else:
-            allocator.free(blocks[blocks != 0], unique=True, **retain)
+            allocator.free(blocks[blocks != 0], unique=True, root=self.tables.root(row),
+                           **retain)
 
     def can_truncate(self, row: int, num_tokens: int) -> bool:
         """Whether the row still holds every block a query after `num_tokens` reads."""
