@@ -48,3 +48,27 @@ def test_a_parent_found_nowhere_makes_the_tags_read_again():
         _serve(allocator, b"\x07" * 32, 0, root)  # neither a root nor indexed nor remembered
     assert _cached(hinted) == _cached(read) == [3, 0, 0]
     assert hinted.snapshot() == read.snapshot()
+
+
+def test_a_freed_sequence_names_its_salted_root(monkeypatch):
+    """Fault: the layer group reads its row's root after removing the row (None: the hint
+    is lost and every tag read again)."""
+    from paged_kv import PagedKVCache
+
+    from ..conftest import tiny_config
+
+    cache = PagedKVCache(tiny_config(num_layers=1, num_kv_heads=1, head_dim=2, block_size=16,
+                                     num_blocks=64, num_host_blocks=0, tenants=POLICY))
+    roots = []
+    free = cache.allocator.free
+
+    def spy(block_ids, **kwargs):
+        roots.append(kwargs.get("root"))
+        return free(block_ids, **kwargs)
+
+    monkeypatch.setattr(cache.allocator, "free", spy)
+    cache.admit("s", list(range(1, 50)), salt="A")
+    cache.free("s")
+    cache.check()
+    assert roots == [root_hash("A")]
+    assert _cached(cache.allocator) == [0, 3, 0]

@@ -196,6 +196,7 @@ class LayerGroup:
     def remove(self, allocator: BlockAllocator, seq_id: SeqId, retain: dict) -> None:
         """Drop `seq_id`'s row: its device blocks freed (or its host blocks, if swapped)."""
         row = self.tables.row_of[seq_id]
+        root = self.tables.root(row)  # the salted root its blocks chain from (removal clears it)
         swapped = self.swap is not None and self.swap.is_swapped(seq_id)
         self.released_of(np.array([row]))
         blocks = self.tables.remove(seq_id)
@@ -203,8 +204,7 @@ class LayerGroup:
         if swapped:
             self.swap.drop(seq_id, blocks)
         else:
-            allocator.free(blocks[blocks != 0], unique=True, root=self.tables.root(row),
-                           **retain)
+            allocator.free(blocks[blocks != 0], unique=True, root=root, **retain)
 
     def can_truncate(self, row: int, num_tokens: int) -> bool:
         """Whether the row still holds every block a query after `num_tokens` reads."""
