@@ -12,8 +12,6 @@ when a parent is neither a root nor indexed, which is rare, so tagging appends i
 
 from __future__ import annotations
 
-import collections
-import itertools
 import operator
 from collections.abc import Mapping, Sequence
 
@@ -70,8 +68,8 @@ class TenantTags:
         tenant_of = self._tenant
         if len(keys) == 1 or (parents[1] == keys[0] and parents[1:] == keys[:-1]):
             tenant = self._tenant_of_parent(parents[0], index)  # one chain: one tenant
-            collections.deque(map(tenant_of.__setitem__, block_ids, itertools.repeat(tenant)),
-                              maxlen=0)  # the loop in C
+            for block_id in block_ids:
+                tenant_of[block_id] = tenant
             self._key_tenants.remember(keys, tenant)
             return
         try:  # a decode step's blocks: each chains from its sequence's block indexed before
@@ -80,7 +78,8 @@ class TenantTags:
             owners = None
         if owners is not None:
             tenants = self.of(owners)
-            collections.deque(map(tenant_of.__setitem__, block_ids, tenants), maxlen=0)
+            for block_id, tenant in zip(block_ids, tenants, strict=True):
+                tenant_of[block_id] = tenant
             self._key_tenants.remember(keys, tenants)
             return
         batch: dict[bytes, int] = {}  # the tenants of this batch's keys, as they are found
