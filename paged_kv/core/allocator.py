@@ -171,20 +171,8 @@ class BlockAllocator:
 
     def match(self, token_ids: bytes, num_blocks: int, keys: list[bytes], parent_key: bytes,
               ) -> tuple[list[int], list[bytes]]:
-        """The cached blocks of the longest prefix of `token_ids` (`num_blocks` equal slices,
-        consecutive full blocks), in one pass.
-
-        `keys` are the keys of the first blocks when known (the request carries them); the
-        others are hashed as the lookup reaches them (the first chained from `parent_key`),
-        and only those: it stops at the first miss.
-
-        Returns
-        -------
-        hits : list of int
-            Their block ids, in order.
-        keys : list of bytes
-            The keys known now: those given, then those hashed on the way.
-        """
+        """The cached blocks of the longest prefix of `token_ids`, and the keys known now
+        (`PrefixIndex.match`, whose docstring says how keys given and keys hashed combine)."""
         return self._prefix.match(token_ids, num_blocks, keys, parent_key)
 
     # -- mutators -------------------------------------------------------------------------
