@@ -178,14 +178,12 @@ class Admissions:
         if keys and not (isinstance(keys, list | tuple) and [*map(type, keys)].count(bytes)
                          == len(keys) == [*map(len, keys)].count(KEY_BYTES)):
             raise TypeError(f"{what}: keys must be a list of {KEY_BYTES}-byte block keys")
-        if self._layout is None:
-            return self._planner.plan_admission(seq_id, tokens, root if lookup else None,
-                                                keys=keys, max_tokens=max_tokens,
-                                                complete=complete)
         # a leader that gives blocks back finds its hit right to left: it needs every key
         plan = self._planner.plan_admission(seq_id, tokens, root if lookup else None,
                                             keys=keys, max_tokens=max_tokens,
                                             complete=complete or self._groups[0].gives_back)
+        if self._layout is None:
+            return plan
         return plan_groups(list(self._groups), self._allocator, plan,
                            self.config.block_size, max_tokens)
 

@@ -367,19 +367,17 @@ class PagedKVCache(Admissions, LayerAccess):
         >>> cache.num_blocks_needed({"a": 9})  # ceil(9 / 4)
         3
         """
+        if isinstance(new_tokens, np.ndarray) and self._layout is None and not per_sequence:
+            # the steady state: no copy, no step object
+            rows, _ = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
+            needed = self._tables.plan_decode(rows, self._allocator.protected)
+            if needed >= 0:
+                return needed
+        step = self._parse_needed(new_tokens)  # a copy, per sequence, or several groups
         if self._layout is not None:
-            need = self._layout.num_blocks_needed(self._parse_needed(new_tokens))
+            need = self._layout.num_blocks_needed(step)
             return need if per_sequence else int(need.sum())
-        if isinstance(new_tokens, np.ndarray):
-            rows, seq_ids = self._tables.resolve_rows("num_blocks_needed()", new_tokens)
-            if not per_sequence:  # the steady state: no copy, no step object
-                needed = self._tables.plan_decode(rows, self._allocator.protected)
-                if needed >= 0:
-                    return needed
-            step = Step(seq_ids, rows, *decode_columns(rows.size, False), _NO_TOKENS)
-            plan = self._planner.plan(step, fast=False)  # a copy, or per sequence
-        else:
-            plan = self._planner.plan(parse_step(new_tokens, self._tables), fast=False)
+        plan = self._planner.plan(step, fast=False)
         return plan.per_sequence() if per_sequence else plan.requested
 
     def _parse_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
