@@ -95,11 +95,7 @@ def test_a_failed_construction_leaves_the_process_usable(monkeypatch):
         with pytest.raises(RuntimeError, match="after the workers joined"):
             Engine(model, EngineConfig(cache=config, tensor_parallel_size=2))
     assert not torch.distributed.is_initialized()
-    want = Engine(model, EngineConfig(cache=config)).generate([[1, 2, 3]],
-                                                              SamplingParams(max_tokens=4))
-    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as engine:
-        got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    _assert_tensor_parallel_serves(model, config)
 
 
 def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
@@ -113,11 +109,7 @@ def test_workers_that_never_join_leave_the_process_usable(monkeypatch):
         with pytest.raises(EngineDeadError, match="did not join"):
             group.TensorParallelGroup(ModelSpec.of(model), config, 2, timeout_s=2)
     assert not torch.distributed.is_initialized()
-    want = Engine(model, EngineConfig(cache=config)).generate([[1, 2, 3]],
-                                                              SamplingParams(max_tokens=4))
-    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as engine:
-        got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    _assert_tensor_parallel_serves(model, config)
 
 
 _RANK0 = textwrap.dedent("""
@@ -222,3 +214,13 @@ def test_a_failed_tensor_parallel_step_leaves_the_engine_dead(monkeypatch):
         engine.close()
     assert time.monotonic() - start < 10, "close() waited for the stuck workers"
     assert all(p.poll() is not None for p in engine.runner.group.processes)
+
+
+def _assert_tensor_parallel_serves(model, config) -> None:
+    """The process can still start a tensor-parallel engine, and it gives one engine's
+    greedy tokens."""
+    want = Engine(model, EngineConfig(cache=config)).generate([[1, 2, 3]],
+                                                              SamplingParams(max_tokens=4))
+    with Engine(model, EngineConfig(cache=config, tensor_parallel_size=2)) as engine:
+        got = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
