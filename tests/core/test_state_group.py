@@ -152,6 +152,19 @@ def test_a_hit_rounds_down_to_the_last_checkpoint_and_copies_it():
     cache.check()
 
 
+def test_an_admission_asks_blocks_of_the_attention_groups_only():
+    """The state group holds no block: an admission of a 13-token prompt over one full
+    and two recurrent layers asks the full group's 4 blocks, not 4 per group (the
+    scheduler then never admitted a prompt that filled half the pool, and waited
+    forever)."""
+    cache = _cache()
+    plan = cache.plan_admission("a", list(range(13)))
+    assert plan.requested == 4
+    cache.admit("b", list(range(13)))
+    assert cache.stats().num_live_blocks == 4
+    cache.check()
+
+
 def test_no_checkpoint_no_hit_and_the_zero_state():
     """Without a checkpoint a prompt starts from zeros whatever its attention blocks hit,
     even in a slot whose last owner left a state in it."""

@@ -141,7 +141,9 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
     revived = leader.revived + (sum(group.revived(allocator, hits) for group, hits
                                     in zip(groups[1:], group_hits, strict=True))
                                 if leader.count else 0)
-    return HybridAdmission(leader, group_hits, leader.requested * len(groups), revived,
+    # at most the leader's blocks in every group that holds blocks (a state group holds none)
+    holders = sum(group.holds_blocks for group in groups)
+    return HybridAdmission(leader, group_hits, leader.requested * holders, revived,
                            tuple(groups))
 
 

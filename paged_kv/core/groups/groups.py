@@ -73,6 +73,7 @@ class LayerGroup:
     swap: SwapSpace | None = None
 
     gives_back: ClassVar[bool] = False  # whether rows give blocks back as they grow
+    holds_blocks: ClassVar[bool] = True  # whether rows hold blocks of the pool at all
 
     @classmethod
     def build(cls, index: int, kind: LayerKind, layers: tuple[int, ...], config: CacheConfig,

@@ -27,6 +27,7 @@ place. Its rules:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -65,6 +66,8 @@ class StateGroup(LayerGroup):
     slab: StateSlab | None = None
     leader: PageTables | None = None
     lost: set[int] = dataclasses.field(default_factory=set)
+
+    holds_blocks: ClassVar[bool] = False  # a row holds a state slot, never a block
 
     @classmethod
     def build(cls, index: int, kind: LayerKind, layers: tuple[int, ...], config: CacheConfig,
