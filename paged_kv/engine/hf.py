@@ -18,9 +18,14 @@ from ..config import CacheConfig, LayerKind
 from ..core.batch import StepBatch
 from ..core.cache import PagedKVCache
 from ..integrations.hf_architectures import require_served
-from ..integrations.hf_support import UnsupportedModelError, layer_kinds
+from ..integrations.hf_layers import model_layers
+from ..integrations.hf_support import UnsupportedModelError
+from .hf_recurrent import StepContext, install_mixers
 
 ATTN_IMPLEMENTATION = "paged_kv"
+# state slots of a model with recurrent layers when its cache config names none: the live
+# states of the engine's default 64 sequences, as many again for prefix-cache checkpoints
+DEFAULT_STATE_SLOTS = 128
 
 
 def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -36,9 +41,10 @@ def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     """
     cache: PagedKVCache = kwargs["paged_kv_cache"]
     batch: StepBatch = kwargs["paged_kv_batch"]
-    layer = module.layer_idx
+    step: StepContext = kwargs["paged_kv_step"]
+    layer = kwargs["paged_kv_cache_layers"][module.layer_idx]  # its layer of the cache
     _check_window(module, layer, cache.config.kind_of(layer), kwargs.get("sliding_window"))
-    kwargs["paged_kv_layers"].add(layer)
+    step.ran.add(layer)
     cache.write(layer, key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(),
                 batch)
     out = cache.attention(layer, query[0].transpose(0, 1).contiguous(), batch, scale=scaling,
@@ -113,14 +119,19 @@ class HFCausalLM(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         require_served(model.config, type(self).__name__)
-        self.layer_kinds = layer_kinds(model.config)
+        layers = model_layers(model.config, model.dtype)
+        self.layer_kinds = layers.kinds
+        # model layer -> cache layer (a layer that keeps nothing has none)
+        self.cache_layers = layers.cache_layers
+        self._step = StepContext()
+        self.num_recurrent = install_mixers(model, layers, self._step)
         _register()
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         self.model = model.eval()
         hf = model.config
         self.name = f"{type(model).__name__} ({getattr(hf, 'name_or_path', '') or 'local'})"
         self.config = _ModelLimits(hf.vocab_size, hf.max_position_embeddings)
-        self.kv_shape = (hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None)
+        self.kv_shape = (len(self.layer_kinds), getattr(hf, "num_key_value_heads", None)
                           or hf.num_attention_heads,
                           getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
         self.eos_token_ids = _eos_token_ids(model)
@@ -153,11 +164,16 @@ class HFCausalLM(torch.nn.Module):
 
     def cache_config(self, num_blocks: int = 1024, block_size: int = 16,
                      **overrides) -> CacheConfig:
-        """The `CacheConfig` whose K/V shape and layer kinds (`layer_kinds`) match the model."""
+        """The `CacheConfig` whose K/V shape and layer kinds (`layer_kinds`) match the model.
+
+        A model with recurrent layers gets `DEFAULT_STATE_SLOTS` state slots unless
+        ``num_state_slots`` is among `overrides` (live states of running sequences, the
+        rest prefix-cache checkpoints)."""
         num_layers, num_kv_heads, head_dim = self.kv_shape
         fields = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       block_size=block_size, num_blocks=num_blocks, dtype=self.model.dtype,
-                      layer_kinds=self.layer_kinds)
+                      layer_kinds=self.layer_kinds,
+                      num_state_slots=DEFAULT_STATE_SLOTS if self.num_recurrent else 0)
         fields.update(overrides)
         return CacheConfig(**fields)
 
@@ -167,15 +183,20 @@ class HFCausalLM(torch.nn.Module):
         """One step: ``[N]`` tokens and positions -> ``[len(logits_indices), vocab]`` logits."""
         if logits_indices is None:
             logits_indices = torch.arange(token_ids.shape[0])
-        attended: set[int] = set()
-        output = self.model(input_ids=token_ids[None], position_ids=positions[None],
-                            use_cache=False, logits_to_keep=logits_indices,
-                            paged_kv_cache=cache, paged_kv_batch=batch,
-                            paged_kv_layers=attended)
-        if len(attended) != cache.config.num_layers:
-            # a layer that never reached the attention function (a recurrent or convolution
-            # layer) kept no state of the past: its logits would be wrong tokens
-            missing = sorted(set(range(cache.config.num_layers)) - attended)
+        step = self._step
+        step.open(cache, batch)
+        try:
+            output = self.model(input_ids=token_ids[None], position_ids=positions[None],
+                                use_cache=False, logits_to_keep=logits_indices,
+                                paged_kv_cache=cache, paged_kv_batch=batch,
+                                paged_kv_step=step, paged_kv_cache_layers=self.cache_layers)
+            ran = step.ran
+        finally:
+            step.close()
+        if len(ran) != cache.config.num_layers:
+            # a cache layer that never reached the attention function nor a mixer kept no
+            # state of the past: its logits would be wrong tokens
+            missing = sorted(set(range(cache.config.num_layers)) - ran)
             raise UnsupportedModelError(
                 f"{self.name}: layers {missing} did not attend through the paged cache (not "
                 "attention layers, or attention that does not dispatch through "

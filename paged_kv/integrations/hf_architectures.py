@@ -24,7 +24,8 @@ latent attention, ...), and for the few settings only its model type tells apart
 
 from __future__ import annotations
 
-from .hf_support import layer_kinds, require_supported, unsupported_features
+from .hf_layers import RECURRENT_MODEL_TYPES, model_layers
+from .hf_support import UnsupportedModelError, layer_kinds, require_supported, unsupported_features
 
 __all__ = ["REFUSED_MODEL_TYPES", "SERVED_MODEL_TYPES", "engine_features", "require_served"]
 
@@ -101,15 +102,20 @@ def engine_features(config: object) -> list[str]:
     list of str
         Reasons, empty when the engine serves the model.
     """
-    found = unsupported_features(config)
     model_type = getattr(config, "model_type", None)
+    found = unsupported_features(config, layers=model_type not in RECURRENT_MODEL_TYPES)
+    if model_type in RECURRENT_MODEL_TYPES:  # its recurrent layers run through mixers
+        try:
+            model_layers(config)
+        except UnsupportedModelError as error:
+            found += error.features
     getter = getattr(config, "get_text_config", None)
     if model_type in REFUSED_MODEL_TYPES:
         found.append(REFUSED_MODEL_TYPES[model_type])
     elif getter is not None and getter(decoder=True) is not config:
         found.append("a composite (multimodal) config around its text model's: the engine "
                      "serves text-only causal LMs, so serve the text model's checkpoint")
-    elif model_type not in SERVED_MODEL_TYPES:
+    elif model_type not in SERVED_MODEL_TYPES | RECURRENT_MODEL_TYPES:
         found.append("attention the engine is not checked to compute (model type not among "
                      "those it serves, listed below)")
     if model_type in CAUSAL_ONLY_AS_DECODER and not getattr(config, "is_decoder", False):
@@ -139,4 +145,4 @@ def require_served(config: object, who: str) -> None:
     require_supported(config, who, engine_features(config),
                       note=f". paged_kv's engine serves these model types, each checked "
                            f"against transformers' own generate: "
-                           f"{', '.join(sorted(SERVED_MODEL_TYPES))}")
+                           f"{', '.join(sorted(SERVED_MODEL_TYPES | RECURRENT_MODEL_TYPES))}")

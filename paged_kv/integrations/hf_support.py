@@ -104,7 +104,7 @@ def window_of(config: object) -> int:
     return _bites(config, getattr(config, "sliding_window", None))
 
 
-def unsupported_features(config: object) -> list[str]:
+def unsupported_features(config: object, *, layers: bool = True) -> list[str]:
     """Every setting of `config` paged_kv does not serve: layer types other than full,
     sliding and chunked attention, cross-attention, bidirectional attention, keys or values
     of another head dim than the pages' one (latent attention), and attention shapes or
@@ -114,6 +114,10 @@ def unsupported_features(config: object) -> list[str]:
     ----------
     config : transformers.PreTrainedConfig
         A model config (its decoder text config is read).
+    layers : bool
+        Check the layer types here (attention kinds only); False leaves them to the caller
+        (the engine's `paged_kv.integrations.hf_layers.model_layers`, which also serves
+        recurrent layers).
 
     Returns
     -------
@@ -134,11 +138,11 @@ def unsupported_features(config: object) -> list[str]:
     per_layer = _per_layer_settings(text)
     found += per_layer + _head_dim_mismatches(text)
     blocks = getattr(text, "layers_block_type", None)  # Jamba-style hybrid layer lists
-    if isinstance(blocks, list | tuple):
+    if layers and isinstance(blocks, list | tuple):
         found += [f"layers_block_type has {sum(b == kind for b in blocks)} {kind!r} layers"
                   for kind in sorted(set(map(str, blocks)) - {"attention"})]
     try:
-        if not per_layer:  # a window set per layer cannot be read globally
+        if layers and not per_layer:  # a window set per layer cannot be read globally
             layer_kinds(text)
     except UnsupportedModelError as exc:
         found += exc.features

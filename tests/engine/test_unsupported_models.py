@@ -39,9 +39,8 @@ def _refused() -> dict[str, tuple[object, str]]:
     t = transformers
     four = {**COMMON, "num_hidden_layers": 4}
     return {
-        "qwen3-next linear attention": (t.Qwen3NextConfig(**four),
-                                        "3 'linear_attention' layers"),
-        "jamba mamba layers": (t.JambaConfig(**four), "4 'mamba' layers"),
+        # the engine serves recurrent layers beside attention, never alone
+        "jamba mamba layers": (t.JambaConfig(**four), "4 recurrent layers and no attention"),
         "a linear_attention layer set on qwen2": (
             t.Qwen2Config(layer_types=["full_attention", "linear_attention"], **COMMON),
             "1 'linear_attention' layers"),
@@ -70,7 +69,18 @@ def test_hf_causal_lm_refuses_the_model_naming_type_and_layer_type(name, refused
     message = str(info.value)
     assert repr(config.model_type) in message and setting in message
     assert any(setting in feature for feature in info.value.features)
-    with pytest.raises(UnsupportedModelError, match=setting):
+    with pytest.raises(UnsupportedModelError, match=CACHE_SETTING.get(name, setting)):
+        PagedCache(config, num_blocks=8)
+
+
+# what transformers' PagedCache (attention only) names where the engine names another
+CACHE_SETTING = {"jamba mamba layers": "4 'mamba' layers"}
+
+
+def test_the_transformers_cache_refuses_recurrent_layers_the_engine_serves():
+    """`PagedCache` pages attention only: a hybrid of recurrent layers is the engine's."""
+    config = transformers.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4})
+    with pytest.raises(UnsupportedModelError, match="3 'linear_attention' layers"):
         PagedCache(config, num_blocks=8)
 
 

@@ -126,8 +126,6 @@ def _refused() -> dict[str, tuple[transformers.PreTrainedConfig, str]]:
                                          "multi-head latent attention (kv_lora_rank=16)"),
         "mimo v2 values of their own head dim": (tiny_config("mimo_v2_flash", v_head_dim=8),
                                                  "values of head dim 8"),
-        "qwen3-next linear attention": (tiny_config("qwen3_next", num_hidden_layers=4),
-                                        "'linear_attention' layers"),
         "qwen3.5 multimodal with linear layers": (
             transformers.Qwen3_5Config(text_config=dict(TINY, num_hidden_layers=4)),
             "'linear_attention' layers"),
@@ -135,11 +133,10 @@ def _refused() -> dict[str, tuple[transformers.PreTrainedConfig, str]]:
                                                         num_heads=8, head_dim=16, n_groups=1,
                                                         vocab_size=128),
                               "recurrent state"),
-        "jamba mamba layers": (tiny_config("jamba", num_hidden_layers=4), "'mamba' layers"),
+        # served beside attention (tests/engine/test_recurrent_models.py), not alone
+        "jamba mamba layers only": (tiny_config("jamba", num_hidden_layers=4),
+                                    "4 recurrent layers and no attention layer"),
         "falcon-h1 hybrid layers": (tiny_config("falcon_h1"), "'hybrid' layers"),
-        "nemotron-h hybrid layers": (tiny_config("nemotron_h"), "'linear_attention' layers"),
-        "lfm2 convolution layers": (tiny_config("lfm2", layer_types=["conv", "full_attention"]),
-                                    "1 'conv' layers"),
         "gemma 3 multimodal": (transformers.Gemma3Config(text_config=dict(TINY)),
                                "composite (multimodal) config"),
         "llama 4 multimodal": (transformers.Llama4Config(text_config=dict(TINY)),

@@ -1,0 +1,159 @@
+"""Which layers of a transformers model keep what in the paged cache: K/V pages, a recurrent
+state, or nothing.
+
+An attention-only model keeps K/V in every layer (`hf_support.layer_kinds`). A hybrid keeps
+K/V in its attention layers and a recurrent state (`LayerKind.recurrent`, the states
+`paged_kv.integrations.recurrent.recurrent_layers` reads) in its recurrent layers, which the
+engine runs through a mixer (`paged_kv.integrations.mixers`); Nemotron-H's MLP and MoE
+layers keep nothing, so the cache has no layer for them. `model_layers` gives the cache's
+layers and the map from each model layer to its cache layer.
+
+Served: the model types of `RECURRENT_MODEL_TYPES` (each with a mixer for its recurrent
+modules). Refused by name: a layer that attends and keeps a state at once (Falcon-H1's and
+Zamba's ``"hybrid"`` layers), a model of recurrent layers only (the cache's prefix index
+keys a state by the blocks of an attention group), a recurrent model type without a mixer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import NO_RECURRENT_ONLY, LayerKind
+from .hf_support import (
+    LAYER_TYPES,
+    LEGACY_LAYER_TYPES,
+    _kind_of_type,
+    _layer_types,
+    _refuse,
+    layer_kinds,
+)
+from .recurrent import HYBRID_LAYER_TYPES, RECURRENCES, RECURRENT_LAYER_TYPES, recurrent_layers
+
+__all__ = ["NO_CACHE_LAYER_TYPES", "RECURRENT_MODEL_TYPES", "ModelLayers", "model_layers"]
+
+# model types whose recurrent layers the engine runs (through `mixers.MIXERS`), checked
+# against transformers' generate
+RECURRENT_MODEL_TYPES = frozenset({
+    "bamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe", "nemotron_h", "qwen3_5_moe_text",
+    "qwen3_5_text", "qwen3_next",
+})
+# layer types with no sequence mixer (Nemotron-H's MLP and MoE blocks): nothing to cache
+NO_CACHE_LAYER_TYPES = frozenset({"mlp", "moe"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayers:
+    """The cache's layers of a model.
+
+    Attributes
+    ----------
+    kinds : tuple of LayerKind
+        One per cache layer, in model order (`CacheConfig.layer_kinds`).
+    cache_layers : tuple of int or None
+        One per model layer: its cache layer, None for a layer that keeps nothing.
+    """
+
+    kinds: tuple[LayerKind, ...]
+    cache_layers: tuple[int | None, ...]
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether model layer ``i`` is cache layer ``i`` for every ``i``."""
+        return all(cache == model for model, cache in enumerate(self.cache_layers))
+
+
+def model_layers(config: object, dtype: torch.dtype | str = torch.float32) -> ModelLayers:
+    """The cache's layers of the model `config` describes, loaded in `dtype`.
+
+    Parameters
+    ----------
+    config : transformers.PreTrainedConfig
+        The model's config (its decoder text config is read).
+    dtype : torch.dtype or str
+        The model's dtype: a convolution window is kept in it (recurrent states in float32).
+
+    Returns
+    -------
+    ModelLayers
+
+    Raises
+    ------
+    UnsupportedModelError
+        A layer type the engine does not serve (see the module docstring), naming the model
+        type and the layer type; an attention-only model raises what `layer_kinds` raises.
+
+    Examples
+    --------
+    >>> from transformers import Qwen3NextConfig
+    >>> config = Qwen3NextConfig(num_hidden_layers=4, hidden_size=64,
+    ...     layer_types=["linear_attention"] * 3 + ["full_attention"])
+    >>> layers = model_layers(config)
+    >>> [str(kind) for kind in layers.kinds], layers.cache_layers
+    (['recurrent', 'recurrent', 'recurrent', 'full'], (0, 1, 2, 3))
+    """
+    text = _text_config(config)
+    types = _types(text)
+    if not any(kind in RECURRENT_LAYER_TYPES or kind in NO_CACHE_LAYER_TYPES for kind in types):
+        kinds = layer_kinds(text)
+        return ModelLayers(kinds, tuple(range(len(kinds))))
+    model_type = getattr(text, "model_type", None)
+    if len(types) != text.num_hidden_layers:
+        _refuse(text, [f"layer_types has {len(types)} entries for {text.num_hidden_layers} "
+                       "layers"])
+    found = _refused_types(types, model_type)
+    if found:
+        _refuse(text, found)
+    try:
+        states = recurrent_layers(text, dtype)
+    except NotImplementedError as error:
+        _refuse(text, [str(error)])
+    kinds: list[LayerKind] = []
+    cache_layers: list[int | None] = []
+    for index, kind in enumerate(types):
+        if kind in NO_CACHE_LAYER_TYPES:
+            cache_layers.append(None)
+            continue
+        cache_layers.append(len(kinds))
+        kinds.append(LayerKind.recurrent(states[index]) if index in states
+                     else _kind_of_type(text, kind))
+    if all(kind.is_recurrent for kind in kinds):
+        _refuse(text, [f"{len(kinds)} recurrent layers and no attention layer ("
+                       f"{NO_RECURRENT_ONLY})"])
+    return ModelLayers(tuple(kinds), tuple(cache_layers))
+
+
+def _types(text: object) -> list[str]:
+    """The layer types: ``layer_types`` as attention reads it, and for a recurrent family
+    also one its config derives on reading (Nemotron-H's and Bamba's come from
+    ``hybrid_override_pattern`` / ``attn_layer_indices``)."""
+    types = _layer_types(text)
+    if types is None and getattr(text, "model_type", None) in RECURRENCES:
+        types = [LEGACY_LAYER_TYPES.get(str(kind), str(kind))
+                 for kind in getattr(text, "layer_types", None) or ()]
+    return types or []
+
+
+def _refused_types(types: list[str], model_type: str | None) -> list[str]:
+    """The layer types of a hybrid model the engine does not serve, counted."""
+    counts: dict[str, int] = {}
+    for kind in types:
+        counts[kind] = counts.get(kind, 0) + 1
+    found = [f"{count} {kind!r} layers (attention and a recurrent state in one layer)"
+             for kind, count in counts.items() if kind in HYBRID_LAYER_TYPES]
+    found += [f"{count} {kind!r} layers" for kind, count in counts.items()
+              if kind not in LAYER_TYPES and kind not in RECURRENT_LAYER_TYPES
+              and kind not in NO_CACHE_LAYER_TYPES]
+    if model_type not in RECURRENT_MODEL_TYPES:
+        recurrent = sum(count for kind, count in counts.items() if kind in RECURRENT_LAYER_TYPES)
+        if recurrent:
+            found.append(f"{recurrent} recurrent layers of a model type whose recurrent "
+                         f"modules the engine does not run (it runs "
+                         f"{', '.join(sorted(RECURRENT_MODEL_TYPES))})")
+    return found
+
+
+def _text_config(config: object) -> object:
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config

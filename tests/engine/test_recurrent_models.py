@@ -1,0 +1,195 @@
+"""Models with recurrent layers, served by the engine, give transformers' own greedy tokens.
+
+Tiny random checkpoints (no download) of each hybrid family the engine serves — Qwen3-Next
+and Qwen3.5 (gated delta nets), Jamba (Mamba-1), LFM2 (short convolutions), Nemotron-H
+(Mamba-2 beside attention and an MLP-only layer), Granite 4 hybrids and Bamba (Mamba-2) —
+each against ``generate`` on the same checkpoint (float32, greedy, transformers' torch
+recurrences). The recurrent layers' states live in the cache's state slab: a packed step
+mixes prefill chunks and decodes, a 24-token budget splits the long prompts into chunks
+that start inside a block, and prefix hits at block 16 serve a prompt only where a state
+checkpoint sits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from paged_kv.engine import Engine, SamplingParams  # noqa: E402
+from paged_kv.engine.config import EngineConfig  # noqa: E402
+from paged_kv.engine.hf import HFCausalLM  # noqa: E402
+from paged_kv.integrations.hf_layers import model_layers  # noqa: E402
+
+from .conftest import prompt  # noqa: E402
+
+MAX_TOKENS = 6
+BLOCK = 16
+LENGTHS = (5, 16, 37, 70)
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3)
+LIN, FULL = "linear_attention", "full_attention"
+# two 3-block prefixes each prompt family below shares or not
+SHARED = prompt(9 * BLOCK + 5, seed=99, vocab_size=128)
+
+
+def recurrent_configs() -> dict[str, tuple[object, tuple[str, ...], tuple[int | None, ...]]]:
+    """``{family: (config, each cache layer's kind, each model layer's cache layer)}``."""
+    t = transformers
+    delta = dict(num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL], head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    mamba2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
+                  mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, num_hidden_layers=4)
+    three_one = ("recurrent", "recurrent", "full", "recurrent")
+    return {
+        "qwen3_next": (t.Qwen3NextConfig(**COMMON, **delta, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, decoder_sparse_step=1,
+                                         shared_expert_intermediate_size=32),
+                       ("recurrent",) * 3 + ("full",), (0, 1, 2, 3)),
+        "qwen3_5_text": (t.Qwen3_5TextConfig(**COMMON, **delta),
+                         ("recurrent",) * 3 + ("full",), (0, 1, 2, 3)),
+        "jamba": (t.JambaConfig(**COMMON, num_hidden_layers=4, attn_layer_period=4,
+                                attn_layer_offset=2, expert_layer_period=2,
+                                expert_layer_offset=1, num_experts=2, mamba_d_state=8,
+                                mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+                  three_one, (0, 1, 2, 3)),
+        "lfm2": (t.Lfm2Config(**COMMON, num_hidden_layers=4, conv_L_cache=3,
+                              layer_types=["conv", "conv", FULL, "conv"]),
+                 three_one, (0, 1, 2, 3)),
+        "nemotron_h": (t.NemotronHConfig(**COMMON, head_dim=16, num_hidden_layers=4,
+                                         hybrid_override_pattern="M*M-", mamba_num_heads=8,
+                                         mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+                                         conv_kernel=4, mamba_chunk_size=16),
+                       ("recurrent", "full", "recurrent"), (0, 1, 2, None)),
+        "granitemoehybrid": (t.GraniteMoeHybridConfig(
+            **COMMON, **mamba2, layer_types=["mamba", "mamba", "attention", "mamba"],
+            num_local_experts=2, num_experts_per_tok=1), three_one, (0, 1, 2, 3)),
+        "bamba": (t.BambaConfig(**COMMON, **mamba2, attn_layer_indices=[2]),
+                  three_one, (0, 1, 2, 3)),
+    }
+
+
+FAMILIES = sorted(recurrent_configs())
+
+
+def prompts() -> dict[str, list[int]]:
+    """Mixed lengths (shorter than a block, one block, several chunks), and prompts that
+    share `SHARED`'s first 3 blocks, all of it, or its 9 blocks and 5 more tokens."""
+    found = {f"len{n}": prompt(n, seed=n, vocab_size=128) for n in LENGTHS}
+    found["shared"] = SHARED
+    found["3 blocks"] = SHARED[:3 * BLOCK] + prompt(20, seed=3, vocab_size=128)
+    found["inside a block"] = SHARED[:9 * BLOCK + 3] + prompt(7, seed=9, vocab_size=128)
+    return found
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, object]:
+    paths = {}
+    for family, (config, _, _) in recurrent_configs().items():
+        torch.manual_seed(0)
+        paths[family] = tmp_path_factory.mktemp(family)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(paths[family])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> dict[tuple[str, str], list[int]]:
+    """transformers' greedy tokens per (family, prompt), float32, its own cache."""
+    found = {}
+    for family, path in checkpoints.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for name, ids in prompts().items():
+            ids = torch.tensor([ids])
+            out = model.eval().generate(ids, attention_mask=torch.ones_like(ids),
+                                        do_sample=False, max_new_tokens=MAX_TOKENS,
+                                        eos_token_id=None, pad_token_id=0)
+            found[family, name] = out[0, ids.shape[1]:].tolist()
+    return found
+
+
+def engine_for(path, num_blocks: int = 96, **kwargs) -> Engine:
+    runner = HFCausalLM.from_pretrained(path)
+    return Engine(runner, EngineConfig(
+        cache=runner.cache_config(num_blocks=num_blocks, block_size=BLOCK,
+                                  num_state_slots=kwargs.pop("num_state_slots", 64)),
+        max_num_seqs=kwargs.pop("max_num_seqs", 16), **kwargs))
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_layers_follow_the_config(family):
+    config, kinds, cache_layers = recurrent_configs()[family]
+    layers = model_layers(config)
+    assert tuple(str(kind) for kind in layers.kinds) == kinds
+    assert layers.cache_layers == cache_layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_mixed_batch_in_chunks_matches_generate(family, checkpoints, expected):
+    """Four prompts (5 to 70 tokens) in one batch with a 24-token budget: steps mix
+    prefill chunks (starting mid-block) with decodes of the shorter prompts."""
+    engine = engine_for(checkpoints[family], max_num_batched_tokens=24)
+    names = [f"len{n}" for n in LENGTHS]
+    outputs = engine.generate([prompts()[name] for name in names], greedy())
+    for name, output in zip(names, outputs, strict=True):
+        assert output.outputs[0].token_ids == expected[family, name], f"{family}, {name}"
+    engine.cache.check()
+    stats = engine.cache.stats()
+    assert stats.num_live_blocks == 0 and stats.num_live_states == 0
+    assert stats.checkpoints_written > 0  # the 70-token prompt filled 4 blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_hits_serve_their_state(family, checkpoints, expected):
+    """After a 149-token prompt, the same prompt hits its 9 whole blocks, one sharing 3
+    blocks hits 3, one diverging inside block 10 hits 9: each hit at a state checkpoint,
+    with transformers' tokens."""
+    engine = engine_for(checkpoints[family])
+    cases = {"shared": 9 * BLOCK, "3 blocks": 3 * BLOCK, "inside a block": 9 * BLOCK}
+    first = engine.generate([prompts()["shared"]], greedy())[0]
+    assert first.prefix_hit_tokens == 0
+    assert first.outputs[0].token_ids == expected[family, "shared"]
+    for name, hit in cases.items():
+        output = engine.generate([prompts()[name]], greedy())[0]
+        assert output.prefix_hit_tokens == hit, name
+        assert output.outputs[0].token_ids == expected[family, name], name
+        engine.cache.check()
+    assert engine.cache.stats().checkpoints_hit == len(cases)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_samples_fork_the_state(family, checkpoints, expected):
+    """n=3: the samples fork off the prompt's state (each copies it) and decode alike."""
+    engine = engine_for(checkpoints[family])
+    output = engine.generate([prompts()["len37"]], greedy(n=3))[0]
+    assert [s.token_ids for s in output.outputs] == [expected[family, "len37"]] * 3
+    engine.cache.check()
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "jamba"])
+def test_preemption_by_recompute_matches_generate(family, checkpoints, expected):
+    """A pool of 7 blocks for four prompts that would hold 11 at once: the engine
+    preempts, recomputes (the state starts again from zeros or a checkpoint), and the
+    tokens do not change."""
+    engine = engine_for(checkpoints[family], num_blocks=8, max_num_batched_tokens=24)
+    names = ["len70", "len37", "len16", "len5"]
+    outputs = engine.generate([prompts()[name] for name in names], greedy())
+    for name, output in zip(names, outputs, strict=True):
+        assert output.outputs[0].token_ids == expected[family, name], name
+    assert sum(output.num_preemptions for output in outputs) > 0
+    engine.cache.check()
+
+
+def test_too_few_state_slots_and_swap_are_refused_at_start(checkpoints):
+    runner = HFCausalLM.from_pretrained(checkpoints["bamba"])
+    with pytest.raises(ValueError, match="num_state_slots"):
+        Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32, num_state_slots=4),
+                                    max_num_seqs=8))
+    with pytest.raises(ValueError, match="swap"):
+        Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32, num_host_blocks=32),
+                                    preemption="swap"))
