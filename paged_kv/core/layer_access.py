@@ -206,7 +206,9 @@ class LayerAccess:
         Mutates
         -------
         The slab's live slots of the step's rows, and its checkpoint slots named by the
-        batch (``emit_slots``).
+        batch (``emit_slots``); the write of the group's last recurrent layer makes those
+        checkpoints servable and evictable (the layers are written in order: every one
+        wrote them).
         """
         what = "write_states()"
         require_layer(self.config, what, layer)
@@ -222,6 +224,8 @@ class LayerAccess:
         slab.write(layer, states.slots, final)
         if states.num_emitted:
             slab.write(layer, states.emit_slots, emitted)
+            if layer == group.layers[-1]:  # every recurrent layer wrote its checkpoints
+                group.slots.written(states.emit_slots.tolist())
 
     def _state_group(self, layer: int, what: str) -> Any:
         """The layer group holding recurrent layer `layer`'s states (the cache's answer;

@@ -168,7 +168,6 @@ class EngineConfig:
                              f"recurrent states than max_num_seqs ({self.max_num_seqs}) "
                              f"sequences: raise num_state_slots or lower max_num_seqs")
         refused = [name for name, on in (
-            ("preemption='swap'", self.preemption == "swap"),
             ("kv_tiers", self.kv_tiers is not None and self.kv_tiers.enabled),
             ("handoff", self.handoff is not None),
             ("tensor_parallel_size > 1", self.tensor_parallel_size != 1)) if on]

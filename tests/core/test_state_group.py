@@ -180,14 +180,30 @@ def test_no_checkpoint_no_hit_and_the_zero_state():
 def test_a_pending_checkpoint_is_not_served():
     """A checkpoint is taken when its step commits, before its forward writes it: a
     sequence admitted meanwhile does not start from it (it starts from zeros), and is
-    served it once the writer's next step shows its forward ran."""
+    served it once the last recurrent layer wrote it (or the writer's next step shows its
+    forward ran)."""
     cache = _cache()
     prompt = list(range(9))
-    _run(cache, "a", prompt, final=1.0)
+    _, batch = cache.admit("a", prompt)
     assert cache.add_sequence("b", prompt) == 0  # a's checkpoints are pending
-    cache.prepare({"a": [42]})
+    _write(cache, batch, 1.0, [float(t + 1) for t in batch.groups[-1].emit_tokens.tolist()])
     assert cache.add_sequence("c", prompt) == 8
     assert _value(_live(cache, "c")) == 8.0
+    cache.free("c")
+    _, batch = cache.admit("d", [7] * 9)
+    cache.prepare({"d": [42]})  # its next step: the forward ran
+    assert cache.add_sequence("e", [7] * 9) == 8
+    cache.check()
+
+
+def test_written_checkpoints_are_evictable_before_the_next_step():
+    """A step whose filled blocks took every free slot as checkpoints: once written they
+    give way to the next admission's live state (else it found no slot)."""
+    cache = _cache(slots=3)
+    _run(cache, "a", list(range(13)), final=1.0)  # live + 2 checkpoints: the slab is full
+    assert cache.stats().num_checkpoints == 2
+    cache.add_sequence("b", [50, 51])
+    assert cache.stats().num_checkpoints == 1
     cache.check()
 
 
@@ -257,7 +273,10 @@ def test_a_failed_step_drops_its_checkpoints_and_loses_a_state_it_cannot_restore
     written = cache.stats().checkpoints_written
     batch = cache.prepare({"a": [6, 7, 8, 9, 10, 11, 12], "b": [108, 109, 110, 111]})
     assert batch.groups[-1].num_emitted == 3  # after 8 (a), 12 (a) and 12 (b)
-    _write(cache, batch, -5.0, [-5.0] * 3)  # a forward that failed half-way wrote garbage
+    # a forward that failed half-way: its first recurrent layer wrote garbage
+    states, first = batch.groups[-1], _recurrent(cache)[0]
+    cache.write_states(first, batch, _fill(cache, lambda s: (states.batch_size, *s.shape), -5.0),
+                       _fill(cache, lambda s: (states.num_emitted, *s.shape), -5.0))
     cache.truncate("a", 6, unwritten=True)
     cache.truncate("b", 8, unwritten=True)
     assert cache.stats().checkpoints_written == written
@@ -344,13 +363,37 @@ def test_slots_offer_densely_then_by_value():
 
 
 # -- refusals -------------------------------------------------------------------------------
-def test_swap_is_refused_on_a_state_layout():
-    cache = _cache(num_host_blocks=8)
-    cache.admit("a", [1, 2, 3])
+def test_swap_moves_the_live_state_to_the_host_and_back():
+    """The state leaves its slot with the blocks (the slot goes free) and comes back into
+    a fresh one, unchanged; past num_state_slots host copies a swap-out is refused as out
+    of blocks (the scheduler then recomputes), changing nothing."""
+    cache = _cache(slots=2, num_host_blocks=16)
+    for seq_id, final in (("a", 5.0), ("b", 6.0)):
+        _, batch = cache.admit(seq_id, [1, 2, 3])
+        _write(cache, batch, final, [])
+    cache.swap_out("a")
+    cache.check()
+    assert cache.stats().num_live_states == 1
+    _, batch = cache.admit("c", [4, 5])  # takes the slot "a" gave up
+    _write(cache, batch, 7.0, [])
+    cache.swap_out("b")
     before = snapshot(cache)
-    with pytest.raises(PagedKVError, match="recurrent layers cannot swap yet"):
-        cache.swap_out("a")
+    with pytest.raises(OutOfBlocksError, match="host state copies"):
+        cache.swap_out("c")
     assert_same_snapshot(before, snapshot(cache), "refused swap_out()")
+    cache.admit("d", [6])  # the slot "b" gave up: none left to swap into
+    before = snapshot(cache)
+    with pytest.raises(OutOfBlocksError, match="state slots"):
+        cache.swap_in("a")
+    assert_same_snapshot(before, snapshot(cache), "refused swap_in()")
+    cache.free("c")
+    cache.free("d")
+    cache.swap_in("a")
+    cache.swap_in("b")
+    assert _value(_live(cache, "a")) == 5.0 and _value(_live(cache, "b")) == 6.0
+    cache.free("a")
+    cache.check()
+    assert cache.stats().num_live_states == 1
 
 
 def test_kv_calls_on_a_recurrent_layer_and_state_calls_on_an_attention_one_are_refused():

@@ -113,7 +113,8 @@ def engine_for(path, num_blocks: int = 96, **kwargs) -> Engine:
     runner = HFCausalLM.from_pretrained(path)
     return Engine(runner, EngineConfig(
         cache=runner.cache_config(num_blocks=num_blocks, block_size=BLOCK,
-                                  num_state_slots=kwargs.pop("num_state_slots", 64)),
+                                  num_state_slots=kwargs.pop("num_state_slots", 64),
+                                  num_host_blocks=kwargs.pop("num_host_blocks", 0)),
         max_num_seqs=kwargs.pop("max_num_seqs", 16), **kwargs))
 
 
@@ -171,25 +172,29 @@ def test_samples_fork_the_state(family, checkpoints, expected):
     engine.cache.check()
 
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("family", ["bamba", "qwen3_next", "jamba"])
-def test_preemption_by_recompute_matches_generate(family, checkpoints, expected):
+def test_preemption_matches_generate(family, preemption, checkpoints, expected):
     """A pool of 7 blocks for four prompts that would hold 11 at once: the engine
-    preempts, recomputes (the state starts again from zeros or a checkpoint), and the
-    tokens do not change."""
-    engine = engine_for(checkpoints[family], num_blocks=8, max_num_batched_tokens=24)
+    preempts, and recomputes (the state starts again from zeros or a checkpoint) or swaps
+    (the state goes to the host and back with the blocks); the tokens do not change."""
+    engine = engine_for(checkpoints[family], num_blocks=8, max_num_batched_tokens=24,
+                        preemption=preemption, num_host_blocks=16)
     names = ["len70", "len37", "len16", "len5"]
     outputs = engine.generate([prompts()[name] for name in names], greedy())
     for name, output in zip(names, outputs, strict=True):
         assert output.outputs[0].token_ids == expected[family, name], name
     assert sum(output.num_preemptions for output in outputs) > 0
+    if preemption == "swap":
+        assert engine.cache.stats().num_swap_outs > 0
     engine.cache.check()
 
 
-def test_too_few_state_slots_and_swap_are_refused_at_start(checkpoints):
+def test_too_few_state_slots_and_parts_that_move_pages_are_refused_at_start(checkpoints):
     runner = HFCausalLM.from_pretrained(checkpoints["bamba"])
     with pytest.raises(ValueError, match="num_state_slots"):
         Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32, num_state_slots=4),
                                     max_num_seqs=8))
-    with pytest.raises(ValueError, match="swap"):
-        Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32, num_host_blocks=32),
-                                    preemption="swap"))
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32),
+                                    tensor_parallel_size=2))

@@ -226,8 +226,13 @@ class LayerGroup:
             forget_unwritten(allocator, self.tables, seq_id, num_tokens, self.tables.block_size)
         allocator.free(self.tables.truncate(seq_id, num_tokens, None), unique=True)
 
-    def check_swap(self, what: str) -> None:
-        """Raise, changing nothing, unless the group's rows can move to the host pool."""
+    def check_swap(self, seq_id: SeqId, what: str, out: bool) -> None:
+        """Raise, changing nothing, unless `seq_id`'s row can move to the host pool (`out`)
+        or back."""
+
+    def swap_row(self, seq_id: SeqId, out: bool) -> None:
+        """Move `seq_id`'s row to the host pool (`out`) or back (checked)."""
+        (self.swap.swap_out if out else self.swap.swap_in)(seq_id)
 
     # -- accounting and checking -----------------------------------------------------------
     def block_counts(self, block_size: int) -> tuple[int, int, int] | None:

@@ -123,7 +123,7 @@ class GroupLayout:
         """Move every group's blocks of `seq_id` to the host pool or back (all or nothing;
         the caller checked the sequence and the host pool)."""
         for group in self.groups:
-            group.check_swap(what)
+            group.check_swap(seq_id, what, out)
         swap = self.leader.swap
         rows = np.array([self.leader.tables.row_of[seq_id]])
         # what no later query reads leaves before the swap-out, as it would before the
@@ -141,7 +141,7 @@ class GroupLayout:
         for group, (moving, upto) in zip(self.groups, releases, strict=True):
             if moving.size:
                 self.given_back += group.release(self.allocator, moving, upto)
-            (group.swap.swap_out if out else group.swap.swap_in)(seq_id)
+            group.swap_row(seq_id, out)
 
     # -- accounting and checking ----------------------------------------------------------
     def stats(self, base: CacheStats) -> CacheStats:

@@ -246,6 +246,22 @@ class StateSlots:
                 slot = self._slot_of[key]
                 self.policy.add(slot, self._key_of[slot][1])
 
+    def written(self, slots: Sequence[int]) -> None:
+        """The checkpoints in `slots` hold their states (every recurrent layer wrote them):
+        servable and evictable now, before their rows' next commit, so that the next
+        admission may evict them rather than find no slot."""
+        keys = {self._key_of[slot][0] for slot in slots if slot in self._key_of}
+        for row in [row for row, pending in self._pending.items() if keys & set(pending)]:
+            left = [key for key in self._pending[row] if key not in keys]
+            for key in self._pending[row]:
+                if key in keys:
+                    slot = self._slot_of[key]
+                    self.policy.add(slot, self._key_of[slot][1])
+            if left:
+                self._pending[row] = left
+            else:
+                del self._pending[row]
+
     def drop_pending(self, row: int, num_tokens: int) -> None:
         """`row`'s last step failed past `num_tokens` tokens: the checkpoints it took after
         them were never written, and go (their slots free); those up to it were."""
@@ -333,6 +349,17 @@ class StateSlab:
         for tensors in self._tensors.values():
             for tensor in tensors:
                 tensor[slot].zero_()
+
+    def save(self, slot: int) -> list[torch.Tensor]:
+        """A host copy of slot `slot` of every tensor (a swapped-out sequence's state)."""
+        return [tensor[slot].to("cpu", copy=True) for tensors in self._tensors.values()
+                for tensor in tensors]
+
+    def load(self, slot: int, saved: list[torch.Tensor]) -> None:
+        """Slot `slot` of every tensor becomes `save`'s copy again."""
+        every = [tensor for tensors in self._tensors.values() for tensor in tensors]
+        for tensor, copy in zip(every, saved, strict=True):
+            tensor[slot].copy_(copy)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies of `layer`'s states at `slots` (``[B]`` int64): ``[B, *spec.shape]`` each."""

@@ -21,7 +21,10 @@ place. Its rules:
   the kept length (or zeroes it at 0) and refuses any other length, except after a failed
   step (``unwritten=True``), which drops the checkpoints the step took and marks a state
   it cannot restore as lost (a later step or fork of it raises: free it and admit it
-  again); **swap** is refused (no host copy of states yet).
+  again); **swap** moves the live state to a host copy and frees its slot, and back into
+  a fresh slot (at most `num_state_slots` host copies, so the host holds no more state
+  than the slab: past that a swap-out raises `OutOfBlocksError` and the scheduler
+  recomputes instead).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 import torch
 
 from ...config import CacheConfig, LayerKind
-from ...errors import PagedKVError, ensure
+from ...errors import OutOfBlocksError, PagedKVError, ensure
 from ..accounting import CacheStats
 from ..allocator import BlockAllocator
 from ..batch import SeqId, StepBatch
@@ -66,6 +69,8 @@ class StateGroup(LayerGroup):
     slab: StateSlab | None = None
     leader: PageTables | None = None
     lost: set[int] = dataclasses.field(default_factory=set)
+    # swapped-out sequences' live states, host copies (`StateSlab.save`)
+    host: dict[SeqId, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     holds_blocks: ClassVar[bool] = False  # a row holds a state slot, never a block
 
@@ -194,10 +199,11 @@ class StateGroup(LayerGroup):
 
     def remove(self, allocator: BlockAllocator, seq_id: SeqId, retain: dict) -> None:
         """Drop the row: its last step's checkpoints are written (it ran), its live slot
-        goes free."""
+        goes free (a swapped row's host copy is dropped)."""
         row = self.tables.row_of[seq_id]
         self.slots.confirm([row])
-        self.slots.release_live(row)
+        if self.host.pop(seq_id, None) is None:
+            self.slots.release_live(row)
         self.lost.discard(row)
         self.tables.remove(seq_id)
 
@@ -264,9 +270,28 @@ class StateGroup(LayerGroup):
                 f"was rolled back (truncate(unwritten=True) to a length with no state "
                 f"checkpoint): free it and admit it again")
 
-    def check_swap(self, what: str) -> None:
-        raise PagedKVError(f"{what}: a layout with recurrent layers cannot swap yet (their "
-                           f"states have no host copy); preempt by recompute (free) instead")
+    def check_swap(self, seq_id: SeqId, what: str, out: bool) -> None:
+        """Out: the row's state is known and the host holds fewer than `num_state_slots`
+        copies; in: a live slot is obtainable."""
+        if out:
+            self._require_state([self.tables.row_of[seq_id]], what)
+            if len(self.host) >= self.slots.num_slots:
+                raise OutOfBlocksError(1, 0, f"{what} host state copies (at most "
+                                             f"num_state_slots={self.slots.num_slots})")
+        elif self.slots.obtainable() < 1:
+            raise OutOfStateSlotsError(1, 0, what)
+
+    def swap_row(self, seq_id: SeqId, out: bool) -> None:
+        """Move the row's live state to a host copy (its last step ran: its checkpoints
+        are written) and free the slot, or back into a fresh live slot."""
+        row = self.tables.row_of[seq_id]
+        if out:
+            self.slots.confirm([row])
+            self.host[seq_id] = self.slab.save(int(self.slots.live_of([row])[0]))
+            self.slots.release_live(row)
+        else:
+            self.slab.load(self.slots.take_live(row), self.host.pop(seq_id))
+        self.tables.set_swapped(seq_id, np.zeros(0, dtype=np.int64), out)
 
     # -- accounting and checking -----------------------------------------------------------
     def block_counts(self, block_size: int) -> None:
@@ -291,7 +316,10 @@ class StateGroup(LayerGroup):
                f"group {self.index}'s token counts diverged")
         ensure(not tables.num_blocks.any(), "a state group's row holds blocks")
         ensure(self.lost <= set(rows.tolist()), "a lost state of no row")
-        self.slots.check(rows.tolist())
+        swapped = tables.swapped[rows]
+        ensure({tables.row_of[seq_id] for seq_id in self.host} == set(rows[swapped].tolist()),
+               "host state copies are not the swapped rows'")
+        self.slots.check(rows[~swapped].tolist())
         return tables.owners(num_blocks)
 
     def host_owners(self, num_host_blocks: int) -> np.ndarray:
@@ -302,7 +330,10 @@ class StateGroup(LayerGroup):
 
     def snapshot(self) -> tuple:
         return (*super().snapshot(), self.slots.snapshot(), self.slab.snapshot(),
-                tuple(sorted(self.lost)))
+                tuple(sorted(self.lost)),
+                tuple((repr(seq_id), tuple(bytes(t.contiguous().view(torch.uint8).numpy())
+                                           for t in saved))
+                      for seq_id, saved in sorted(self.host.items(), key=repr)))
 
     # -- the worker side -------------------------------------------------------------------
     def batch_of(self, batch: StepBatch, what: str) -> StateBatch:
