@@ -24,6 +24,11 @@ The recurrences run as a sequential scan: one step per position of the longest s
 every sequence still running at once. Recurrent states are computed in float32 whatever the
 inputs' dtype, as transformers' torch paths compute them (pass float32 states to keep them
 exact; other dtypes are rounded once, on the way out).
+
+On CUDA tensors (or with ``PAGED_KV_BACKEND=triton``, `backend.use_triton`) each function runs
+its Triton kernel after its checks (`recurrent_triton`, `recurrent_triton_scan`: the same
+results, one program per sequence and block of state rows); the torch code here is the
+reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .backend import use_triton
 
 # (outputs of the tokens stepped, new states of their sequences), from (token indices, states)
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -181,6 +188,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             or x.shape[1:] != (channels,):
         raise ValueError(f"x [T, {channels}] and conv_state [B, {channels}, >= {width - 1}] "
                          f"expected, got {list(x.shape)} and {list(conv_state.shape)}")
+    if use_triton(x):  # imported late: the Triton module imports this one
+        from .recurrent_triton import triton_causal_conv1d
+        return triton_causal_conv1d(x, weight, bias, cu_seqlens, conv_state, activation,
+                                    emit_at)
     act, taps = _ACTIVATIONS[activation], weight.float()
     shift = bias.float() if bias is not None else taps.new_zeros(channels)
     inputs = x.float()
@@ -244,6 +255,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if heads % key_heads or state.shape[1:] != (heads, key_dim, v.shape[2]):
         raise ValueError(f"heads: q/k {key_heads} must divide v's {heads}, state "
                          f"[B, {heads}, {key_dim}, {v.shape[2]}]; got {list(state.shape)}")
+    if use_triton(v):
+        from .recurrent_triton import triton_gated_delta_rule
+        return triton_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, emit_at,
+                                       use_qk_l2norm, scale)
     out = torch.empty_like(v, dtype=q.dtype)
     # everything in float32, as transformers casts before normalising
     q, k = (t.float().repeat_interleave(heads // key_heads, dim=1) for t in (q, k))
@@ -330,6 +345,10 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     if heads % groups or state.shape[1:] != (*x.shape[1:], B.shape[2]):
         raise ValueError(f"groups {groups} must divide heads {heads}, state "
                          f"[B, {heads}, {x.shape[2]}, {B.shape[2]}]; got {list(state.shape)}")
+    if use_triton(x):
+        from .recurrent_triton_scan import triton_ssd
+        return triton_ssd(x, dt, A, B, C, D, cu_seqlens, state, dt_bias, dt_softplus, dt_limit,
+                          emit_at)
     step_size = _time_step(dt, dt_bias, dt_softplus).clamp(*dt_limit)  # [T, H]
     decay = torch.exp(step_size * A.float())
     inputs = x.float()
@@ -398,6 +417,10 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     if state.shape[1:] != A.shape or A.shape != (u.shape[1], B.shape[1]):
         raise ValueError(f"A [{u.shape[1]}, {B.shape[1]}] and state [B, {u.shape[1]}, "
                          f"{B.shape[1]}] expected, got {list(A.shape)}, {list(state.shape)}")
+    if use_triton(u):
+        from .recurrent_triton_scan import triton_selective_scan
+        return triton_selective_scan(u, delta, A, B, C, D, z, cu_seqlens, state, delta_bias,
+                                     delta_softplus, emit_at)
     step_size = _time_step(delta, delta_bias, delta_softplus)  # [T, D]
     inputs = u.float()
     written, rates = step_size * inputs, A.float()
