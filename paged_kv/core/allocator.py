@@ -165,6 +165,10 @@ class BlockAllocator:
         """The prefix key `block_id` is indexed under, or None."""
         return self._prefix.block_hash(block_id)
 
+    def is_indexed(self, key: bytes) -> bool:
+        """Whether a block is indexed under `key` (cached or in use)."""
+        return key in self._prefix
+
     def lookup(self, key: bytes, token_ids: bytes) -> int | None:
         """Block indexed under `key` whose tokens equal `token_ids`, else None."""
         return self._prefix.lookup(key, token_ids)

@@ -12,6 +12,7 @@ from .outputs import EngineStats
 from .tenant_stats import tenant_blocks
 
 if TYPE_CHECKING:
+    from ..core.accounting import CacheStats
     from ..core.cache import PagedKVCache
     from ..tiers.manager import TierManager, TiersStats
     from .scheduler import Scheduler
@@ -87,6 +88,15 @@ class EngineMetrics:
                                 registry=r)
         self.given_back_bytes = Gauge("paged_kv_given_back_bytes", "Bytes of those blocks "
                                       "(cumulative)", registry=r)
+        # a model with recurrent layers: its state slab (live states and checkpoints)
+        self.states = Gauge("paged_kv_states", "State slab slots by use (live: a running "
+                            "sequence's state; checkpoint: a prefix cache's)", ["use"],
+                            registry=r)
+        self.state_bytes = Gauge("paged_kv_state_bytes", "Bytes of the state slab by use "
+                                 "(slab: all of it)", ["use"], registry=r)
+        self.checkpoint_events = Gauge("paged_kv_state_checkpoints", "State checkpoints "
+                                       "written, served to a prefix hit, evicted (cumulative)",
+                                       ["event"], registry=r)
         for rank, nbytes in enumerate(pool_bytes_per_rank):
             self.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._seen = (0, 0, 0)
@@ -139,7 +149,20 @@ class EngineMetrics:
         if stats.blocks_by_kind:
             self.given_back.set(stats.num_given_back)
             self.given_back_bytes.set(stats.bytes_given_back)
+        if stats.state_bytes:
+            self._observe_states(stats)
         return generate_latest(self.registry).decode()
+
+    def _observe_states(self, stats: CacheStats) -> None:
+        """The state slab's gauges (a model with recurrent layers)."""
+        self.states.labels(use="live").set(stats.num_live_states)
+        self.states.labels(use="checkpoint").set(stats.num_checkpoints)
+        self.state_bytes.labels(use="slab").set(stats.state_bytes)
+        self.state_bytes.labels(use="checkpoint").set(stats.checkpoint_bytes)
+        for event, total in (("written", stats.checkpoints_written),
+                             ("hit", stats.checkpoints_hit),
+                             ("evicted", stats.checkpoints_evicted)):
+            self.checkpoint_events.labels(event=event).set(total)
 
 
 class _TierMetrics:

@@ -15,6 +15,7 @@ who else uses the server.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 from ..core.step.plan import Admission
@@ -32,10 +33,15 @@ class CacheReports:
         The device pool's (`BlockAllocator.ghost`).
     tiers : TierManager, optional
         Asked for `evicted_entry(key)` when it has one.
+    indexed : callable, optional
+        ``indexed(key)``: whether the device holds the block of `key` (a cache with
+        recurrent layers: a block held there missed for want of its state checkpoint).
     """
 
-    def __init__(self, block_size: int, ghost: GhostList, tiers: Any = None) -> None:
+    def __init__(self, block_size: int, ghost: GhostList, tiers: Any = None,
+                 indexed: Callable[[bytes], bool] | None = None) -> None:
         self.block_size, self.ghost, self.tiers = block_size, ghost, tiers
+        self.indexed = indexed
         self.misses: collections.Counter[tuple[str, str]] = collections.Counter()
         # tenant -> [prompt tokens looked up, found cached]
         self.tokens: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -72,6 +78,8 @@ class CacheReports:
         if block >= len(admission.keys):
             return Miss("cold", block)
         key = admission.keys[block]
+        if self.indexed is not None and self.indexed(key):
+            return Miss("state_missing", block)
         entry = (self.tiers.evicted_entry(key)
                  if self.tiers is not None and hasattr(self.tiers, "evicted_entry") else None)
         if entry is not None:

@@ -43,7 +43,9 @@ class Scheduler:
         self.loading: list[Sequence] = []  # waiting for their prompts' blocks from the tiers
         self.tiers = tiers  # a tiers.TierManager, or None
         self.failed: list[Sequence] = []  # hand-offs the `fail` policy fails (the engine does)
-        self.reports = CacheReports(cache.config.block_size, cache.allocator.ghost, tiers)
+        self.reports = CacheReports(cache.config.block_size, cache.allocator.ghost, tiers,
+                                    cache.allocator.is_indexed if cache.config.num_state_slots
+                                    else None)
         self.num_preemptions = 0
         self._reserved = 0  # blocks this step's scheduled sequences will take
 

@@ -13,7 +13,9 @@ least the newest half of its capacity and never more than all of it:
 - parent key of a block indexed once: a prompt whose block chains from such a parent but
   was never indexed differs from an earlier prompt *inside* that block (``diverged``).
 
-A miss found in neither is ``cold``. An entry is ~200 bytes (key, entry, links), so the
+A miss found in neither is ``cold``. A block whose attention pages are cached but whose
+recurrent state has no checkpoint there (a model with recurrent layers) is
+``state_missing``. An entry is ~200 bytes (key, entry, links), so the
 default bound (`default_capacity`) keeps both maps to tens of MiB at most.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-REASONS = ("cold", "evicted", "diverged", "tier_timeout", "verify_failed")
+REASONS = ("cold", "evicted", "diverged", "tier_timeout", "verify_failed", "state_missing")
 PRESSURES = ("own_quota", "own", "tenant", "global", "flush")
 MAX_ENTRIES = 1 << 16
 _MISSING = object()

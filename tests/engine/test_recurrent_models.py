@@ -198,3 +198,27 @@ def test_too_few_state_slots_and_parts_that_move_pages_are_refused_at_start(chec
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32),
                                     tensor_parallel_size=2))
+
+
+def test_a_miss_for_want_of_a_state_is_named_and_the_states_are_metered(checkpoints,
+                                                                          expected):
+    """One state slot: the live state takes it and no checkpoint fits, so a repeated
+    prompt finds its attention blocks cached but no state: no hit, miss ``state_missing``,
+    tokens unchanged. The slab's use and the checkpoints' counters reach /metrics."""
+    engine = engine_for(checkpoints["bamba"], num_state_slots=1, max_num_seqs=1)
+    for _ in range(2):
+        output = engine.generate([prompts()["shared"]], greedy())[0]
+        assert output.outputs[0].token_ids == expected["bamba", "shared"]
+    assert output.prefix_hit_tokens == 0
+    assert output.miss == {"reason": "state_missing", "block": 0}
+    text = engine.metrics.text(engine.cache)
+    assert 'paged_kv_prefix_misses_total{reason="state_missing",tenant=""} 1.0' in text
+    assert 'paged_kv_state_bytes{use="slab"}' in text
+    assert 'paged_kv_states{use="live"} 0.0' in text
+
+    roomy = engine_for(checkpoints["bamba"])
+    for _ in range(2):
+        roomy.generate([prompts()["shared"]], greedy())
+    text = roomy.metrics.text(roomy.cache)
+    assert 'paged_kv_state_checkpoints{event="written"} 9.0' in text
+    assert 'paged_kv_state_checkpoints{event="hit"} 1.0' in text
