@@ -14,8 +14,9 @@ from pathlib import Path
 WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantised", "peers",
              "tensor_parallel")
 # only when named: they start `paged-kv serve`, redis-server and writer processes, or (hybrid)
-# prefill 8K-token prompts for minutes
-OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid", "tenants", "disagg")
+# prefill 8K-token prompts for minutes; state replays a 48-layer model's slot counts (about a
+# minute, and a transformers checkpoint)
+OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid", "tenants", "disagg", "state")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -34,7 +35,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
                        default=list(WORKLOADS),
                        help="which workloads to run ('service', 'tiers', 'replicas', "
-                            "'hybrid', 'tenants' and 'disagg' run only when named)")
+                            "'hybrid', 'tenants', 'disagg' and 'state' run only when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "
