@@ -150,12 +150,22 @@ class EngineConfig:
         """This config with its `cache` given, or sized from `memory_fraction` of the free
         memory for `model` (`sizing.given_or_sized`; checked again: a swap needs the host
         pool the sized cache lacks)."""
+        self._check_latent(model)
         if self.cache is not None:
             self._check_states(self.cache)
             return self
         cache = given_or_sized(model, None, self.memory_fraction)
         self._check_states(cache)
         return dataclasses.replace(self, cache=cache, memory_fraction=None)
+
+    def _check_latent(self, model: torch.nn.Module) -> None:
+        """A model paged as latents (`HFCausalLM.num_latent`, DeepSeek V2 / V3): not split
+        over ranks yet (each rank would need the whole latent and a share of the heads),
+        refused here, at start."""
+        if getattr(model, "num_latent", 0) and self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: not supported "
+                             f"yet for a model with latent attention layers (DeepSeek V2 / V3's "
+                             f"latent pages are not split over ranks); use 1")
 
     def _check_states(self, cache: CacheConfig) -> None:
         """A layout with recurrent layers: a live state for every sequence the scheduler

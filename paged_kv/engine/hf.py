@@ -17,9 +17,10 @@ import torch
 from ..config import CacheConfig, LayerKind
 from ..core.batch import StepBatch
 from ..core.cache import PagedKVCache
-from ..integrations.hf_architectures import require_served
+from ..integrations.hf_architectures import latent_head_dim, require_served
 from ..integrations.hf_layers import model_layers
 from ..integrations.hf_support import UnsupportedModelError
+from .hf_latent import install_latent
 from .hf_recurrent import StepContext, install_mixers
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -97,10 +98,17 @@ class HFCausalLM(torch.nn.Module):
     model : transformers.PreTrainedModel
         A decoder-only model of a model type the engine serves
         (`paged_kv.integrations.hf_architectures.SERVED_MODEL_TYPES`: Llama, Mistral, Qwen2,
-        Gemma, gpt-oss and about a hundred others, each checked against ``generate``).
+        Gemma, gpt-oss and about a hundred others, each checked against ``generate``;
+        hybrids with recurrent layers; DeepSeek V2 / V3's latent attention, paged as the
+        latent: `paged_kv.engine.hf_latent`).
 
     Attributes
     ----------
+    kv_shape : (int, int, int)
+        ``(num_layers, num_kv_heads, head_dim)`` of the pages: a latent model's is ``(layers,
+        1, (kv_lora_rank + qk_rope_head_dim) / 2)``, each token's latent row in two halves.
+    num_latent : int
+        Latent attention layers (0 for any other model).
     eos_token_ids : tuple of int
         The checkpoint's ``generation_config.eos_token_id`` (one id or several; the model
         config's when there is no generation config): the engine stops a sequence at them.
@@ -108,9 +116,9 @@ class HFCausalLM(torch.nn.Module):
     Raises
     ------
     UnsupportedModelError
-        A ValueError: the model has layers paged_kv does not serve — linear (recurrent)
-        layers, cross-attention, an unknown layer type, keys and values of other head dims
-        (latent attention) — or is of a model type the engine does not serve, and would be
+        A ValueError: the model has layers paged_kv does not serve — cross-attention, an
+        unknown layer type, keys and values of other head dims outside the latent model
+        types, a sparse indexer — or is of a model type the engine does not serve, and would be
         served wrong tokens or fail every step (see `paged_kv.integrations.hf_support` and
         `hf_architectures`). Full, sliding-window and chunked layers, attention sinks and
         soft-capped logits are served.
@@ -125,15 +133,19 @@ class HFCausalLM(torch.nn.Module):
         self.cache_layers = layers.cache_layers
         self._step = StepContext()
         self.num_recurrent = install_mixers(model, layers, self._step)
+        # latent attention layers (DeepSeek V2 / V3): one kv head of half a latent row
+        self.num_latent = install_latent(model, layers, self._step)
         _register()
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         self.model = model.eval()
         hf = model.config
         self.name = f"{type(model).__name__} ({getattr(hf, 'name_or_path', '') or 'local'})"
         self.config = _ModelLimits(hf.vocab_size, hf.max_position_embeddings)
-        self.kv_shape = (len(self.layer_kinds), getattr(hf, "num_key_value_heads", None)
-                          or hf.num_attention_heads,
-                          getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        self.kv_shape = ((len(self.layer_kinds), 1, latent_head_dim(hf)) if self.num_latent
+                         else (len(self.layer_kinds), getattr(hf, "num_key_value_heads", None)
+                               or hf.num_attention_heads,
+                               getattr(hf, "head_dim", None)
+                               or hf.hidden_size // hf.num_attention_heads))
         self.eos_token_ids = _eos_token_ids(model)
         self.path: str | None = None  # set by from_pretrained: workers load the same files
 
@@ -146,8 +158,8 @@ class HFCausalLM(torch.nn.Module):
         FileNotFoundError
             `path` is not a local directory.
         UnsupportedModelError
-            A ValueError: the config has layers paged_kv does not serve (linear layers,
-            cross-attention, an unknown layer type, latent attention) or a model type the
+            A ValueError: the config has layers paged_kv does not serve (cross-attention,
+            an unknown layer type, a sparse indexer) or a model type the
             engine does not serve, checked before any weight is read.
         """
         from transformers import AutoModelForCausalLM

@@ -104,11 +104,12 @@ def window_of(config: object) -> int:
     return _bites(config, getattr(config, "sliding_window", None))
 
 
-def unsupported_features(config: object, *, layers: bool = True) -> list[str]:
+def unsupported_features(config: object, *, layers: bool = True,
+                         latent: bool = False) -> list[str]:
     """Every setting of `config` paged_kv does not serve: layer types other than full,
     sliding and chunked attention, cross-attention, bidirectional attention, keys or values
-    of another head dim than the pages' one (latent attention), and attention shapes or
-    kinds that transformers' ``per_layer_config`` varies by layer.
+    of another head dim than the pages' one (latent attention, unless `latent`), and
+    attention shapes or kinds that transformers' ``per_layer_config`` varies by layer.
 
     Parameters
     ----------
@@ -118,6 +119,11 @@ def unsupported_features(config: object, *, layers: bool = True) -> list[str]:
         Check the layer types here (attention kinds only); False leaves them to the caller
         (the engine's `paged_kv.integrations.hf_layers.model_layers`, which also serves
         recurrent layers).
+    latent : bool
+        The caller serves multi-head latent attention itself (the engine, for the model
+        types of `hf_architectures.LATENT_MODEL_TYPES`: it pages the latent, not per-head
+        K/V), so a ``kv_lora_rank`` config's head dims are not named here. `PagedCache`,
+        which pages what the model's own attention hands its cache, leaves it False.
 
     Returns
     -------
@@ -136,7 +142,8 @@ def unsupported_features(config: object, *, layers: bool = True) -> list[str]:
     if getattr(text, "use_bidirectional_attention", False):
         found.append("use_bidirectional_attention=True (not causal)")
     per_layer = _per_layer_settings(text)
-    found += per_layer + _head_dim_mismatches(text)
+    found += per_layer + ([] if latent and _global(text, "kv_lora_rank")
+                          else _head_dim_mismatches(text))
     blocks = getattr(text, "layers_block_type", None)  # Jamba-style hybrid layer lists
     if layers and isinstance(blocks, list | tuple):
         found += [f"layers_block_type has {sum(b == kind for b in blocks)} {kind!r} layers"

@@ -120,10 +120,10 @@ def _refused() -> dict[str, tuple[transformers.PreTrainedConfig, str]]:
     mla = dict(kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                v_head_dim=16, num_key_value_heads=4)
     return {
-        "deepseek v3 latent attention": (tiny_config("deepseek_v3", **mla),
-                                         "keys of head dim 24 and values of head dim 16"),
-        "deepseek v2 latent attention": (tiny_config("deepseek_v2", **mla),
-                                         "multi-head latent attention (kv_lora_rank=16)"),
+        "deepseek v3.2 sparse indexer": (tiny_config("deepseek_v32", **mla),
+                                         "a sparse attention indexer"),
+        "minicpm3 latent attention": (tiny_config("minicpm3", **mla),
+                                      "multi-head latent attention (kv_lora_rank=16)"),
         "mimo v2 values of their own head dim": (tiny_config("mimo_v2_flash", v_head_dim=8),
                                                  "values of head dim 8"),
         "qwen3.5 multimodal with linear layers": (
@@ -183,29 +183,30 @@ def test_refused_family_at_load(family, refused_checkpoints):
     assert "llama, llama4_text, mellum" in message  # the served types, by name
 
 
-@pytest.mark.parametrize("family", ["deepseek v2 latent attention",
-                                    "deepseek v3 latent attention"])
-def test_latent_attention_built_in_python_is_refused_everywhere(family):
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_is_served_by_the_engine_and_refused_by_paged_cache(model_type):
     """The issue's case: a tiny random DeepSeek loaded in `HFCausalLM` and failed every step
-    on ``write(): key: expected shape (40, 4, 8), got (40, 4, 24)``; now neither
-    `HFCausalLM` nor `PagedCache` (whose update would fail the same way) accepts it."""
-    config, _ = _refused()[family]
-    model = tiny_model(config)
-    with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):
-        HFCausalLM(model)
+    on ``write(): key: expected shape (40, 4, 8), got (40, 4, 24)``. The engine now pages
+    its latent (one kv head of half a latent row: tests/engine/test_latent_models.py checks
+    its tokens); `PagedCache`, which pages the per-head K/V the model's own attention hands
+    its cache, still refuses it."""
+    config = tiny_config(model_type, kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
+    assert engine_features(config) == []
+    assert HFCausalLM(tiny_model(config)).kv_shape == (2, 1, 12)
     with pytest.raises(UnsupportedModelError, match="keys of head dim 24"):
         PagedCache(config, num_blocks=8)
 
 
-def test_serve_refuses_to_start_on_deepseek_v3(tmp_path):
-    """``paged-kv serve --model DIR`` on a whole tiny DeepSeek V3 checkpoint exits 2 with the
-    reason at parse time — no engine core, no port, no 500s."""
-    config, reason = _refused()["deepseek v3 latent attention"]
+def test_serve_refuses_to_start_on_deepseek_v32(tmp_path):
+    """``paged-kv serve --model DIR`` on a whole tiny DeepSeek V3.2 checkpoint (a sparse
+    indexer) exits 2 with the reason at parse time — no engine core, no port, no 500s."""
+    config, reason = _refused()["deepseek v3.2 sparse indexer"]
     tiny_model(config).save_pretrained(tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run([sys.executable, "-m", "paged_kv.cli", "serve", "--model",
                            str(tmp_path), "--port", "0"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert "model type 'deepseek_v3' is not supported" in done.stderr
+    assert "model type 'deepseek_v32' is not supported" in done.stderr
     assert reason in done.stderr and "Uvicorn running" not in done.stderr + done.stdout

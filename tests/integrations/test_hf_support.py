@@ -100,6 +100,17 @@ def test_keys_and_values_of_other_head_dims_are_named(config, found):
     assert unsupported_features(config()) == [found]
 
 
+def test_latent_attention_is_left_to_a_caller_that_serves_it():
+    """``latent=True`` (the engine, which pages DeepSeek's latent itself) names no head dim
+    of a ``kv_lora_rank`` config; a plain ``v_head_dim`` of its own is still named."""
+    deepseek = transformers.DeepseekV3Config(
+        kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        **{**WITHOUT_HEAD_DIM, "num_key_value_heads": 4})
+    assert unsupported_features(deepseek, latent=True) == []
+    mimo = transformers.CONFIG_MAPPING["mimo_v2_flash"](v_head_dim=8, **COMMON)
+    assert unsupported_features(mimo, latent=True) != []
+
+
 @pytest.mark.parametrize(("per_layer", "found"), [
     pytest.param({1: {"intermediate_size": 64}}, [], id="mlp width: served"),
     pytest.param({1: {"num_key_value_heads": 1}},

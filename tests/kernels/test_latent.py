@@ -27,6 +27,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2  # noqa: 
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3  # noqa: E402
 
 from paged_kv.kernels import latent  # noqa: E402
+from paged_kv.kernels.quant import dequantize_reference, quantize_reference  # noqa: E402
 
 from .conftest import TOLERANCES, cdiv  # noqa: E402
 
@@ -36,7 +37,10 @@ def interpreted_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the kernel (and the ``@jit`` library functions it calls) in the interpreter."""
     library = [(module, name) for module in (triton.language, triton.language.standard)
                for name, value in vars(module).items() if isinstance(value, triton.JITFunction)]
-    for module, name in [(latent, "_latent_attention_kernel"), *library]:
+    # the kernel and the @jit helpers it calls (its own, and quant's `decode`)
+    ours = [(latent, name) for name, value in vars(latent).items()
+            if isinstance(value, triton.JITFunction | interpreter.InterpretedFunction)]
+    for module, name in [*ours, *library]:
         function = getattr(module, name)
         if not isinstance(function, interpreter.InterpretedFunction):
             monkeypatch.setattr(module, name, interpreter.InterpretedFunction(function.fn))
@@ -118,6 +122,75 @@ def test_reference_matches_explicit_softmax() -> None:
                       + q_rope[token] @ keys[:, latent_dim:].T) * 0.5
             want = scores.softmax(-1) @ keys[:, :latent_dim]
             torch.testing.assert_close(actual[token], want, **TOLERANCES[torch.float32])
+
+
+def pool_halves(pages: torch.Tensor, cache_dtype: torch.dtype | None = None,
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple | None]:
+    """`pages`' rows as the engine keeps them: a pool layer ``[2, blocks, block_size, 1, D]``
+    of one kv head, the row's first half in K and second in V (views), and with an 8-bit
+    `cache_dtype` their codes and ``[blocks, block_size]`` scales (one per half)."""
+    num_blocks, block_size, width = pages.shape
+    halves = pages.view(num_blocks, block_size, 2, 1, width // 2).movedim(2, 0)
+    if cache_dtype is None:
+        pool = halves.contiguous()
+        return (pool[0, :, :, 0], pool[1, :, :, 0]), None
+    codes, scale = quantize_reference(halves.reshape(-1, 1, width // 2), cache_dtype)
+    codes = codes.view(halves.shape)
+    scale = scale.view(halves.shape[:-1])
+    return (codes[0, :, :, 0], codes[1, :, :, 0]), (scale[0, :, :, 0], scale[1, :, :, 0])
+
+
+@pytest.mark.parametrize(("latent_dim", "rope_dim", "dtype"), [
+    pytest.param(16, 8, torch.float32, id="split-inside-latent-fp32"),
+    pytest.param(24, 8, torch.bfloat16, id="split-inside-latent-bf16"),
+    pytest.param(8, 24, torch.float32, id="split-inside-rope-fp32"),
+])
+def test_two_halves_read_as_one_row(latent_dim: int, rope_dim: int,
+                                    dtype: torch.dtype) -> None:
+    """The pool's K and V planes of one layer, each holding half a latent row (the split
+    lands inside the latent, or inside the rope key): the reference gives what it gives on
+    whole rows, and the kernel what the reference gives."""
+    torch.manual_seed(2)
+    q_latent, q_rope, pages, *rest = random_inputs(4, 20, latent_dim, rope_dim, dtype,
+                                                   [17, 5, 9], [4, 1, 9])
+    halves, _ = pool_halves(pages)
+    whole = latent.latent_attention_reference(q_latent, q_rope, pages, *rest, scale=0.3)
+    split = latent.latent_attention_reference(q_latent, q_rope, halves, *rest, scale=0.3)
+    torch.testing.assert_close(split, whole, **TOLERANCES[dtype])
+    actual = latent.latent_attention_triton(q_latent, q_rope, halves, *rest, scale=0.3)
+    torch.testing.assert_close(actual, split, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_halves_match_dequantized_rows(cache_dtype: torch.dtype,
+                                            dtype: torch.dtype) -> None:
+    """8-bit halves with a scale each: the kernel and the reference both attend over the
+    dequantized rows (whole-row reference on them), and stay near the float rows."""
+    torch.manual_seed(3)
+    q_latent, q_rope, pages, *rest = random_inputs(4, 3, 16, 8, dtype, [9, 14], [2, 5])
+    (first, second), scales = pool_halves(pages, cache_dtype)
+    dequantized = torch.cat([dequantize_reference(codes, scale, torch.empty(codes.shape))
+                             for codes, scale in zip((first, second), scales, strict=True)],
+                            dim=-1).to(dtype)
+    want = latent.latent_attention_reference(q_latent, q_rope, dequantized, *rest, scale=0.3)
+    got = latent.latent_attention_reference(q_latent, q_rope, (first, second), *rest,
+                                            scale=0.3, scales=scales)
+    torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    actual = latent.latent_attention_triton(q_latent, q_rope, (first, second), *rest,
+                                            scale=0.3, scales=scales)
+    torch.testing.assert_close(actual, got, **TOLERANCES[dtype])
+    exact = latent.latent_attention_reference(q_latent, q_rope, pages, *rest, scale=0.3)
+    torch.testing.assert_close(got.float(), exact.float(), atol=0.15, rtol=0.1)
+
+
+def test_8bit_halves_need_their_scales() -> None:
+    q_latent, q_rope, pages, *rest = random_inputs(4, 2, 16, 8, torch.float32, [3], [1])
+    halves, scales = pool_halves(pages, torch.int8)
+    with pytest.raises(ValueError, match="scales"):
+        latent.latent_attention(q_latent, q_rope, halves, *rest, scale=1.0)
+    with pytest.raises(ValueError, match="scales"):
+        latent.latent_attention(q_latent, q_rope, pages, *rest, scale=1.0, scales=scales)
 
 
 def test_rejects_a_mismatched_page_width() -> None:
