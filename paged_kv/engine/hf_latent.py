@@ -41,12 +41,12 @@ Rotary = Callable[[torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, torc
 
 @dataclasses.dataclass(frozen=True)
 class _Latent:
-    """What a latent module's forward needs beyond the module: its cache layer, its
-    absorbed up-projections (`absorbed_weights`) and its rotary."""
+    """What a latent module's forward needs beyond the module (whose non-persistent buffers
+    ``paged_kv_w_uk [H, qk_nope, R]`` and ``paged_kv_w_uv [H, R, v]`` hold its absorbed
+    up-projections, `absorbed_weights`, so they move with the model): its cache layer and
+    its rotary."""
 
     layer: int
-    w_uk: torch.Tensor  # [H, qk_nope, R]
-    w_uv: torch.Tensor  # [H, R, v]
     rotary: Rotary
 
 
@@ -70,7 +70,10 @@ def install_latent(model: torch.nn.Module, layers: ModelLayers, step: StepContex
             continue
         layer = layers.cache_layers[module.layer_idx]
         w_uk, w_uv = absorbed_weights(module)
-        latent = _Latent(layer, w_uk, w_uv, _rotary(module, model_type))
+        # buffers, not attributes: a model moved to another device takes them along
+        module.register_buffer("paged_kv_w_uk", w_uk, persistent=False)
+        module.register_buffer("paged_kv_w_uv", w_uv, persistent=False)
+        latent = _Latent(layer, _rotary(module, model_type))
         module.forward = functools.partial(_attend, module, latent, step)
         given.add(layer)
     missing = sorted(set(range(len(layers.kinds))) - given)
@@ -150,10 +153,10 @@ def _attend(module: torch.nn.Module, latent: _Latent, step: StepContext,
                 batch)
     pages, scales, batch = latent_pages(cache, latent.layer, batch)
     # absorbed: q_latent_h = q_nope_h W_UK_h, so the scores read the latents as they are
-    q_latent = torch.einsum("thn,hnr->thr", q_nope, latent.w_uk)
+    q_latent = torch.einsum("thn,hnr->thr", q_nope, module.paged_kv_w_uk)
     out = latent_attention(q_latent, q_pe[0].transpose(0, 1).contiguous().to(q_latent.dtype),
                            pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                            module.scaling, scales=scales)  # [T, H, R]
-    out = torch.einsum("thr,hrv->thv", out, latent.w_uv).reshape(tokens, -1)
+    out = torch.einsum("thr,hrv->thv", out, module.paged_kv_w_uv).reshape(tokens, -1)
     step.ran.add(latent.layer)
     return module.o_proj(out)[None], None

@@ -187,6 +187,29 @@ def test_int8_latent_pages_stay_close(family, checkpoints, expected):
     assert same >= 0.75 * MAX_TOKENS * len(names), (tokens, want)
 
 
+def test_latents_come_back_from_the_host_tier(checkpoints, expected, monkeypatch):
+    """A host tier takes the prompt's 9 latent blocks; after the device's prefix cache is
+    reset, the same prompt hits them through the tier (fetched, not recomputed) and gives
+    transformers' tokens."""
+    from paged_kv.tiers import TierConfig
+    from paged_kv.tiers.manager import TierManager
+
+    # always fetch: on this tiny model a fetch and a recompute cost about the same
+    monkeypatch.setattr(TierManager, "observe_prefill", lambda self, num_tokens, seconds: None)
+    engine = engine_for(checkpoints["deepseek_v3"], kv_tiers=TierConfig(host_mib=8,
+                                                                         fetch_deadline_s=5.0))
+    try:
+        engine.generate([prompts()["shared"]], greedy())
+        assert engine.tiers.flush(timeout=10)
+        engine.cache.reset_prefix_cache()
+        output = engine.generate([prompts()["shared"]], greedy())[0]
+        assert output.prefix_hit_tokens == 9 * BLOCK
+        assert engine.stats().tiers.loaded_blocks == 9
+        assert output.outputs[0].token_ids == expected["deepseek_v3", "shared"]
+    finally:
+        engine.close()
+
+
 def test_tensor_parallelism_is_refused_at_start(checkpoints):
     runner = HFCausalLM.from_pretrained(checkpoints["deepseek_v3"])
     with pytest.raises(ValueError, match="tensor_parallel_size=2: not supported yet for a "
