@@ -6,7 +6,8 @@ soft-capped logits on any of them. `layer_kinds` maps a config's ``layer_types``
 ``sliding_window`` / ``attention_chunk_size`` when it has none) to those kinds. A model
 whose layers ask for more — linear (recurrent, Mamba) layers, cross-attention,
 bidirectional attention, a layer type this module does not know, keys and values of head
-dims other than the pages' one ``head_dim`` (DeepSeek's multi-head latent attention), shapes
+dims other than the pages' one ``head_dim`` (DeepSeek's multi-head latent attention, which
+the engine alone serves, paging the latent: ``unsupported_features(latent=True)``), shapes
 that vary by layer — would be served wrong tokens or fail every step, so it is refused by
 name (`require_supported`). The engine refuses more, by model type
 (`paged_kv.integrations.hf_architectures`): what a config does not say.
