@@ -13,7 +13,15 @@ import torch
 from paged_kv import CacheConfig, LayerKind, OutOfBlocksError, PagedKVCache, PagedKVError
 from paged_kv.config import StateSpec, group_layers
 from paged_kv.core.cache import snapshot
-from paged_kv.core.groups.state import CheckpointPolicy, OutOfStateSlotsError, StateSlots
+from paged_kv.core.groups.rules import group_key
+from paged_kv.core.groups.state import (
+    DENSE,
+    LATEST,
+    SHARED,
+    CheckpointPolicy,
+    OutOfStateSlotsError,
+    StateSlots,
+)
 from paged_kv.integrations.recurrent import StateSpec as ReExported
 
 from ..conftest import assert_same_snapshot
@@ -69,6 +77,11 @@ def _live(cache: PagedKVCache, seq_id: str, layer: int | None = None) -> tuple:
     slot = int(group.slots.live_of([cache.tables.row_of[seq_id]])[0])
     layer = _recurrent(cache)[0] if layer is None else layer
     return tuple(t[slot] for t in cache.states(layer))
+
+
+def _key(cache: PagedKVCache, seq_id: str, column: int) -> bytes:
+    """The prefix key of `seq_id`'s block `column` (its leading group's)."""
+    return cache.allocator.block_hash(int(cache.tables.blocks(seq_id)[column]))
 
 
 def _value(states: tuple) -> float:
@@ -319,37 +332,64 @@ def test_an_admission_never_evicts_the_checkpoint_it_copies_from():
     cache.check()
 
 
-def test_under_pressure_a_checkpoint_goes_for_a_more_valuable_one_only():
-    """Two checkpoint slots: the sequences' later boundaries (worth more prefill) evict
-    the earliest ones; a boundary worth less than every held one is not taken."""
+def test_under_pressure_interior_boundaries_go_first_and_a_finished_tail_stays():
+    """Three slots, one live: a's newest boundary is LATEST, those before it DENSE; under
+    pressure a new boundary evicts the least recently used DENSE one, never a tail of a
+    finished request (LATEST) while a DENSE one is left."""
     cache = _cache(slots=3)
-    _run(cache, "a", list(range(9)), final=1.0)  # checkpoints after 4 and 8
-    cache.prepare({"a": list(range(9, 13))})  # after 12: evicts the one after 4
+    _run(cache, "a", list(range(9)), final=1.0)  # checkpoints after 4 (DENSE), 8 (LATEST)
+    cache.prepare({"a": list(range(9, 13))})  # after 12: evicts the DENSE one after 4
     group = cache.groups[-1]
     assert cache.stats().checkpoints_evicted == 1
     cache.free("a")
-    positions = sorted(group.slots.position_of(s) for s in range(3)
-                       if s in group.slots.policy)
-    assert positions == [8, 12]
-    _, batch = cache.admit("b", [70, 71, 72, 73, 74])  # worth 4 < 8: skipped
-    assert batch.groups[-1].num_emitted == 0
+    held = {group.slots.position_of(s): group.slots.policy.tier_of(s) for s in range(3)
+            if s in group.slots.policy}
+    assert held == {8: DENSE, 12: LATEST}  # a's tail: its next turn starts there
+    _, batch = cache.admit("b", [70, 71, 72, 73, 74])  # b's boundary after 4 evicts 8
+    assert batch.groups[-1].num_emitted == 1
+    row = cache.tables.row_of["b"]  # pending: its forward has not run
+    assert group.slots.find(group_key(_key(cache, "b", 0), group.index), row) is not None
     cache.check()
 
 
-def test_the_policy_evicts_the_least_valuable_then_the_least_recently_used():
+def test_a_junction_and_a_served_checkpoint_are_kept_as_shared():
+    """Two prompts sharing 2 blocks: the first's checkpoint after them is gone, so the
+    second hits its attention blocks but no state: it checkpoints that junction, shared,
+    and a third prompt hits it. A checkpoint served to a hit is shared too."""
+    cache = _cache(slots=6)
+    shared = list(range(8))
+    _run(cache, "a", [*shared, 90, 91, 92, 93, 94], final=1.0)
+    group = cache.groups[-1]
+    junction = group.slots.find(group_key(_key(cache, "a", 1), group.index))
+    group.slots._evict(junction)  # as pressure would have (its slot is free again)
+    group.slots._free.append(junction)
+    cache.free("a")
+    hit, batch = cache.admit("b", [*shared, 50, 51, 52, 53, 54])
+    assert hit == 4  # the attention blocks hit 8; the state only 4
+    assert group.junction == {cache.tables.row_of["b"]: 8}
+    _write(cache, batch, 2.0, [float(t + 1) for t in batch.groups[-1].emit_tokens.tolist()])
+    tiers = {group.slots.position_of(s): group.slots.policy.tier_of(s) for s in range(6)
+             if s in group.slots.policy}
+    assert tiers[8] == SHARED and tiers[4] == SHARED  # the junction; the one served
+    assert cache.admit("c", [*shared, 7, 7, 7, 7, 7])[0] == 8
+    cache.check()
+
+
+def test_the_policy_evicts_the_lowest_tier_then_the_least_recently_used():
     policy = CheckpointPolicy()
-    for slot, value in ((0, 16), (1, 4), (2, 8), (3, 4)):
-        policy.add(slot, value)
-    assert policy.victim() == 1  # value 4, the older of the two
+    for slot, tier in ((0, SHARED), (1, DENSE), (2, LATEST), (3, DENSE)):
+        policy.add(slot, tier)
+    assert policy.victim() == 1  # DENSE, the older of the two
     policy.touch(1)
     assert policy.victim() == 3 and policy.victim(exclude=3) == 1
-    assert policy.admits(4, 3) and not policy.admits(3, 3)
-    policy.remove(3)
+    assert policy.admits(DENSE, 3) and not policy.admits(DENSE, 0)
+    policy.retier(3, SHARED)
+    assert policy.victim() == 1 and policy.tier_of(3) == SHARED
     policy.remove(1)
-    assert policy.victim() == 2 and len(policy) == 2
+    assert policy.victim() == 2 and len(policy) == 3
 
 
-def test_slots_offer_densely_then_by_value():
+def test_slots_offer_densely_then_by_tier():
     slots = StateSlots(3)
     slots.take_live(0)
     assert slots.offer(b"k4", 4, row=0) is not None
@@ -358,7 +398,7 @@ def test_slots_offer_densely_then_by_value():
     assert slots.offer(b"k12", 12, row=0) is None  # both pending: nothing evictable
     slots.confirm([0])
     assert slots.offer(b"k12", 12, row=0) is not None and slots.num_evicted == 1
-    assert slots.find(b"k4") is None and slots.find(b"k8") is not None
+    assert slots.find(b"k4") is None and slots.find(b"k8") is not None  # k4 was DENSE
     slots.check([0])
 
 

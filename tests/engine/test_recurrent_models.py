@@ -211,7 +211,7 @@ def test_a_miss_for_want_of_a_state_is_named_and_the_states_are_metered(checkpoi
         assert output.outputs[0].token_ids == expected["bamba", "shared"]
     assert output.prefix_hit_tokens == 0
     assert output.miss == {"reason": "state_missing", "block": 0}
-    text = engine.metrics.text(engine.cache)
+    text = engine.metrics_text()
     assert 'paged_kv_prefix_misses_total{reason="state_missing",tenant=""} 1.0' in text
     assert 'paged_kv_state_bytes{use="slab"}' in text
     assert 'paged_kv_states{use="live"} 0.0' in text
@@ -219,6 +219,6 @@ def test_a_miss_for_want_of_a_state_is_named_and_the_states_are_metered(checkpoi
     roomy = engine_for(checkpoints["bamba"])
     for _ in range(2):
         roomy.generate([prompts()["shared"]], greedy())
-    text = roomy.metrics.text(roomy.cache)
+    text = roomy.metrics_text()
     assert 'paged_kv_state_checkpoints{event="written"} 9.0' in text
     assert 'paged_kv_state_checkpoints{event="hit"} 1.0' in text

@@ -38,6 +38,10 @@ class HybridAdmission(NamedTuple):
         at the hit's end (none for a hit of 0).
     requested, revived : int
         Over all groups.
+    shared : int
+        Blocks the leading group alone would hit (attention blocks cached), where another
+        group's rule cut the hit shorter: a state group checkpoints that junction as the
+        prompt is computed (two prompts met there).
     """
 
     leader: Admission
@@ -46,6 +50,7 @@ class HybridAdmission(NamedTuple):
     revived: int
     groups: tuple[LayerGroup, ...] = ()  # every group, the leading one first
     generation: int = -1  # as `Admission.generation`
+    shared: int = 0
 
     @property
     def seq_id(self):
@@ -144,7 +149,7 @@ def plan_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Admis
     # at most the leader's blocks in every group that holds blocks (a state group holds none)
     holders = sum(group.holds_blocks for group in groups)
     return HybridAdmission(leader, group_hits, leader.requested * holders, revived,
-                           tuple(groups))
+                           tuple(groups), shared=0 if window_led else len(plan.hits))
 
 
 def _cut(plan: Admission, hits: list[int], block_size: int, max_tokens: int | None,
@@ -182,7 +187,7 @@ def commit_groups(groups: list[LayerGroup], allocator: BlockAllocator, plan: Hyb
         filled = filled_blocks(allocator, leader.tables, np.array([row]),
                                np.array([leader_plan.num_hit]), [leader_plan.chain])
     batches = (first, *(group.add_row(allocator, leader_plan, hits, row, prepare, filled,
-                                      device)
+                                      device, plan.shared)
                         for group, hits in zip(groups[1:], plan.group_hits, strict=True)))
     for group in groups[1:]:
         group.mirror(allocator, filled)

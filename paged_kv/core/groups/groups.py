@@ -18,7 +18,7 @@ import numpy as np
 
 from ...config import CacheConfig, LayerKind
 from ...errors import ensure
-from ...keys import encode_tokens
+from ...keys import chain_pieces, encode_tokens
 from ..accounting import CacheStats, empty_slots_per_block
 from ..allocator import BlockAllocator
 from ..batch import SeqId, StepBatch
@@ -148,9 +148,11 @@ class LayerGroup:
         attention group's blocks are `check_capacity`'s, so nothing here."""
 
     def add_row(self, allocator: BlockAllocator, plan: Admission, hits: list[int], row: int,
-                prepare: bool, filled: list[Filled], device) -> StepBatch | None:
+                prepare: bool, filled: list[Filled], device, shared: int = 0,
+                ) -> StepBatch | None:
         """Add the admitted sequence's row (at `row`, the leading group's) with `hits`,
-        then with `prepare` the blocks of its next ``plan.count`` tokens; their batch.
+        then with `prepare` the blocks of its next ``plan.count`` tokens; their batch
+        (`shared`: `HybridAdmission.shared`, for a group that keeps junctions).
         `filled`: the leading group's blocks that filled (attention groups index theirs
         in `mirror`)."""
         ensure(self.tables.add(plan.seq_id) == row, "layer groups' rows diverged")
@@ -345,10 +347,21 @@ def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarra
             parent = (allocator.block_hash(int(leader.block_ids[row, start - 1]))
                       if start else leader.root(row))
         for column in range(start, int(end[i])):
-            key = allocator.block_hash(int(leader.block_ids[row, column]))
-            if key is None:  # not indexed (ids unknown, or caching off)
-                break
-            tokens = leader.token_ids[row, column * block_size:(column + 1) * block_size]
-            filled.append((row, column, key, parent or b"", encode_tokens(tokens)))
+            block = int(leader.block_ids[row, column])
+            key = allocator.block_hash(block)
+            piece = encode_tokens(leader.token_ids[row, column * block_size:
+                                                   (column + 1) * block_size])
+            if key is None:
+                # given back, never indexed, or filled with unknown ids (the step left
+                # the row without a chain)
+                if not block or parent is None or leader.chains([row])[0] is None:
+                    break
+                # another row's block may be indexed under its key: this row recomputed
+                # it (another group's rule cut its hit short), and it fills all the same;
+                # otherwise it was never indexed (its ids unknown)
+                key = chain_pieces(parent, [piece])[0]
+                if not allocator.is_indexed(key):
+                    break
+            filled.append((row, column, key, parent or b"", piece))
             parent = key
     return filled

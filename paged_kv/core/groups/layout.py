@@ -73,8 +73,9 @@ class GroupLayout:
         old_lens = tables.num_tokens[rows].copy()
         mirrored = self.config.enable_prefix_caching and len(self.groups) > 1
         # a window leader gives back the blocks a filling one chains from: keep their keys
-        chains = (tables.chains(rows.tolist())
-                  if mirrored and self.leader.gives_back else None)
+        # the rows' chains before the step: a block it fills chains from the last key
+        # even where that block was not indexed (recomputed while another row's is)
+        chains = tables.chains(rows.tolist()) if mirrored else None
         for group, (moving, upto) in zip(self.groups, releases, strict=True):
             if moving.size:
                 self.given_back += group.release(allocator, moving, upto)

@@ -78,19 +78,30 @@ class StateBatch:
         return self.emit_slots.shape[0]
 
 
-class CheckpointPolicy:
-    """Which written checkpoint goes first when a slot is wanted: the least valuable one,
-    its value the tokens of prefill it saves (its position), ties least recently used
-    (added or served) first. A heap with lazy deletion: O(log n) a choice.
+# a checkpoint's tier: what it is likely worth to a later prompt (the policy keeps the
+# higher tiers under pressure; Marconi's admission by likely reuse)
+DENSE = 0    # an interior boundary, taken only because a slot was free
+LATEST = 1   # a sequence's last boundary (a finished request's next turn starts there)
+SHARED = 2   # where prompts met: a shared prefix's junction, or served to a prefix hit
 
-    The one place the policy lives: `StateSlots` calls `add`, `touch`, `remove`, `victim`
-    and `admits` only, so a Marconi-style policy (FLOPs saved per byte, admission at a
-    shared prefix's junction) replaces this class alone.
+
+class CheckpointPolicy:
+    """Which written checkpoint goes first when a slot is wanted: the lowest tier
+    (`DENSE` < `LATEST` < `SHARED`), then the least recently used (added or served).
+    A heap with lazy deletion: O(log n) a choice.
+
+    The one place the ranking lives: `StateSlots` calls `add`, `touch`, `retier`,
+    `remove`, `victim` and `admits` only.
+
+    Every checkpoint saves one state's bytes of memory for the prefill it spares, so
+    among its tier the one least likely to be reused goes first: a boundary inside one
+    request's own suffix (`DENSE`) before any request's last one (`LATEST`, a multi-turn
+    conversation's next turn), and both before a boundary two prompts shared (`SHARED`).
     """
 
     def __init__(self) -> None:
-        self._rank: dict[int, tuple[int, int]] = {}  # slot -> (value, last use)
-        self._heap: list[tuple[int, int, int]] = []  # (value, last use, slot), some stale
+        self._rank: dict[int, tuple[int, int]] = {}  # slot -> (tier, last use)
+        self._heap: list[tuple[int, int, int]] = []  # (tier, last use, slot), some stale
         self._clock = itertools.count()
 
     def __len__(self) -> int:
@@ -99,18 +110,28 @@ class CheckpointPolicy:
     def __contains__(self, slot: object) -> bool:
         return slot in self._rank
 
-    def add(self, slot: int, value: int) -> None:
-        """Make `slot`, a written checkpoint worth `value` tokens, evictable."""
-        rank = (value, next(self._clock))
+    def add(self, slot: int, tier: int) -> None:
+        """Make `slot`, a written checkpoint of `tier`, evictable (the most recent)."""
+        rank = (tier, next(self._clock))
         self._rank[slot] = rank
         heapq.heappush(self._heap, (*rank, slot))
         if len(self._heap) > 2 * len(self._rank) + 64:  # drop the stale entries
             self._heap = [(*rank, s) for s, rank in self._rank.items()]
             heapq.heapify(self._heap)
 
+    def tier_of(self, slot: int) -> int:
+        """`slot`'s tier."""
+        return self._rank[slot][0]
+
     def touch(self, slot: int) -> None:
-        """`slot` was served: it is now the most recently used of its value."""
+        """`slot` was served: it is now the most recently used of its tier."""
         self.add(slot, self._rank[slot][0])
+
+    def retier(self, slot: int, tier: int) -> None:
+        """`slot` moves to `tier` (its use unchanged)."""
+        used = self._rank[slot][1]
+        self._rank[slot] = (tier, used)
+        heapq.heappush(self._heap, (tier, used, slot))
 
     def remove(self, slot: int) -> None:
         """`slot` is no checkpoint any more."""
@@ -120,9 +141,9 @@ class CheckpointPolicy:
         """The checkpoint to evict first (never `exclude`), or None when there is none."""
         heap, held, found = self._heap, [], None
         while heap:
-            value, used, slot = heap[0]
-            if self._rank.get(slot) != (value, used):
-                heapq.heappop(heap)  # stale: removed, or touched since
+            tier, used, slot = heap[0]
+            if self._rank.get(slot) != (tier, used):
+                heapq.heappop(heap)  # stale: removed, touched or re-tiered since
             elif slot == exclude:
                 held.append(heapq.heappop(heap))
             else:
@@ -132,10 +153,10 @@ class CheckpointPolicy:
             heapq.heappush(heap, entry)
         return found
 
-    def admits(self, value: int, victim: int) -> bool:
-        """Whether a new checkpoint worth `value` ranks above `victim` (so `victim` may go
-        for it): more valuable, or as valuable and newer."""
-        return self._rank[victim][0] <= value
+    def admits(self, tier: int, victim: int) -> bool:
+        """Whether a new checkpoint of `tier` ranks above `victim` (so `victim` may go for
+        it): a higher tier, or the same tier and newer (it always is)."""
+        return self._rank[victim][0] <= tier
 
 
 class StateSlots:
@@ -147,7 +168,7 @@ class StateSlots:
     num_slots : int
         Slots in the slab (`CacheConfig.num_state_slots`).
     policy : CheckpointPolicy, optional
-        Which written checkpoint goes first (default: least valuable, then LRU).
+        Which written checkpoint goes first (default: lowest tier, then LRU).
     """
 
     def __init__(self, num_slots: int, policy: CheckpointPolicy | None = None) -> None:
@@ -158,6 +179,9 @@ class StateSlots:
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
+        self._tier: dict[int, int] = {}                  # checkpoint slot -> its tier
+        self._latest: dict[int, int] = {}                # row -> its newest checkpoint slot
+        self._latest_of: dict[int, int] = {}             # that slot -> its row
         self.num_written = self.num_hits = self.num_evicted = 0  # checkpoints, so far
 
     # -- queries --------------------------------------------------------------------------
@@ -211,32 +235,49 @@ class StateSlots:
         return slot
 
     def release_live(self, row: int) -> None:
-        """`row` is gone: its live slot is free."""
+        """`row` is gone (or swapped out): its live slot is free; its newest checkpoint
+        keeps the `LATEST` tier (a finished request's next turn starts there)."""
         self._free.append(self._live.pop(row))
+        self._latest_of.pop(self._latest.pop(row, -1), None)
 
     def served(self, slot: int) -> None:
-        """A checkpoint was copied into an admitted sequence's live slot."""
+        """A checkpoint was copied into an admitted sequence's live slot: two prompts
+        shared it (`SHARED`)."""
         self.num_hits += 1
+        self._retier(slot, SHARED)
         self.policy.touch(slot)
 
-    def offer(self, key: bytes, position: int, row: int) -> int | None:
+    def offer(self, key: bytes, position: int, row: int, shared: bool = False) -> int | None:
         """A slot for the checkpoint of `row` after `position` tokens, indexed under `key`
         (pending until `confirm`), or None: the key is indexed already, or no slot is free
         and no written checkpoint ranks below it (dense while there is room, thinned by
-        value under pressure)."""
+        tier under pressure). It is the row's newest (`LATEST`; the one before drops to
+        `DENSE`), or a junction where prompts met (`shared`: `SHARED`)."""
+        tier = SHARED if shared else LATEST
         if key in self._slot_of:
             return None
         if self._free:
             slot = self._free.pop()
         else:
             slot = self.policy.victim()
-            if slot is None or not self.policy.admits(position, slot):
+            if slot is None or not self.policy.admits(tier, slot):
                 return None
             self._evict(slot)
         self._slot_of[key], self._key_of[slot] = slot, (key, position)
+        self._tier[slot] = tier
         self._pending.setdefault(row, []).append(key)
+        previous = self._latest.get(row)
+        if previous is not None and self._tier[previous] == LATEST:
+            self._retier(previous, DENSE)
+        self._latest_of.pop(previous, None)
+        self._latest[row], self._latest_of[slot] = slot, row
         self.num_written += 1
         return slot
+
+    def _retier(self, slot: int, tier: int) -> None:
+        self._tier[slot] = tier
+        if slot in self.policy:
+            self.policy.retier(slot, tier)
 
     def confirm(self, rows: Sequence[int]) -> None:
         """The checkpoints these rows' last commit took were written (their forward ran):
@@ -244,7 +285,7 @@ class StateSlots:
         for row in rows:
             for key in self._pending.pop(row, ()):
                 slot = self._slot_of[key]
-                self.policy.add(slot, self._key_of[slot][1])
+                self.policy.add(slot, self._tier[slot])
 
     def written(self, slots: Sequence[int]) -> None:
         """The checkpoints in `slots` hold their states (every recurrent layer wrote them):
@@ -256,7 +297,7 @@ class StateSlots:
             for key in self._pending[row]:
                 if key in keys:
                     slot = self._slot_of[key]
-                    self.policy.add(slot, self._key_of[slot][1])
+                    self.policy.add(slot, self._tier[slot])
             if left:
                 self._pending[row] = left
             else:
@@ -268,17 +309,25 @@ class StateSlots:
         for key in self._pending.pop(row, ()):
             slot = self._slot_of[key]
             if self._key_of[slot][1] <= num_tokens:
-                self.policy.add(slot, self._key_of[slot][1])
+                self.policy.add(slot, self._tier[slot])
                 continue
-            del self._slot_of[key], self._key_of[slot]
+            del self._slot_of[key], self._key_of[slot], self._tier[slot]
+            self._unlatest(slot)
             self._free.append(slot)
             self.num_written -= 1
 
     def _evict(self, slot: int) -> None:
         key, _ = self._key_of.pop(slot)
-        del self._slot_of[key]
+        del self._slot_of[key], self._tier[slot]
+        self._unlatest(slot)
         self.policy.remove(slot)
         self.num_evicted += 1
+
+    def _unlatest(self, slot: int) -> None:
+        """`slot` is no checkpoint now: no row's newest."""
+        row = self._latest_of.pop(slot, None)
+        if row is not None:
+            del self._latest[row]
 
     # -- checking -------------------------------------------------------------------------
     def check(self, rows: Sequence[int]) -> None:
@@ -297,6 +346,13 @@ class StateSlots:
         ensure(sorted(pending + written) == sorted(self._key_of)
                and len(self.policy) == len(written),
                "a checkpoint is neither pending nor evictable, or both")
+        ensure(self._tier.keys() == self._key_of.keys()
+               and all(self._tier[slot] == self.policy.tier_of(slot) for slot in written),
+               "a checkpoint's tier is lost or out of step with the policy")
+        ensure(all(self._latest_of.get(slot) == row for row, slot in self._latest.items())
+               and len(self._latest) == len(self._latest_of)
+               and set(self._latest) <= set(self._live)
+               and set(self._latest_of) <= set(self._key_of), "newest checkpoints out of step")
         every = self._free + live + list(self._key_of)
         ensure(len(every) == len(set(every)) == self.num_slots,
                "free, live and checkpoint slots do not partition the slab")
@@ -304,7 +360,8 @@ class StateSlots:
     def snapshot(self) -> tuple:
         """Comparable copy of the bookkeeping (for tests of rejected calls)."""
         return (tuple(self._free), tuple(sorted(self._live.items())),
-                tuple(sorted(self._key_of.items())),
+                tuple(sorted(self._key_of.items())), tuple(sorted(self._tier.items())),
+                tuple(sorted(self._latest.items())),
                 tuple(sorted((row, tuple(keys)) for row, keys in self._pending.items())),
                 tuple(sorted(s for s in self._key_of if s in self.policy)),
                 self.num_written, self.num_hits, self.num_evicted)

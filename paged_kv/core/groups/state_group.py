@@ -69,6 +69,9 @@ class StateGroup(LayerGroup):
     slab: StateSlab | None = None
     leader: PageTables | None = None
     lost: set[int] = dataclasses.field(default_factory=set)
+    # row -> the position of its junction: where its prompt's cached attention blocks ran
+    # past the last checkpoint; the checkpoint there is offered as shared
+    junction: dict[int, int] = dataclasses.field(default_factory=dict)
     # swapped-out sequences' live states, host copies (`StateSlab.save`)
     host: dict[SeqId, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
@@ -124,10 +127,15 @@ class StateGroup(LayerGroup):
             raise OutOfStateSlotsError(1, 0, what)
 
     def add_row(self, allocator: BlockAllocator, plan: Admission, hits: list[int], row: int,
-                prepare: bool, filled: list[Filled], device) -> StateBatch | None:
+                prepare: bool, filled: list[Filled], device, shared: int = 0,
+                ) -> StateBatch | None:
         """The row's live slot, holding a copy of the hit's checkpoint (or zeros), and
-        with `prepare` the checkpoints of the blocks its first tokens fill."""
+        with `prepare` the checkpoints of the blocks its first tokens fill. Where the
+        attention blocks hit past the state (`shared` blocks against the hit's), the
+        checkpoint at that junction is offered as shared when the row computes it."""
         ensure(self.tables.add(plan.seq_id) == row, "layer groups' rows diverged")
+        if shared * self.tables.block_size > plan.num_hit:
+            self.junction[row] = shared * self.tables.block_size
         count = plan.count if prepare else 0
         rows = np.array([row])
         self.tables.set_num_tokens(rows, np.array([plan.num_hit + count]))
@@ -175,7 +183,8 @@ class StateGroup(LayerGroup):
         tokens, slots = [], []
         for row, column, key, _, _ in filled:
             i, position = position_of[row], (column + 1) * block_size
-            slot = self.slots.offer(group_key(key, self.index), position, row)
+            slot = self.slots.offer(group_key(key, self.index), position, row,
+                                    shared=self.junction.get(row) == position)
             if slot is not None:
                 tokens.append(int(starts[i] + position - 1 - old[i]))
                 slots.append(slot)
@@ -204,6 +213,7 @@ class StateGroup(LayerGroup):
         self.slots.confirm([row])
         if self.host.pop(seq_id, None) is None:
             self.slots.release_live(row)
+        self.junction.pop(row, None)
         self.lost.discard(row)
         self.tables.remove(seq_id)
 
@@ -330,7 +340,7 @@ class StateGroup(LayerGroup):
 
     def snapshot(self) -> tuple:
         return (*super().snapshot(), self.slots.snapshot(), self.slab.snapshot(),
-                tuple(sorted(self.lost)),
+                tuple(sorted(self.lost)), tuple(sorted(self.junction.items())),
                 tuple((repr(seq_id), tuple(bytes(t.contiguous().view(torch.uint8).numpy())
                                            for t in saved))
                       for seq_id, saved in sorted(self.host.items(), key=repr)))
