@@ -16,6 +16,7 @@ from paged_kv.core.cache import snapshot
 from paged_kv.core.groups.rules import group_key
 from paged_kv.core.groups.state import (
     DENSE,
+    INTERVAL,
     LATEST,
     SHARED,
     CheckpointPolicy,
@@ -352,10 +353,11 @@ def test_under_pressure_interior_boundaries_go_first_and_a_finished_tail_stays()
     cache.check()
 
 
-def test_a_junction_and_a_served_checkpoint_are_kept_as_shared():
+def test_a_junction_is_kept_as_shared_and_a_served_checkpoint_as_latest():
     """Two prompts sharing 2 blocks: the first's checkpoint after them is gone, so the
     second hits its attention blocks but no state: it checkpoints that junction, shared,
-    and a third prompt hits it. A checkpoint served to a hit is shared too."""
+    and a third prompt hits it. A checkpoint served to a hit (an interior one, DENSE)
+    rises to LATEST: served once, as a conversation's last tail is, not shared."""
     cache = _cache(slots=6)
     shared = list(range(8))
     _run(cache, "a", [*shared, 90, 91, 92, 93, 94], final=1.0)
@@ -370,7 +372,7 @@ def test_a_junction_and_a_served_checkpoint_are_kept_as_shared():
     _write(cache, batch, 2.0, [float(t + 1) for t in batch.groups[-1].emit_tokens.tolist()])
     tiers = {group.slots.position_of(s): group.slots.policy.tier_of(s) for s in range(6)
              if s in group.slots.policy}
-    assert tiers[8] == SHARED and tiers[4] == SHARED  # the junction; the one served
+    assert tiers[8] == SHARED and tiers[4] == LATEST  # the junction; the one served
     assert cache.admit("c", [*shared, 7, 7, 7, 7, 7])[0] == 8
     cache.check()
 
@@ -466,3 +468,17 @@ def test_write_states_checks_every_tensor_before_writing_any():
     assert_same_snapshot(before, snapshot(cache), "refused write_states()")
     cache.write_states(0, batch, good, good)
     assert _value(_live(cache, "a", 0)) == 1.0
+
+
+def test_interior_boundaries_on_the_sparse_interval_outlive_the_others():
+    """Interval 8 tokens: of a's interior boundaries (4, 8, 12), the one after 8 is kept
+    at the INTERVAL tier when a newer one supersedes it; 4 and 12 drop to DENSE."""
+    slots = StateSlots(6, interval=8)
+    slots.take_live(0)
+    for position in (4, 8, 12, 16):
+        slots.offer(b"k%d" % position, position, row=0)
+    slots.confirm([0])
+    tiers = {position: slots.policy.tier_of(slots.find(b"k%d" % position))
+             for position in (4, 8, 12, 16)}
+    assert tiers == {4: DENSE, 8: INTERVAL, 12: DENSE, 16: LATEST}
+    slots.check([0])

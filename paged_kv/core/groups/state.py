@@ -80,14 +80,18 @@ class StateBatch:
 
 # a checkpoint's tier: what it is likely worth to a later prompt (the policy keeps the
 # higher tiers under pressure; Marconi's admission by likely reuse)
-DENSE = 0    # an interior boundary, taken only because a slot was free
-LATEST = 1   # a sequence's last boundary (a finished request's next turn starts there)
-SHARED = 2   # where prompts met: a shared prefix's junction, or served to a prefix hit
+DENSE = 0     # an interior boundary, taken only because a slot was free
+INTERVAL = 1  # an interior boundary on the sparse interval (a later prompt that shares
+#               a prefix nobody has met at yet still hits near its junction)
+LATEST = 2    # a sequence's last boundary (a finished request's next turn starts there),
+#               or one served to a hit
+SHARED = 3    # a junction: where a prompt's attention blocks hit past its state
 
 
 class CheckpointPolicy:
     """Which written checkpoint goes first when a slot is wanted: the lowest tier
-    (`DENSE` < `LATEST` < `SHARED`), then the least recently used (added or served).
+    (`DENSE` < `INTERVAL` < `LATEST` < `SHARED`), then the least recently used (added or
+    served).
     A heap with lazy deletion: O(log n) a choice.
 
     The one place the ranking lives: `StateSlots` calls `add`, `touch`, `retier`,
@@ -169,10 +173,13 @@ class StateSlots:
         Slots in the slab (`CacheConfig.num_state_slots`).
     policy : CheckpointPolicy, optional
         Which written checkpoint goes first (default: lowest tier, then LRU).
+    interval : int
+        Tokens between the interior boundaries kept at the `INTERVAL` tier (0: none).
     """
 
-    def __init__(self, num_slots: int, policy: CheckpointPolicy | None = None) -> None:
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, policy: CheckpointPolicy | None = None,
+                 interval: int = 0) -> None:
+        self.num_slots, self.interval = num_slots, interval
         self.policy = CheckpointPolicy() if policy is None else policy
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, ...
         self._live: dict[int, int] = {}                  # row -> its live slot
@@ -241,10 +248,13 @@ class StateSlots:
         self._latest_of.pop(self._latest.pop(row, -1), None)
 
     def served(self, slot: int) -> None:
-        """A checkpoint was copied into an admitted sequence's live slot: two prompts
-        shared it (`SHARED`)."""
+        """A checkpoint was copied into an admitted sequence's live slot: it is used now,
+        and at least `LATEST` (an interior boundary two prompts shared). Not `SHARED`:
+        a multi-turn conversation is served its last turn's tail once and moves on, and
+        tails served once would crowd out the tails still to be served."""
         self.num_hits += 1
-        self._retier(slot, SHARED)
+        if self._tier[slot] == DENSE:
+            self._retier(slot, LATEST)
         self.policy.touch(slot)
 
     def offer(self, key: bytes, position: int, row: int, shared: bool = False) -> int | None:
@@ -268,7 +278,8 @@ class StateSlots:
         self._pending.setdefault(row, []).append(key)
         previous = self._latest.get(row)
         if previous is not None and self._tier[previous] == LATEST:
-            self._retier(previous, DENSE)
+            sparse = self.interval and self._key_of[previous][1] % self.interval == 0
+            self._retier(previous, INTERVAL if sparse else DENSE)
         self._latest_of.pop(previous, None)
         self._latest[row], self._latest_of[slot] = slot, row
         self.num_written += 1

@@ -85,7 +85,9 @@ class StateGroup(LayerGroup):
         """The group, its slab of `config.num_state_slots` slots (each recurrent layer's
         `LayerKind.states`), and its rows following `leader`'s (no swap space)."""
         group = super().build(index, kind, layers, config, allocator, pool, compiled, None)
-        group.slots = StateSlots(config.num_state_slots)
+        # a sparse interval of 8 blocks (128 tokens at block 16) outlives other interior
+        # boundaries: a prompt meeting a prefix no one has met at yet hits near it
+        group.slots = StateSlots(config.num_state_slots, interval=8 * config.block_size)
         group.slab = StateSlab({layer: config.kind_of(layer).states for layer in layers},
                                config.num_state_slots, config.device)
         group.leader = leader.tables
