@@ -92,10 +92,17 @@ def _demo(args: argparse.Namespace) -> int:
                       progress=not args.json and sys.stderr.isatty(),
                       kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
-                      kv_tiers=TierConfig.from_args(args, 0.0 if args.tensor_parallel_size > 1
-                                           else DEMO_HOST_MIB))
+                      kv_tiers=TierConfig.from_args(args, _demo_host_mib(args, model)))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+def _demo_host_mib(args: argparse.Namespace, model: object) -> float:
+    """The host tier the demo shows by default: none with several ranks or recurrent
+    layers (the tiers do not carry their states yet; asking for one is refused by name)."""
+    if args.tensor_parallel_size > 1 or getattr(model, "num_recurrent", 0):
+        return 0.0
+    return DEMO_HOST_MIB
 
 
 def _synthetic_demo(args: argparse.Namespace) -> int:

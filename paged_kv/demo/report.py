@@ -66,19 +66,36 @@ def make_report(workload: list, outputs: list, elapsed: float, peak: CacheStats,
 
 def _hybrid_fields(peak, final) -> dict:
     """A hybrid layout's peak blocks by layer kind and what its window layers gave back."""
-    return {"peak_blocks_by_kind": dict(peak.blocks_by_kind),
-            "given_back_blocks": final.num_given_back,
-            "given_back_bytes": final.bytes_given_back}
+    fields = {"peak_blocks_by_kind": dict(peak.blocks_by_kind),
+              "given_back_blocks": final.num_given_back,
+              "given_back_bytes": final.bytes_given_back}
+    if final.state_bytes:  # recurrent layers: the state slab and its checkpoints
+        fields |= {"state_bytes": final.state_bytes,
+                   "peak_live_states": peak.num_live_states,
+                   "checkpoints": final.num_checkpoints,
+                   "checkpoint_bytes": final.checkpoint_bytes,
+                   "checkpoints_written": final.checkpoints_written,
+                   "checkpoints_hit": final.checkpoints_hit,
+                   "checkpoints_evicted": final.checkpoints_evicted}
+    return fields
 
 
 def _hybrid_rows(report: dict) -> list[tuple[str, str]]:
     """The report's rows about a hybrid layout's window layers (none for a uniform one)."""
-    if not report.get("peak_blocks_by_kind"):
-        return []
-    return [("peak blocks by layer kind", ", ".join(
-                f"{kind} {count}" for kind, count in report["peak_blocks_by_kind"].items())),
-            ("given back by window layers", f"{report['given_back_blocks']} blocks "
-             f"({report['given_back_bytes'] / 2**20:.1f} MiB)")]
+    rows = []
+    if report.get("peak_blocks_by_kind"):
+        rows += [("peak blocks by layer kind", ", ".join(
+                    f"{kind} {count}" for kind, count in report["peak_blocks_by_kind"].items())),
+                 ("given back by window layers", f"{report['given_back_blocks']} blocks "
+                  f"({report['given_back_bytes'] / 2**20:.1f} MiB)")]
+    if report.get("state_bytes"):
+        rows += [("recurrent state slab", f"{report['state_bytes'] / 2**20:.1f} MiB, "
+                  f"{report['peak_live_states']} live states at peak"),
+                 ("state checkpoints held / written / hit / evicted",
+                  f"{report['checkpoints']} ({report['checkpoint_bytes'] / 2**20:.1f} MiB) / "
+                  f"{report['checkpoints_written']} / {report['checkpoints_hit']} / "
+                  f"{report['checkpoints_evicted']}")]
+    return rows
 
 
 def _tier_rows(report: dict) -> list[tuple[str, str]]:

@@ -23,6 +23,7 @@ from .request import Request, Sequence
 from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_generator
 from .scheduler import Scheduler
+from .sizing import state_line
 from .threads import ThreadGovernor, intra_op_threads
 
 if TYPE_CHECKING:  # the hand-off and the events need the serve extra (pyzmq, msgspec)
@@ -85,6 +86,8 @@ class Engine:
                                        max_num_batched_tokens=config.max_num_batched_tokens,
                                        preemption=config.preemption, tiers=self.tiers)
             self.metrics = EngineMetrics(self.pool_bytes_per_rank())
+            if cache_config.num_state_slots:  # recurrent layers: what the slab holds
+                logger.info("# %s", state_line(cache_config, config.max_num_seqs))
         except BaseException:
             self._close_parts(group)
             raise

@@ -88,15 +88,7 @@ class EngineMetrics:
                                 registry=r)
         self.given_back_bytes = Gauge("paged_kv_given_back_bytes", "Bytes of those blocks "
                                       "(cumulative)", registry=r)
-        # a model with recurrent layers: its state slab (live states and checkpoints)
-        self.states = Gauge("paged_kv_states", "State slab slots by use (live: a running "
-                            "sequence's state; checkpoint: a prefix cache's)", ["use"],
-                            registry=r)
-        self.state_bytes = Gauge("paged_kv_state_bytes", "Bytes of the state slab by use "
-                                 "(slab: all of it)", ["use"], registry=r)
-        self.checkpoint_events = Gauge("paged_kv_state_checkpoints", "State checkpoints "
-                                       "written, served to a prefix hit, evicted (cumulative)",
-                                       ["event"], registry=r)
+        self.states = _StateMetrics(r)  # a model with recurrent layers: its state slab
         for rank, nbytes in enumerate(pool_bytes_per_rank):
             self.pool_bytes.labels(rank=str(rank)).set(nbytes)
         self._seen = (0, 0, 0)
@@ -150,19 +142,34 @@ class EngineMetrics:
             self.given_back.set(stats.num_given_back)
             self.given_back_bytes.set(stats.bytes_given_back)
         if stats.state_bytes:
-            self._observe_states(stats)
+            self.states.observe(stats)
         return generate_latest(self.registry).decode()
 
-    def _observe_states(self, stats: CacheStats) -> None:
-        """The state slab's gauges (a model with recurrent layers)."""
-        self.states.labels(use="live").set(stats.num_live_states)
-        self.states.labels(use="checkpoint").set(stats.num_checkpoints)
-        self.state_bytes.labels(use="slab").set(stats.state_bytes)
-        self.state_bytes.labels(use="checkpoint").set(stats.checkpoint_bytes)
+
+class _StateMetrics:
+    """The state slab of a model with recurrent layers: slots and bytes by use (a running
+    sequence's live state, a prefix checkpoint), checkpoints written / hit / evicted."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.slots = Gauge("paged_kv_states", "State slab slots by use (live: a running "
+                           "sequence's state; checkpoint: a prefix cache's)", ["use"],
+                           registry=registry)
+        self.bytes = Gauge("paged_kv_state_bytes", "Bytes of the state slab by use (slab: "
+                           "all of it)", ["use"], registry=registry)
+        self.events = Gauge("paged_kv_state_checkpoints", "State checkpoints written, served "
+                            "to a prefix hit, evicted (cumulative)", ["event"],
+                            registry=registry)
+
+    def observe(self, stats: CacheStats) -> None:
+        """Set every gauge from `stats` (`PagedKVCache.stats`)."""
+        self.slots.labels(use="live").set(stats.num_live_states)
+        self.slots.labels(use="checkpoint").set(stats.num_checkpoints)
+        self.bytes.labels(use="slab").set(stats.state_bytes)
+        self.bytes.labels(use="checkpoint").set(stats.checkpoint_bytes)
         for event, total in (("written", stats.checkpoints_written),
                              ("hit", stats.checkpoints_hit),
                              ("evicted", stats.checkpoints_evicted)):
-            self.checkpoint_events.labels(event=event).set(total)
+            self.events.labels(event=event).set(total)
 
 
 class _TierMetrics:

@@ -93,11 +93,14 @@ def cache_config_for_free_memory(model: torch.nn.Module,
         device = parameter.device if parameter is not None else torch.device("cpu")
     probe = model.cache_config(num_blocks=2, block_size=block_size, device=device, **overrides)
     free = free_memory_bytes(probe.device)
-    num_blocks = int(memory_fraction * free) // probe.bytes_per_block
+    # a model with recurrent layers: its state slab comes out of the same budget first
+    num_blocks = (int(memory_fraction * free) - probe.state_bytes) // probe.bytes_per_block
     if num_blocks < 2:
+        slab = f" beside a state slab of {probe.state_bytes} bytes" if probe.state_bytes else ""
         raise ValueError(f"memory_fraction={memory_fraction} of the {free} bytes free on "
                          f"{probe.device} holds {num_blocks} blocks of {probe.bytes_per_block} "
-                         f"bytes; at least 2 are needed: raise memory_fraction or free memory")
+                         f"bytes{slab}; at least 2 are needed: raise memory_fraction or free "
+                         f"memory")
     config = model.cache_config(num_blocks=num_blocks, block_size=block_size,
                                 device=probe.device, **overrides)
     logger.info("# %s blocks: %d of %d tokens = %d tokens, %.2f GiB (memory_fraction %g of "
@@ -106,7 +109,34 @@ def cache_config_for_free_memory(model: torch.nn.Module,
                 memory_fraction, free / 2**30)
     if config.layer_kinds:  # blocks x block_size says little when windows give blocks back
         logger.info("# fits: %s", capacity(config))
+    if config.num_state_slots:
+        logger.info("# %s", state_line(config))
     return config
+
+
+def state_line(config: CacheConfig, max_num_seqs: int | None = None) -> str:
+    """One line on the state slab of a model with recurrent layers: its slots, their
+    bytes, and how many prefix checkpoints fit beside the live states of `max_num_seqs`
+    sequences (each a slot).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from paged_kv.config import LayerKind, StateSpec
+    >>> rec = LayerKind.recurrent((StateSpec("ssm", (64, 1024), torch.float32),))
+    >>> cfg = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=16,
+    ...                   num_blocks=64, num_state_slots=128, layer_kinds=(rec, LayerKind()))
+    >>> head, tail = state_line(cfg, max_num_seqs=64).split(": live ")
+    >>> head
+    'state slab: 128 slots of 0.25 MiB (32.0 MiB)'
+    >>> tail
+    'states of 64 sequences, 64 prefix checkpoints'
+    """
+    slots, per_slot = config.num_state_slots, config.state_bytes_per_slot
+    live = slots if max_num_seqs is None else min(max_num_seqs, slots)
+    return (f"state slab: {slots} slots of {per_slot / 2**20:.2f} MiB "
+            f"({config.state_bytes / 2**20:.1f} MiB): live states of {live} sequences, "
+            f"{slots - live} prefix checkpoints")
 
 
 def capacity(config: CacheConfig, lengths: tuple[int, ...] = (2048, 8192, 32768, 131072),
@@ -147,7 +177,7 @@ def pool_config(model: torch.nn.Module, *, block_size: int, memory_mib: float,
         budget = num_blocks * probe.bytes_per_block
     else:
         budget = int(memory_mib * 2**20)
-        num_blocks = budget // probe.bytes_per_block
+        num_blocks = (budget - probe.state_bytes) // probe.bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"argument --memory-mib: {memory_mib} MiB holds {num_blocks} KV "
                          f"blocks of {probe.bytes_per_block} bytes; need at least 2")

@@ -15,12 +15,10 @@ when `backend.use_triton` says so; the offsets and emissions are checked here ag
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ._triton import tl, triton
-from .recurrent import Result, packing
+from .recurrent_packing import Result, packing
 
 # cap on a program's block of value columns / channels: wider layers get more programs (the
 # rows of the state are independent), which keeps the register tile small; tests lower it
@@ -267,12 +265,3 @@ def triton_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             key_dim ** -0.5 if scale is None else float(scale),
             BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm)
     return out, final, emissions.gather(emitted)
-
-
-def __getattr__(name: str) -> Any:
-    """The Mamba scans from `recurrent_triton_scan`, so all four launchers are reachable here
-    (imported late: that module imports this one's helpers)."""
-    if name in ("triton_ssd", "triton_selective_scan"):
-        from . import recurrent_triton_scan
-        return getattr(recurrent_triton_scan, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

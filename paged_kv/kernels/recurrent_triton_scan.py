@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton
-from .recurrent import Result
+from .recurrent_packing import Result
 from .recurrent_triton import Emissions, strides
 
 # cap on a program's rows of the state (head dims / channels): more programs and a smaller

@@ -222,3 +222,17 @@ def test_a_miss_for_want_of_a_state_is_named_and_the_states_are_metered(checkpoi
     text = roomy.metrics_text()
     assert 'paged_kv_state_checkpoints{event="written"} 9.0' in text
     assert 'paged_kv_state_checkpoints{event="hit"} 1.0' in text
+
+
+def test_a_memory_budget_holds_the_state_slab_and_the_blocks(checkpoints):
+    """`pool_config` (demo, serve) takes the slab out of the budget before the blocks:
+    the whole pool, states included, fits the budget, and the start-up line says how
+    many checkpoints fit beside the live states."""
+    from paged_kv.engine.sizing import pool_config, state_line
+
+    runner = HFCausalLM.from_pretrained(checkpoints["qwen3_next"])
+    config, budget = pool_config(runner, block_size=BLOCK, memory_mib=4)
+    assert config.state_bytes > 0 and config.num_blocks >= 2
+    assert config.total_bytes <= budget < config.total_bytes + config.bytes_per_block
+    assert state_line(config, 64).endswith(f"live states of 64 sequences, "
+                                           f"{config.num_state_slots - 64} prefix checkpoints")

@@ -178,7 +178,7 @@ def test_ssd_matches_reference(torch_backend, narrow_blocks, lengths, groups, dt
             "dt_bias": torch.randn(heads) if chosen.get("dt_bias") else None,
             "dt_softplus": chosen.get("dt_softplus", True),
             "dt_limit": chosen.get("dt_limit", (0.0, float("inf")))}
-    compare(recurrent.ssd, recurrent_triton.triton_ssd, args, dtype, lengths)
+    compare(recurrent.ssd, recurrent_triton_scan.triton_ssd, args, dtype, lengths)
 
 
 # -- selective_scan ---------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_selective_scan_matches_reference(torch_backend, narrow_blocks, lengths,
             "state": torch.randn(len(lengths), channels, state_dim),
             "delta_bias": torch.randn(channels) if has_bias else None,
             "delta_softplus": softplus}
-    compare(recurrent.selective_scan, recurrent_triton.triton_selective_scan, args, dtype,
+    compare(recurrent.selective_scan, recurrent_triton_scan.triton_selective_scan, args, dtype,
             lengths)
 
 
