@@ -10,8 +10,8 @@ import json
 import pytest
 
 from paged_kv.bench.cli import OPTIONAL_WORKLOADS, WORKLOADS
-from paged_kv.bench.workloads import state
 from paged_kv.bench.workloads import state_cache as sc
+from paged_kv.bench.workloads import state_parts as parts
 from paged_kv.cli import main
 
 
@@ -42,7 +42,7 @@ def test_every_part_has_its_rows_within_their_totals(workload):
         assert 0 <= figure["median"] <= figure["baseline_median"]
         assert 0 <= figure["ratio"] <= 1
     share = _figure(workload, "multi-turn (50 conversations x 3 turns): peak checkpoint")
-    assert 0 < share["median"] <= state.CHECKPOINT_SHARE < share["baseline_median"] <= 1
+    assert 0 < share["median"] <= parts.CHECKPOINT_SHARE < share["baseline_median"] <= 1
     assert _figure(workload, "bytes per checkpoint")["ratio"] == pytest.approx(1.0)
     for start in ("1,000-token sequences per", "1,000-token sequences admitted"):
         figure = _figure(workload, start)
@@ -67,13 +67,13 @@ def test_tokens_were_checked_equal_before_the_speeds(workload):
 
 @pytest.mark.benchmark(group="state: #45238 replay, 64 prompts, 128 state slots")
 def test_issue_replay(benchmark):
-    groups, per_group, prefix, suffix = state.ISSUE
-    requests = state._grouped(groups, per_group, prefix, suffix, seed=1)
-    blocks = state._pool_blocks(40 * state.GIB, state.DEFAULT_SLOTS)
-    run = benchmark.pedantic(state._serve, args=(requests, state.DEFAULT_SLOTS, blocks),
+    groups, per_group, prefix, suffix = parts.ISSUE
+    requests = parts._grouped(groups, per_group, prefix, suffix, seed=1)
+    blocks = parts._pool_blocks(40 * parts.GIB, parts.DEFAULT_SLOTS)
+    run = benchmark.pedantic(parts._serve, args=(requests, parts.DEFAULT_SLOTS, blocks),
                              rounds=1, iterations=1)
     benchmark.extra_info.update(prompts_hit=sum(h > 0 for h in run.hits),
                                 hit_tokens=sum(run.hits))
     # every hit is block-aligned and within the shared prefix (the replay checked its state)
     assert all(h % sc.BLOCK_SIZE == 0 and 0 <= h <= prefix for h in run.hits)
-    assert run.peak_checkpoints < state.DEFAULT_SLOTS
+    assert run.peak_checkpoints < parts.DEFAULT_SLOTS

@@ -139,8 +139,7 @@ def replay(cache: PagedKVCache, requests: list[Request], *, concurrency: int = 1
     (decodes first, then prefill chunks), as the engine schedules; `after[i] = j`: request
     ``i`` waits until request ``j`` finished (a conversation's next turn)."""
     recurrent = list(cache.config.recurrent_layers)
-    waiting, running, finished = deque(range(len(requests))), [], set()
-    peak = 0
+    waiting, running, finished, peak = deque(range(len(requests))), [], set(), 0
     while waiting or running:
         while waiting and len(running) < concurrency:
             index = waiting[0]
