@@ -18,7 +18,7 @@ from ..config import CacheConfig, LayerKind
 from ..core.batch import StepBatch
 from ..core.cache import PagedKVCache
 from ..integrations.hf_architectures import latent_head_dim, require_served
-from ..integrations.hf_layers import model_layers
+from ..integrations.hf_layers import KEY_ONLY_HEAD_DIM, model_layers
 from ..integrations.hf_support import UnsupportedModelError
 from .hf_latent import install_latent
 from .hf_recurrent import StepContext, install_mixers
@@ -27,6 +27,8 @@ ATTN_IMPLEMENTATION = "paged_kv"
 # state slots of a model with recurrent layers when its cache config names none: the live
 # states of the engine's default 64 sequences, as many again for prefix-cache checkpoints
 DEFAULT_STATE_SLOTS = 128
+# the positions a model without a position limit (recurrent layers only) takes a sequence to
+NO_POSITION_LIMIT = 1 << 17
 
 
 def _paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -140,8 +142,14 @@ class HFCausalLM(torch.nn.Module):
         self.model = model.eval()
         hf = model.config
         self.name = f"{type(model).__name__} ({getattr(hf, 'name_or_path', '') or 'local'})"
-        self.config = _ModelLimits(hf.vocab_size, hf.max_position_embeddings)
+        # a model of recurrent layers only has no position limit of its own
+        self.config = _ModelLimits(hf.vocab_size, getattr(hf, "max_position_embeddings", None)
+                                   or NO_POSITION_LIMIT)
+        # the key-only layer of a model of recurrent layers only: no model layer runs it
+        self.key_only = layers.key_only
         self.kv_shape = ((len(self.layer_kinds), 1, latent_head_dim(hf)) if self.num_latent
+                         else (len(self.layer_kinds), 1, KEY_ONLY_HEAD_DIM)
+                         if self.key_only is not None
                          else (len(self.layer_kinds), getattr(hf, "num_key_value_heads", None)
                                or hf.num_attention_heads,
                                getattr(hf, "head_dim", None)
@@ -202,7 +210,7 @@ class HFCausalLM(torch.nn.Module):
                                 use_cache=False, logits_to_keep=logits_indices,
                                 paged_kv_cache=cache, paged_kv_batch=batch,
                                 paged_kv_step=step, paged_kv_cache_layers=self.cache_layers)
-            ran = step.ran
+            ran = step.ran | ({self.key_only} if self.key_only is not None else set())
         finally:
             step.close()
         if len(ran) != cache.config.num_layers:

@@ -98,7 +98,7 @@ _REASONS = {
         "jetmoe mimo_v2_flash",
     "differential attention (two softmax maps per head, subtracted)": "diffllama",
     "recurrent state (no attention K/V to page)":
-        "falcon_mamba mamba mamba2 recurrent_gemma rwkv xlstm zamba zamba2",
+        "recurrent_gemma rwkv xlstm zamba zamba2",
     "language adapters chosen per input (set_default_language)": "xmod",
     "two-stream relative attention with no position limit": "xlnet",
 }

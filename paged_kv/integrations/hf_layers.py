@@ -8,10 +8,15 @@ engine runs through a mixer (`paged_kv.integrations.mixers`); Nemotron-H's MLP a
 layers keep nothing, so the cache has no layer for them. `model_layers` gives the cache's
 layers and the map from each model layer to its cache layer.
 
+A model of recurrent layers only (Mamba, Mamba-2, Falcon-Mamba) gets one more cache layer
+no model layer maps to, a *key-only* full-attention layer: the cache's prefix index keys a
+state checkpoint by the blocks of an attention group, so that group must exist; its pages
+are one head of `KEY_ONLY_HEAD_DIM` values (8 bytes a token in float32: nothing beside a
+state), never written or read.
+
 Served: the model types of `RECURRENT_MODEL_TYPES` (each with a mixer for its recurrent
 modules). Refused by name: a layer that attends and keeps a state at once (Falcon-H1's and
-Zamba's ``"hybrid"`` layers), a model of recurrent layers only (the cache's prefix index
-keys a state by the blocks of an attention group), a recurrent model type without a mixer.
+Zamba's ``"hybrid"`` layers), a recurrent model type without a mixer.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..config import NO_RECURRENT_ONLY, LayerKind
+from ..config import LayerKind
 from .hf_support import (
     LAYER_TYPES,
     LEGACY_LAYER_TYPES,
@@ -31,14 +36,17 @@ from .hf_support import (
 )
 from .recurrent import HYBRID_LAYER_TYPES, RECURRENCES, RECURRENT_LAYER_TYPES, recurrent_layers
 
-__all__ = ["NO_CACHE_LAYER_TYPES", "RECURRENT_MODEL_TYPES", "ModelLayers", "model_layers"]
+__all__ = ["KEY_ONLY_HEAD_DIM", "NO_CACHE_LAYER_TYPES", "RECURRENT_MODEL_TYPES", "ModelLayers",
+           "model_layers"]
 
 # model types whose recurrent layers the engine runs (through `mixers.MIXERS`), checked
 # against transformers' generate
 RECURRENT_MODEL_TYPES = frozenset({
-    "bamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe", "nemotron_h", "qwen3_5_moe_text",
-    "qwen3_5_text", "qwen3_next",
+    "bamba", "falcon_mamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe", "mamba",
+    "mamba2", "nemotron_h", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
 })
+# the key-only layer's head dim (one head): the smallest pages a block can have
+KEY_ONLY_HEAD_DIM = 1
 # layer types with no sequence mixer (Nemotron-H's MLP and MoE blocks): nothing to cache
 NO_CACHE_LAYER_TYPES = frozenset({"mlp", "moe"})
 
@@ -53,10 +61,14 @@ class ModelLayers:
         One per cache layer, in model order (`CacheConfig.layer_kinds`).
     cache_layers : tuple of int or None
         One per model layer: its cache layer, None for a layer that keeps nothing.
+    key_only : int or None
+        The key-only layer of a model of recurrent layers only (the last cache layer), else
+        None.
     """
 
     kinds: tuple[LayerKind, ...]
     cache_layers: tuple[int | None, ...]
+    key_only: int | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -118,9 +130,8 @@ def model_layers(config: object, dtype: torch.dtype | str = torch.float32) -> Mo
         cache_layers.append(len(kinds))
         kinds.append(LayerKind.recurrent(states[index]) if index in states
                      else _kind_of_type(text, kind))
-    if all(kind.is_recurrent for kind in kinds):
-        _refuse(text, [f"{len(kinds)} recurrent layers and no attention layer ("
-                       f"{NO_RECURRENT_ONLY})"])
+    if all(kind.is_recurrent for kind in kinds):  # a key-only layer leads the prefix cache
+        return ModelLayers((*kinds, LayerKind.full()), tuple(cache_layers), len(kinds))
     return ModelLayers(tuple(kinds), tuple(cache_layers))
 
 

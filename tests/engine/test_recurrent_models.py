@@ -1,8 +1,9 @@
 """Models with recurrent layers, served by the engine, give transformers' own greedy tokens.
 
-Tiny random checkpoints (no download) of each hybrid family the engine serves — Qwen3-Next
+Tiny random checkpoints (no download) of each recurrent family the engine serves — Qwen3-Next
 and Qwen3.5 (gated delta nets), Jamba (Mamba-1), LFM2 (short convolutions), Nemotron-H
-(Mamba-2 beside attention and an MLP-only layer), Granite 4 hybrids and Bamba (Mamba-2) —
+(Mamba-2 beside attention and an MLP-only layer), Granite 4 hybrids and Bamba (Mamba-2), and
+Mamba, Falcon-Mamba and Mamba-2 (recurrent layers only, a key-only layer leading) —
 each against ``generate`` on the same checkpoint (float32, greedy, transformers' torch
 recurrences). The recurrent layers' states live in the cache's state slab: a packed step
 mixes prefill chunks and decodes, a 24-token budget splits the long prompts into chunks
@@ -43,6 +44,8 @@ def recurrent_configs() -> dict[str, tuple[object, tuple[str, ...], tuple[int | 
     mamba2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
                   mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, num_hidden_layers=4)
     three_one = ("recurrent", "recurrent", "full", "recurrent")
+    pure = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, initializer_range=0.3)
+    key_only = ("recurrent", "recurrent", "full")
     return {
         "qwen3_next": (t.Qwen3NextConfig(**COMMON, **delta, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, decoder_sparse_step=1,
@@ -68,6 +71,12 @@ def recurrent_configs() -> dict[str, tuple[object, tuple[str, ...], tuple[int | 
             num_local_experts=2, num_experts_per_tok=1), three_one, (0, 1, 2, 3)),
         "bamba": (t.BambaConfig(**COMMON, **mamba2, attn_layer_indices=[2]),
                   three_one, (0, 1, 2, 3)),
+        # recurrent layers only: a key-only attention layer (no model layer's) leads
+        "mamba": (t.MambaConfig(**pure, state_size=8, expand=2), key_only, (0, 1)),
+        "falcon_mamba": (t.FalconMambaConfig(**pure, state_size=8, expand=2), key_only,
+                         (0, 1)),
+        "mamba2": (t.Mamba2Config(**pure, num_heads=8, head_dim=16, state_size=8, n_groups=2,
+                                  chunk_size=16), key_only, (0, 1)),
     }
 
 

@@ -39,8 +39,8 @@ def _refused() -> dict[str, tuple[object, str]]:
     t = transformers
     four = {**COMMON, "num_hidden_layers": 4}
     return {
-        # the engine serves recurrent layers beside attention, never alone
-        "jamba mamba layers": (t.JambaConfig(**four), "4 recurrent layers and no attention"),
+        # attention and a recurrent state in every layer (the engine serves them apart)
+        "falcon-h1 hybrid layers": (t.FalconH1Config(**four), "4 'hybrid' layers"),
         "a linear_attention layer set on qwen2": (
             t.Qwen2Config(layer_types=["full_attention", "linear_attention"], **COMMON),
             "1 'linear_attention' layers"),
@@ -69,12 +69,8 @@ def test_hf_causal_lm_refuses_the_model_naming_type_and_layer_type(name, refused
     message = str(info.value)
     assert repr(config.model_type) in message and setting in message
     assert any(setting in feature for feature in info.value.features)
-    with pytest.raises(UnsupportedModelError, match=CACHE_SETTING.get(name, setting)):
+    with pytest.raises(UnsupportedModelError, match=setting):
         PagedCache(config, num_blocks=8)
-
-
-# what transformers' PagedCache (attention only) names where the engine names another
-CACHE_SETTING = {"jamba mamba layers": "4 'mamba' layers"}
 
 
 def test_the_transformers_cache_refuses_recurrent_layers_the_engine_serves():
@@ -92,7 +88,7 @@ def test_a_model_built_in_python_is_refused_too():
 
 
 @pytest.mark.parametrize("command", ["demo", "serve"])
-@pytest.mark.parametrize("name", ["jamba mamba layers", "cross-attention"])
+@pytest.mark.parametrize("name", ["falcon-h1 hybrid layers", "cross-attention"])
 def test_command_line_refuses_before_starting(name, command, refused_checkpoints, capsys):
     """Exit 2 with the reason at parse time: no engine core is spawned, no port bound."""
     config, setting = _refused()[name]

@@ -129,13 +129,6 @@ def _refused() -> dict[str, tuple[transformers.PreTrainedConfig, str]]:
         "qwen3.5 multimodal with linear layers": (
             transformers.Qwen3_5Config(text_config=dict(TINY, num_hidden_layers=4)),
             "'linear_attention' layers"),
-        "mamba-2 recurrent": (transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2,
-                                                        num_heads=8, head_dim=16, n_groups=1,
-                                                        vocab_size=128),
-                              "recurrent state"),
-        # served beside attention (tests/engine/test_recurrent_models.py), not alone
-        "jamba mamba layers only": (tiny_config("jamba", num_hidden_layers=4),
-                                    "4 recurrent layers and no attention layer"),
         "falcon-h1 hybrid layers": (tiny_config("falcon_h1"), "'hybrid' layers"),
         "gemma 3 multimodal": (transformers.Gemma3Config(text_config=dict(TINY)),
                                "composite (multimodal) config"),
@@ -180,7 +173,7 @@ def test_refused_family_at_load(family, refused_checkpoints):
     assert f"model type {config.model_type!r} is not supported" in message, message
     assert reason in message and any(reason in f for f in info.value.features), message
     assert "paged_kv's engine serves these model types" in message
-    assert "llama, llama4_text, mellum" in message  # the served types, by name
+    assert "llama, llama4_text, mamba, mamba2, mellum" in message  # the served types, by name
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
