@@ -24,7 +24,7 @@ from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.integrations.hf_support import UnsupportedModelError  # noqa: E402
 from paged_kv.integrations.transformers import PagedCache  # noqa: E402
 
-from .conftest import prompt  # noqa: E402
+from .conftest import generate_greedy, prompt, save_random_checkpoints  # noqa: E402
 
 MAX_TOKENS = 6
 BLOCK = 16
@@ -64,28 +64,13 @@ def prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, object]:
-    paths = {}
-    for family, config in latent_configs().items():
-        torch.manual_seed(0)
-        paths[family] = tmp_path_factory.mktemp(family.replace(" ", "_"))
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(paths[family])
-    return paths
+    return save_random_checkpoints(tmp_path_factory, latent_configs())
 
 
 @pytest.fixture(scope="module")
 def expected(checkpoints) -> dict[tuple[str, str], list[int]]:
     """transformers' greedy tokens per (family, prompt): float32, eager, its own cache."""
-    found = {}
-    for family, path in checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager")
-        for name, ids in prompts().items():
-            ids = torch.tensor([ids])
-            out = model.eval().generate(ids, attention_mask=torch.ones_like(ids),
-                                        do_sample=False, max_new_tokens=MAX_TOKENS,
-                                        eos_token_id=None, pad_token_id=0)
-            found[family, name] = out[0, ids.shape[1]:].tolist()
-    return found
+    return generate_greedy(checkpoints, prompts(), MAX_TOKENS, attn_implementation="eager")
 
 
 def engine_for(path, num_blocks: int = 64, **kwargs) -> Engine:
