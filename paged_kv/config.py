@@ -10,8 +10,13 @@ import torch
 from .tenants.policy import TenantPolicy
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# page element type of each 8-bit format, by torch attribute name (float8 types are optional)
-KV_CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# the torch dtype each page format needs, by attribute name (float8 types are optional): an
+# 8-bit format's page element type; a 4-bit one's (`PACKED_FORMATS`) scale type
+KV_CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                   "int4": "bfloat16", "nvfp4": "float8_e4m3fn"}
+# 4-bit formats: two values a byte (uint8 pages of head_dim / 2), one scale per GROUP values
+PACKED_FORMATS = ("int4", "nvfp4")
+GROUP = 16
 # one scale per (token, layer, K/V, kv head) of 8-bit pages; bfloat16 for float32's range
 SCALE_DTYPE = torch.bfloat16
 ATTENTION_KINDS = ("full", "sliding", "chunked", "recurrent")
@@ -210,8 +215,14 @@ class CacheConfig:
     kv_cache_dtype : str
         How pages store K/V: ``"auto"`` in `dtype`; ``"int8"``, ``"fp8_e4m3"`` or
         ``"fp8_e5m2"`` in 8 bits with one `SCALE_DTYPE` scale per (token, layer, K/V, kv head)
-        beside them (see docs/architecture.md). `write` takes and `gather` / `attention`
-        return `dtype` either way.
+        beside them (see docs/architecture.md); ``"int4"`` (symmetric, a `SCALE_DTYPE` scale
+        per `GROUP` values) or ``"nvfp4"`` (e2m1 values, an e4m3 scale per `GROUP`: vLLM's
+        NVFP4 layout) in 4 bits, two values a byte, `head_dim` a multiple of `GROUP`.
+        `write` takes and `gather` / `attention` return `dtype` either way.
+    kv_rotation : bool
+        Rotate keys by a fixed orthonormal Hadamard per head before they are stored (and
+        queries alike in `attention`, which is thus unchanged in exact arithmetic; `gather`
+        rotates keys back): spreads outlier channels over the head, for 4-bit pages.
     layer_kinds : tuple of LayerKind
         One per layer: full attention, a sliding window, chunked local attention or a
         recurrent layer (see `LayerKind`); empty (the default) means every layer is full
@@ -236,6 +247,8 @@ class CacheConfig:
     >>> cfg8 = dataclasses.replace(cfg, kv_cache_dtype="int8")
     >>> cfg8.bytes_per_token  # 2 layers * 2 * 4 heads * (64 int8 + a 2-byte scale)
     1056
+    >>> dataclasses.replace(cfg, kv_cache_dtype="nvfp4").bytes_per_token  # 4 * (32 + 4 * 1)
+    576
     """
 
     num_layers: int
@@ -252,6 +265,7 @@ class CacheConfig:
     layer_kinds: tuple[LayerKind, ...] = ()
     tenants: TenantPolicy | None = None
     num_state_slots: int = 0
+    kv_rotation: bool = False
 
     def __post_init__(self) -> None:
         minimums = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1,
@@ -272,15 +286,7 @@ class CacheConfig:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"CacheConfig.device: not a device: {self.device!r}") from exc
         object.__setattr__(self, "device", device)
-        if not isinstance(self.kv_cache_dtype, str) or (
-                self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES):
-            raise ValueError(f"CacheConfig.kv_cache_dtype: expected one of 'auto', "
-                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.is_quantized and not hasattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype]):
-            raise ValueError(f"CacheConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs "
-                             f"torch.{KV_CACHE_DTYPES[self.kv_cache_dtype]}, which torch "
-                             f"{torch.__version__} lacks; use 'int8' or upgrade torch")
+        self._check_kv_cache_dtype()
         self._check_layer_kinds()
         if self.tenants is not None:
             if not isinstance(self.tenants, TenantPolicy):
@@ -292,6 +298,24 @@ class CacheConfig:
                 f"CacheConfig.enable_prefix_caching: expected a bool, "
                 f"got {self.enable_prefix_caching!r}"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        if not isinstance(self.kv_cache_dtype, str) or (
+                self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES):
+            raise ValueError(f"CacheConfig.kv_cache_dtype: expected one of 'auto', "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.is_quantized and not hasattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype]):
+            raise ValueError(f"CacheConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs "
+                             f"torch.{KV_CACHE_DTYPES[self.kv_cache_dtype]}, which torch "
+                             f"{torch.__version__} lacks; use 'int8' or upgrade torch")
+        if self.is_packed and self.head_dim % GROUP:
+            raise ValueError(f"CacheConfig.head_dim: kv_cache_dtype={self.kv_cache_dtype!r} "
+                             f"keeps a scale per {GROUP} values of a head: expected a multiple "
+                             f"of {GROUP}, got {self.head_dim}")
+        if not isinstance(self.kv_rotation, bool):
+            raise ValueError(f"CacheConfig.kv_rotation: expected a bool, "
+                             f"got {self.kv_rotation!r}")
 
     def _check_layer_kinds(self) -> None:
         kinds = self.layer_kinds
@@ -323,15 +347,42 @@ class CacheConfig:
 
     @property
     def is_quantized(self) -> bool:
-        """Whether pages hold 8-bit values with scales (`kv_cache_dtype` is not "auto")."""
+        """Whether pages hold 8- or 4-bit codes with scales (`kv_cache_dtype` is not
+        "auto")."""
         return self.kv_cache_dtype != "auto"
 
     @property
+    def is_packed(self) -> bool:
+        """Whether pages hold 4-bit codes, two a byte (`PACKED_FORMATS`)."""
+        return self.kv_cache_dtype in PACKED_FORMATS
+
+    @property
     def cache_dtype(self) -> torch.dtype:
-        """Element type of the pages: `dtype`, or the 8-bit type of `kv_cache_dtype`."""
+        """Element type of the pages: `dtype`, the 8-bit type of `kv_cache_dtype`, or uint8
+        (two 4-bit codes) for packed pages."""
         if not self.is_quantized:
             return self.dtype
+        if self.is_packed:
+            return torch.uint8
         return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
+
+    @property
+    def page_dim(self) -> int:
+        """Page elements per head: `head_dim`, or ``head_dim // 2`` bytes when packed."""
+        return self.head_dim // 2 if self.is_packed else self.head_dim
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """Scales per (token, head): ``()`` for one (8-bit), ``(head_dim // GROUP,)`` when
+        packed."""
+        return (self.head_dim // GROUP,) if self.is_packed else ()
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The scales' dtype: `SCALE_DTYPE`, or float8_e4m3fn for nvfp4."""
+        if self.kv_cache_dtype == "nvfp4":
+            return torch.float8_e4m3fn
+        return SCALE_DTYPE
 
     @property
     def element_size(self) -> int:
@@ -352,8 +403,8 @@ class CacheConfig:
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all attention layers, K and V (scales
         included); a recurrent layer keeps no bytes per token (`state_bytes_per_slot`)."""
-        scale_bytes = SCALE_DTYPE.itemsize if self.is_quantized else 0
-        per_head = self.head_dim * self.element_size + scale_bytes
+        scales = math.prod(self.scale_shape) * self.scale_dtype.itemsize
+        per_head = self.page_dim * self.element_size + (scales if self.is_quantized else 0)
         return 2 * self.num_attention_layers * self.num_kv_heads * per_head
 
     @property

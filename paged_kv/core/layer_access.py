@@ -20,6 +20,7 @@ from .._checks import check_tensor, require_layer
 from ..config import CacheConfig
 from ..kernels.attention import attention_kind
 from ..kernels.quant import scale_kwargs
+from ..kernels.rotation import rotate
 from .batch import BatchOrSeqIds, StepBatch, sequence_tables
 from .page_table import PageTables
 from .pool import KVPool
@@ -43,7 +44,8 @@ class LayerAccess:
         layer : int
         key, value : torch.Tensor
             ``[batch.num_tokens, num_kv_heads, head_dim]``, the cache's dtype and device
-            (quantized on the way in when ``kv_cache_dtype`` is 8-bit).
+            (quantized on the way in when ``kv_cache_dtype`` is 8- or 4-bit; keys rotated
+            first with ``kv_rotation``).
         batch : StepBatch
             From this step's `prepare`.
 
@@ -58,6 +60,8 @@ class LayerAccess:
             check_tensor(f"write(): {name}", tensor, shape, dtype=self.config.dtype,
                          device=self.config.device)
         plane, batch, _ = self._pages(layer, batch)
+        if self.config.kv_rotation:  # quantised pages take the rotated keys unrounded
+            key = rotate(key, torch.float32 if self.config.is_quantized else None)
         kernels.write_kv(key, value, *self._pool.layer(plane), batch.slot_mapping,
                          *self._pool.layer_scales(plane))
 
@@ -95,8 +99,9 @@ class LayerAccess:
             for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
                 check_tensor(f"gather(): {name}", tensor, shape, dtype=self.config.dtype,
                              device=self.config.device)
-        return kernels.gather_kv(*self._pool.layer(plane), block_tables, seq_lens, length, out,
-                                 **self._scales_of(plane, out_dtype=self.config.dtype))
+        return self._unrotated(kernels.gather_kv(
+            *self._pool.layer(plane), block_tables, seq_lens, length, out,
+            **self._scales_of(plane, out_dtype=self.config.dtype)))
 
     def _gather_packed(self, plane: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        out: tuple[torch.Tensor, torch.Tensor] | None,
@@ -108,10 +113,18 @@ class LayerAccess:
             for name, tensor in zip(("out[0]", "out[1]"), out, strict=True):
                 check_tensor(f"gather(packed=True): {name}", tensor, shape,
                              dtype=self.config.dtype, device=self.config.device)
-        k, v = kernels.gather_kv_packed(*self._pool.layer(plane), block_tables, seq_lens,
-                                        cu_seqlens, out,
-                                        **self._scales_of(plane, out_dtype=self.config.dtype))
+        k, v = self._unrotated(kernels.gather_kv_packed(
+            *self._pool.layer(plane), block_tables, seq_lens, cu_seqlens, out,
+            **self._scales_of(plane, out_dtype=self.config.dtype)))
         return k, v, cu_seqlens
+
+    def _unrotated(self, kv: tuple[torch.Tensor, torch.Tensor],
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered K/V with the keys rotated back when `kv_rotation` stored them rotated
+        (in place: a caller's `out` buffers hold the result)."""
+        if self.config.kv_rotation:
+            kv[0].copy_(rotate(kv[0]))
+        return kv
 
     def attention(self, layer: int, query: torch.Tensor, batch: StepBatch,
                   scale: float | None = None, *, sinks: torch.Tensor | None = None,
@@ -146,6 +159,8 @@ class LayerAccess:
             raise ValueError(f"attention(): query heads ({query.shape[1]}) must be a multiple "
                              f"of num_kv_heads ({self.config.num_kv_heads})")
         plane, batch, _ = self._pages(layer, batch)
+        if self.config.kv_rotation:  # q R . k R = q . k: scores as without the rotation
+            query = rotate(query)
         return kernels.paged_attention(query, *self._pool.layer(plane), batch.block_tables,
                                        batch.seq_lens, batch.query_start_loc, scale,
                                        workspace=None if kernels.use_triton(query)

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import torch
 
-from ..config import SCALE_DTYPE, CacheConfig
+from ..config import CacheConfig
 from ..kernels import copy_blocks, swap_blocks
 from ..kernels.quant import raw
 
@@ -29,7 +29,9 @@ class KVPool:
     With 8-bit pages (``config.is_quantized``) ``kv`` holds int8 / float8 codes and
     ``scales`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads]`` bfloat16 holds one
     scale per (token, head) beside them (``host_scales`` likewise); every block operation
-    moves a block's scales with its codes.
+    moves a block's scales with its codes. With 4-bit pages (``config.is_packed``) ``kv``
+    holds two codes a byte (``[..., head_dim // 2]`` uint8) and ``scales`` one scale per 16
+    values (``[..., num_kv_heads, head_dim // 16]`` of ``config.scale_dtype``).
 
     Examples
     --------
@@ -41,13 +43,14 @@ class KVPool:
 
     def __init__(self, config: CacheConfig) -> None:
         self._ops: list | None = None  # see record_ops
-        block_shape = (config.block_size, config.num_kv_heads, config.head_dim)
+        block_shape = (config.block_size, config.num_kv_heads, config.page_dim)
         planes = (config.num_layers, 2)
         self.kv = torch.zeros((*planes, config.num_blocks, *block_shape),
                               dtype=config.cache_dtype, device=config.device)
-        scale_shape = (config.block_size, config.num_kv_heads)
-        self.scales = (torch.zeros((*planes, config.num_blocks, *scale_shape), dtype=SCALE_DTYPE,
-                                   device=config.device) if config.is_quantized else None)
+        scale_shape = (config.block_size, config.num_kv_heads, *config.scale_shape)
+        self.scales = (torch.zeros((*planes, config.num_blocks, *scale_shape),
+                                   dtype=config.scale_dtype, device=config.device)
+                       if config.is_quantized else None)
         self.host: torch.Tensor | None = None
         self.host_scales: torch.Tensor | None = None
         if config.num_host_blocks:
@@ -57,7 +60,7 @@ class KVPool:
                                     dtype=config.cache_dtype, pin_memory=pin)
             if config.is_quantized:
                 self.host_scales = torch.zeros((*planes, host_blocks, *scale_shape),
-                                               dtype=SCALE_DTYPE, pin_memory=pin)
+                                               dtype=config.scale_dtype, pin_memory=pin)
         logger.info("paged_kv: pool of %d blocks x %d tokens = %d tokens, %.3f GiB on %s",
                     config.num_blocks, config.block_size, config.num_blocks * config.block_size,
                     self.nbytes / 2**30, config.device)
@@ -72,17 +75,21 @@ class KVPool:
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Views ``([num_blocks, block_size, H], same)`` of one layer's K and V scales, or
-        ``(None, None)`` for float pages."""
+        """Views ``([num_blocks, block_size, H], same)`` of one layer's K and V scales
+        (``[..., H, head_dim // 16]`` for 4-bit pages), or ``(None, None)`` for float
+        pages."""
         if self.scales is None:
             return None, None
         return self.scales[layer, 0], self.scales[layer, 1]
 
     def _planes(self, host: bool = False) -> list[torch.Tensor]:
         """The tensors a block spans, as ``[layers, 2, blocks, ...]`` with a trailing head
-        dim (scales get a one-element one), fp8 as bytes: what copy and swap move."""
+        dim (an 8-bit page's scales get a one-element one), fp8 as bytes: what copy and swap
+        move."""
         kv, scales = (self.host, self.host_scales) if host else (self.kv, self.scales)
-        return [raw(kv)] + ([] if scales is None else [scales[..., None]])
+        if scales is not None and scales.dim() == kv.dim() - 1:
+            scales = scales[..., None]
+        return [raw(kv)] + ([] if scales is None else [raw(scales)])
 
     def _ids(self, block_ids: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)).to(device)

@@ -118,6 +118,11 @@ def latent_pages(cache: PagedKVCache, layer: int, batch: StepBatch,
     if len(cache.config.layer_groups) != 1:
         raise ValueError(f"latent pages: the cache has {len(cache.config.layer_groups)} layer "
                          f"groups; latent layers are served in a cache of one")
+    if cache.config.is_packed or cache.config.kv_rotation:
+        # latent_attention reads one 8-bit scale per row and unrotated rows
+        raise ValueError(f"latent pages: kv_cache_dtype={cache.config.kv_cache_dtype!r}, "
+                         f"kv_rotation={cache.config.kv_rotation}: latent layers are served "
+                         f"on float or 8-bit pages without rotation")
     key, value = cache.pool.layer(layer)
     key_scales, value_scales = cache.pool.layer_scales(layer)
     scales = None if key_scales is None else (key_scales[..., 0], value_scales[..., 0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
+from . import quant, quant4
 from ._triton import tl, triton
 from .attention_reference import AttentionKind, check_kind, paged_attention_reference
 from .backend import use_triton
@@ -54,7 +54,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,  # keys per step
         BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16 for tl.dot
         UPCAST_DOT: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
-        FORMAT: tl.constexpr,   # 0 = float pages; else quant.FORMATS' code, dequantized here
+        FORMAT: tl.constexpr,   # 0 = float pages; else quant.FORMATS' (or quant4's) code
         LOCAL: tl.constexpr,    # a window or chunk: keys start at the first visible one
         HAS_SINKS: tl.constexpr,  # a per-head sink logit in the softmax denominator
         SOFTCAP: tl.constexpr,  # soft-cap the scaled scores
@@ -107,20 +107,30 @@ if triton is not None:
             blocks = tl.load(table_row + positions // block_size, mask=is_key, other=0)
             rows = (blocks.to(tl.int64) * cache_stride_block
                     + (positions % block_size) * cache_stride_offset + kv_head * cache_stride_head)
-            kv_offsets = rows[:, None] + dims[None, :] * cache_stride_dim
             kv_mask = is_key[:, None] & is_dim[None, :]
-            k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if FORMAT != 0:
-                scale_rows = (blocks.to(tl.int64) * scale_stride_block
-                              + (positions % block_size) * scale_stride_offset
-                              + kv_head * scale_stride_head)
-                k_scale = tl.load(key_scales_ptr + scale_rows, mask=is_key, other=0.0)
-                v_scale = tl.load(value_scales_ptr + scale_rows, mask=is_key, other=0.0)
-                k = quant.decode(k, FORMAT) * k_scale.to(tl.float32)[:, None]
-                v = quant.decode(v, FORMAT) * v_scale.to(tl.float32)[:, None]
+            scale_rows = (blocks.to(tl.int64) * scale_stride_block
+                          + (positions % block_size) * scale_stride_offset
+                          + kv_head * scale_stride_head)
+            if FORMAT >= 4:  # 4-bit: two codes a byte, a scale per 16 dims
+                k = quant4.load_dequantized(key_cache_ptr, key_scales_ptr, rows[:, None],
+                                            scale_rows[:, None], dims[None, :],
+                                            cache_stride_dim, kv_mask, FORMAT)
+                v = quant4.load_dequantized(value_cache_ptr, value_scales_ptr, rows[:, None],
+                                            scale_rows[:, None], dims[None, :],
+                                            cache_stride_dim, kv_mask, FORMAT)
                 k = k.to(query_ptr.dtype.element_ty)
                 v = v.to(query_ptr.dtype.element_ty)
+            else:
+                kv_offsets = rows[:, None] + dims[None, :] * cache_stride_dim
+                k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [N, D]
+                v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+                if FORMAT != 0:
+                    k_scale = tl.load(key_scales_ptr + scale_rows, mask=is_key, other=0.0)
+                    v_scale = tl.load(value_scales_ptr + scale_rows, mask=is_key, other=0.0)
+                    k = quant.decode(k, FORMAT) * k_scale.to(tl.float32)[:, None]
+                    v = quant.decode(v, FORMAT) * v_scale.to(tl.float32)[:, None]
+                    k = k.to(query_ptr.dtype.element_ty)
+                    v = v.to(query_ptr.dtype.element_ty)
             if UPCAST_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -195,17 +205,19 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
     scales, strides = quant.page_strides(key_cache, key_scales)
+    packed = quant4.format_of(key_cache, key_scales)
     # a program per (token, kv head), so the kv head's query heads share each K/V tile
     _paged_attention_kernel[(num_tokens, key_cache.shape[2])](
         query_ptr=query, key_cache_ptr=quant.raw(key_cache),
-        value_cache_ptr=quant.raw(value_cache), key_scales_ptr=scales,
-        value_scales_ptr=scales if value_scales is None else value_scales,
+        value_cache_ptr=quant.raw(value_cache), key_scales_ptr=quant.raw(scales),
+        value_scales_ptr=quant.raw(scales if value_scales is None else value_scales),
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc, out_ptr=out,
         **_token_strides("query", query), **_token_strides("out", out),
         **strides, block_tables_stride=block_tables.stride(0),
         scale=head_dim ** -0.5 if scale is None else scale,
-        **_shape_args(query, key_cache, seq_lens), **_kind_args(kind, query),
+        **{**_shape_args(query, key_cache, seq_lens), **({"FORMAT": packed} if packed else {})},
+        **_kind_args(kind, query),
     )
     return out
 
@@ -305,7 +317,9 @@ def paged_attention(
         ignored by the Triton kernel, which reads the pages in place.
     key_scales, value_scales : torch.Tensor, optional
         ``[num_blocks, block_size, num_kv_heads]`` bfloat16 scales of 8-bit pages, which are
-        then dequantized as they are read (in the kernel's inner loop).
+        then dequantized as they are read (in the kernel's inner loop); with 4-bit pages
+        (uint8 ``[..., D / 2]``) ``[..., num_kv_heads, D / 16]`` bfloat16 (int4) or
+        float8_e4m3fn (nvfp4), as `write_kv` takes them.
     window : int, optional
         Sliding window ``W`` (0, the default: off). The query at position ``i`` sees keys
         ``i - W < j <= i`` (``W`` keys, itself included; transformers' ``sliding_window``).

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import quant4
 from .gather import gather_kv_reference
 
 # scores held at once by the explicit softmax: a long prefill runs in query tiles under this
@@ -192,7 +193,7 @@ def paged_attention_reference(
 
     Decode rows (one query each) run as one batched SDPA; rows with several queries (prefill
     chunks) run one sequence at a time, so a long chunk never pads every decode row to its
-    length. 8-bit pages are dequantized by the gather. A window or chunk gathers only the
+    length. 8- and 4-bit pages are dequantized by the gather. A window or chunk gathers only the
     blocks from the row's first visible key on; sinks or a soft-cap take an explicit float32
     softmax (`explicit_attention`) instead of SDPA.
     """
@@ -251,7 +252,9 @@ def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: to
     (the gather then copies blocks, not tokens), into `workspace` when it is large enough."""
     block_size = key_cache.shape[1]
     length = -(-int(seq_lens.max()) // block_size) * block_size
-    shape = (seq_lens.shape[0], length, *key_cache.shape[2:])
+    # 4-bit pages hold two values a byte: the gathered heads are twice the pages' last dim
+    head_dim = key_cache.shape[3] * (2 if quant4.format_of(key_cache, scales[0]) else 1)
+    shape = (seq_lens.shape[0], length, key_cache.shape[2], head_dim)
     size = shape[0] * shape[1] * shape[2] * shape[3]
     out = None
     if workspace is not None and workspace.numel() >= 2 * size:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
+from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
 
@@ -208,7 +208,12 @@ def gather_kv_triton(
     value_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton implementation of `gather_kv` (the CUDA path); same contract as the reference."""
+    """Triton implementation of `gather_kv` (the CUDA path); same contract as the reference.
+    4-bit pages: codes and scales gathered as bytes here, dequantized by `quant4`."""
+    if quant4.format_of(key_cache, key_scales):
+        return quant.gather_dequantized(
+            lambda k, v, o, _: gather_kv_triton(k, v, block_tables, seq_lens, pad_to, o),
+            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
     batch_size = seq_lens.shape[0]
     longest = int(seq_lens.max()) if batch_size else 0
     length = longest if pad_to is None else pad_to
@@ -328,6 +333,11 @@ def gather_kv_packed_triton(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of `gather_kv_packed` (the CUDA path); same contract."""
+    if quant4.format_of(key_cache, key_scales):  # as gather_kv_triton
+        return quant.gather_dequantized(
+            lambda k, v, o, _: gather_kv_packed_triton(k, v, block_tables, seq_lens,
+                                                       cu_seqlens, o),
+            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
     longest = int(seq_lens.max()) if seq_lens.shape[0] else 0
     if out is None:
         out = _new_out((int(cu_seqlens[-1]), *key_cache.shape[2:]), key_cache, key_scales,

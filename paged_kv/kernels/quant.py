@@ -16,6 +16,7 @@ import functools
 import torch
 
 from ..config import SCALE_DTYPE
+from . import quant4
 from ._triton import tl, triton
 
 # format code (a Triton constexpr), then QMAX, by page dtype name
@@ -48,7 +49,11 @@ def scale_kwargs(key_scales: torch.Tensor | None, value_scales: torch.Tensor | N
 
 def check_scales(what: str, key_cache: torch.Tensor, key_scales: torch.Tensor | None,
                  value_scales: torch.Tensor | None) -> None:
-    """Raise ValueError unless scales come exactly with 8-bit pages."""
+    """Raise ValueError unless scales come exactly with 8-bit pages (or 4-bit ones, uint8:
+    see `quant4.check_scales`)."""
+    if key_cache.dtype == torch.uint8 and (key_scales is not None or value_scales is not None):
+        quant4.check_scales(what, key_cache, key_scales, value_scales)
+        return
     is_8bit = format_of(key_cache)[0] != 0
     for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
         if is_8bit and scales is None:
@@ -68,16 +73,24 @@ def gather_dequantized(gather, key_cache: torch.Tensor, value_cache: torch.Tenso
                        out: tuple[torch.Tensor, torch.Tensor] | None,
                        out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a float `gather(k, v, out, zero_padding)` over the codes (as bytes) and the scales
-    (as one-element heads), then ``out = codes * scales`` (padding: zero scales, zeros)."""
+    (as one-element heads; 4-bit pages' as they are, heads of ``D / 16``), then ``out =
+    codes * scales`` (padding: zero scales, zeros)."""
+    packed = quant4.format_of(key_cache, key_scales)
     codes = gather(raw(key_cache), raw(value_cache), None, False)
-    scales = gather(key_scales[..., None], value_scales[..., None], None, True)
+    if packed:
+        scales = gather(raw(key_scales), raw(value_scales), None, True)
+    else:
+        scales = gather(key_scales[..., None], value_scales[..., None], None, True)
     if out is None:
         dtype = out_dtype or torch.float32
-        out = (codes[0].new_empty(codes[0].shape, dtype=dtype),
-               codes[1].new_empty(codes[1].shape, dtype=dtype))
+        shape = (*codes[0].shape[:-1], codes[0].shape[-1] * (2 if packed else 1))
+        out = (codes[0].new_empty(shape, dtype=dtype), codes[1].new_empty(shape, dtype=dtype))
     for code, scale, cache, dst in zip(codes, scales, (key_cache, value_cache), out,
                                        strict=True):
-        dequantize_reference(code.view(cache.dtype), scale[..., 0], dst)
+        if packed:
+            quant4.dequantize_reference(code, scale.view(key_scales.dtype), dst)
+        else:
+            dequantize_reference(code.view(cache.dtype), scale[..., 0], dst)
     return out
 
 

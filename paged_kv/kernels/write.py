@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
+from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
+from .write4 import write_kv4_triton
 
 
 def write_kv_reference(
@@ -23,10 +24,13 @@ def write_kv_reference(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    packed = quant4.format_of(key_cache, key_scales)  # 4-bit pages: codes and group scales
     for new, cache, scales in ((key, key_cache, key_scales), (value, value_cache, value_scales)):
         if scales is not None:
-            new, scale = quant.quantize_reference(new, cache.dtype)
-            scales.view(num_slots, -1).index_copy_(0, slot_mapping, scale)
+            new, scale = (quant4.quantize_reference(new, packed) if packed
+                          else quant.quantize_reference(new, cache.dtype))
+            quant.raw(scales).view(num_slots, *scales.shape[2:]).index_copy_(
+                0, slot_mapping, quant.raw(scale))
         flat = quant.raw(cache).view(num_slots, *cache.shape[2:])
         flat.index_copy_(0, slot_mapping, quant.raw(new))
 
@@ -106,6 +110,9 @@ def write_kv_triton(
     value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
 ) -> None:
     """Triton implementation of `write_kv` (the CUDA path); same contract as the reference."""
+    if quant4.format_of(key_cache, key_scales):
+        return write_kv4_triton(key, value, key_cache, value_cache, slot_mapping, key_scales,
+                                value_scales)
     num_tokens, num_kv_heads, head_dim = key.shape
     if key_cache.stride() != value_cache.stride():
         raise ValueError(f"value_cache: expected key_cache's strides {key_cache.stride()}, "
@@ -161,6 +168,9 @@ def write_kv(
     key_scales, value_scales : torch.Tensor, optional
         ``[num_blocks, block_size, num_kv_heads]`` bfloat16, for 8-bit pages: each written
         (token, head) gets ``max|x| / QMAX`` (see `quant`) and its codes ``x / scale``.
+        With 4-bit pages (uint8 ``[..., head_dim / 2]``, two codes a byte) they are
+        ``[num_blocks, block_size, num_kv_heads, head_dim / 16]``, one per group of 16 values:
+        bfloat16 for int4, float8_e4m3fn for nvfp4 (see `quant4`).
 
     Mutates
     -------

@@ -61,7 +61,9 @@ class Fingerprint:
     def of(cls, config: CacheConfig, model_id: str, model_config: str, tp_rank: int = 0,
            tp_size: int = 1) -> Fingerprint:
         """The fingerprint of a cache's blocks (`config` as this rank holds it)."""
-        return cls(model_id, model_config, str(config.dtype), config.kv_cache_dtype,
+        # rotated keys are other bytes: a rotated cache's blocks never match an unrotated one's
+        page_format = config.kv_cache_dtype + ("+rotated" if config.kv_rotation else "")
+        return cls(model_id, model_config, str(config.dtype), page_format,
                    config.block_size, config.num_layers, config.num_kv_heads, config.head_dim,
                    tp_rank, tp_size)
 
