@@ -37,6 +37,21 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> None:
         p.copy_(draw.to(p.dtype))
 
 
+def randomized(build) -> torch.nn.Module:
+    """`build()`'s module, seeded with 0, in eval mode, its parameters redrawn (`randomize`)."""
+    torch.manual_seed(0)
+    module = build().eval()
+    randomize(module)
+    return module
+
+
+def random_sequences(lengths: Sequence[int], hidden: int, dtype: torch.dtype = torch.float32,
+                     seed: int = 1) -> list[torch.Tensor]:
+    """One ``[n, hidden]`` random sequence per length, drawn from a generator of `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, hidden, generator=generator).to(dtype) for n in lengths]
+
+
 def specs_of(module: torch.nn.Module, dtype: torch.dtype) -> tuple[StateSpec, ...]:
     """The states the engine keeps for `module`'s layer."""
     return recurrent_layers(module.config, dtype)[module.layer_idx]

@@ -18,7 +18,9 @@ from .mixer_cases import (  # noqa: E402
     close,
     differs,
     forward,
+    random_sequences,
     randomize,
+    randomized,
     run,
     specs_of,
     zero_states,
@@ -56,16 +58,12 @@ FAMILIES = {"mamba": _mamba, "falcon_mamba": _falcon_mamba, "jamba": _jamba}
 
 @pytest.fixture(params=sorted(FAMILIES))
 def module(request: pytest.FixtureRequest) -> torch.nn.Module:
-    torch.manual_seed(0)
-    mixer = FAMILIES[request.param]().eval()
-    randomize(mixer)
-    return mixer
+    return randomized(FAMILIES[request.param])
 
 
 def _sequences(lengths: tuple[int, ...] = LENGTHS, dtype: torch.dtype = torch.float32,
                seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, HIDDEN, generator=generator).to(dtype) for n in lengths]
+    return random_sequences(lengths, HIDDEN, dtype, seed)
 
 
 def test_states_are_the_modules() -> None:

@@ -18,7 +18,8 @@ from .mixer_cases import (  # noqa: E402
     close,
     differs,
     forward,
-    randomize,
+    random_sequences,
+    randomized,
     run,
     specs_of,
     zero_states,
@@ -46,16 +47,12 @@ FAMILIES = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe}
 
 @pytest.fixture(params=sorted(FAMILIES))
 def module(request: pytest.FixtureRequest) -> torch.nn.Module:
-    torch.manual_seed(0)
-    mixer = FAMILIES[request.param]().eval()
-    randomize(mixer)
-    return mixer
+    return randomized(FAMILIES[request.param])
 
 
 def _sequences(lengths: tuple[int, ...] = LENGTHS, dtype: torch.dtype = torch.float32,
                seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, HIDDEN, generator=generator).to(dtype) for n in lengths]
+    return random_sequences(lengths, HIDDEN, dtype, seed)
 
 
 def test_state_is_the_modules() -> None:
