@@ -211,8 +211,8 @@ def _engine_flags() -> argparse.ArgumentParser:
                              "on the device (vLLM's --gpu-memory-utilization; not with "
                              "--synthetic)")
     parent.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
-                        help="how pages store K/V: auto (the model's dtype) or 8 bits with a "
-                             "scale per token and head (about twice the tokens per MiB)")
+                        help="how pages store K/V: auto (the model's dtype), 8 bits with a "
+                             "scale per token and head (~2x the tokens), or 4 bits (~3.5x)")
     parent.add_argument("--tensor-parallel-size", type=positive, default=1,
                         help="split the model and the KV pool over N processes "
                              "(torch.distributed; under torchrun, its ranks)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import CacheConfig
 from ..core.accounting import CacheStats
 from ..engine.engine import Engine
 from ..tiers.manager import TiersStats
@@ -19,6 +20,14 @@ def tiers_report(stats: TiersStats) -> dict:
     report["fetches"] = {"done": stats.fetches, "deadline_fallbacks": stats.deadline_fallbacks,
                          "skipped": stats.skipped_fetches, "dropped_writes": stats.dropped_writes}
     return report
+
+
+def _pool_figures(config: CacheConfig, total_bytes: int) -> dict:
+    """The pool's bytes, and what its page format buys: the tokens it holds and each
+    token's bytes (scales included)."""
+    return {"pool_bytes": total_bytes,
+            "pool_tokens": config.num_usable_blocks * config.block_size,
+            "bytes_per_token": config.bytes_per_token}
 
 
 def make_report(workload: list, outputs: list, elapsed: float, peak: CacheStats,
@@ -45,7 +54,7 @@ def make_report(workload: list, outputs: list, elapsed: float, peak: CacheStats,
         "token_latency_p99_ms": 1e3 * float(np.percentile(latencies, 99)),
         "max_running": max(concurrency),
         "memory_budget_bytes": budget,
-        "pool_bytes": final.total_bytes,
+        **_pool_figures(engine.cache.config, final.total_bytes),
         "peak_live_blocks": peak.num_live_blocks,
         "peak_cached_blocks": peak.num_cached_blocks,
         "peak_free_blocks": peak.num_free_blocks,
@@ -128,8 +137,8 @@ def format_report(report: dict) -> str:
         ("per-token latency", f"median {report['token_latency_median_ms']:.1f} ms, "
                               f"p99 {report['token_latency_p99_ms']:.1f} ms"),
         ("most sequences running at once", f"{report['max_running']}"),
-        ("KV pool", f"{report['pool_bytes'] / mib:.1f} MiB "
-                    f"(kv_cache_dtype {report['kv_cache_dtype']})"),
+        ("KV pool", f"{report['pool_bytes'] / mib:.1f} MiB, {report['pool_tokens']} tokens "
+                    f"x {report['bytes_per_token']} B ({report['kv_cache_dtype']} pages)"),
         ("peak blocks live / cached / free", f"{report['peak_live_blocks']} / "
                                              f"{report['peak_cached_blocks']} / "
                                              f"{report['peak_free_blocks']}"),

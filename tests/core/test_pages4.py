@@ -5,6 +5,7 @@ rotation, and the engine's greedy tokens against float pages."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -226,3 +227,22 @@ def test_replace_keeps_the_format_checked() -> None:
     config = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, kv_cache_dtype="nvfp4")
     with pytest.raises(ValueError, match="head_dim"):
         dataclasses.replace(config, head_dim=40)
+
+
+def test_demo_and_serve_take_4bit_pages(capsys: pytest.CaptureFixture) -> None:
+    from paged_kv.cli import build_parser, main
+
+    reports = {}
+    for kv_cache_dtype in ("auto", "int4", "nvfp4"):
+        assert main(["demo", "--num-requests", "4", "--memory-mib", "0.5", "--num-layers", "1",
+                     "--hidden-size", "64", "--vocab-size", "256", "--json",
+                     "--kv-cache-dtype", kv_cache_dtype]) == 0
+        reports[kv_cache_dtype] = json.loads(capsys.readouterr().out)
+        assert reports[kv_cache_dtype]["generated_tokens"] > 0
+    # float32 pages at head_dim 32: 128 bytes per token-head against 16 + 4 (int4) or
+    # 16 + 2 (nvfp4)
+    assert reports["int4"]["bytes_per_token"] * 128 == reports["auto"]["bytes_per_token"] * 20
+    assert reports["nvfp4"]["pool_tokens"] >= 6.5 * reports["auto"]["pool_tokens"]
+    for kv_cache_dtype in ("int4", "nvfp4"):
+        args = build_parser().parse_args(["serve", "--kv-cache-dtype", kv_cache_dtype])
+        assert args.kv_cache_dtype == kv_cache_dtype
