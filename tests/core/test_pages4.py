@@ -53,6 +53,13 @@ def test_head_dim_not_a_multiple_of_16_is_refused_by_name(fmt: str, head_dim: in
         CacheConfig(num_layers=1, num_kv_heads=1, head_dim=head_dim, kv_cache_dtype=fmt)
 
 
+def test_nvfp4_refused_by_name_without_float8(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='nvfp4' needs torch.float8_e4m3fn"):
+        CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, kv_cache_dtype="nvfp4")
+    CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, kv_cache_dtype="int4")
+
+
 def test_rotation_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="kv_rotation"):
         CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, kv_rotation=1)
