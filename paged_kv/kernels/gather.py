@@ -138,19 +138,28 @@ if triton is not None:
         dst = dst_rows[:, None, None] + heads * out_stride_head + dims * out_stride_dim
         load_mask = is_token[:, None, None] & inner  # zeros past seq_len
         store_mask = is_row[:, None, None] & inner
-        key = tl.load(key_cache_ptr + src, mask=load_mask, other=0.0)  # [BLOCK_T, BLOCK_H, BLOCK_D]
-        value = tl.load(value_cache_ptr + src, mask=load_mask, other=0.0)
-        if FORMAT != 0:
-            scale_src = ((blocks * scale_stride_block
-                          + (positions % block_size) * scale_stride_offset)[:, None, None]
-                         + heads * scale_stride_head)
-            scale_mask = is_token[:, None, None] & (heads < num_heads)
-            key_scale = tl.load(key_scales_ptr + scale_src, mask=scale_mask, other=0.0)
-            value_scale = tl.load(value_scales_ptr + scale_src, mask=scale_mask, other=0.0)
-            key = quant.decode(key, FORMAT) * key_scale.to(tl.float32)
-            value = quant.decode(value, FORMAT) * value_scale.to(tl.float32)
+        scale_src = ((blocks * scale_stride_block
+                      + (positions % block_size) * scale_stride_offset)[:, None, None]
+                     + heads * scale_stride_head)
+        if FORMAT >= 4:  # 4-bit: two codes a byte, a scale per 16 dims (masked: zeros)
+            page_rows = src_rows[:, None, None] + heads * cache_stride_head
+            key = quant4.load_dequantized(key_cache_ptr, key_scales_ptr, page_rows, scale_src,
+                                          dims, cache_stride_dim, load_mask, FORMAT)
+            value = quant4.load_dequantized(value_cache_ptr, value_scales_ptr, page_rows,
+                                            scale_src, dims, cache_stride_dim, load_mask, FORMAT)
             key = key.to(key_out_ptr.dtype.element_ty)
             value = value.to(value_out_ptr.dtype.element_ty)
+        else:
+            key = tl.load(key_cache_ptr + src, mask=load_mask, other=0.0)  # [T, H, D] tile
+            value = tl.load(value_cache_ptr + src, mask=load_mask, other=0.0)
+            if FORMAT != 0:
+                scale_mask = is_token[:, None, None] & (heads < num_heads)
+                key_scale = tl.load(key_scales_ptr + scale_src, mask=scale_mask, other=0.0)
+                value_scale = tl.load(value_scales_ptr + scale_src, mask=scale_mask, other=0.0)
+                key = quant.decode(key, FORMAT) * key_scale.to(tl.float32)
+                value = quant.decode(value, FORMAT) * value_scale.to(tl.float32)
+                key = key.to(key_out_ptr.dtype.element_ty)
+                value = value.to(value_out_ptr.dtype.element_ty)
         tl.store(key_out_ptr + dst, key, mask=store_mask)
         tl.store(value_out_ptr + dst, value, mask=store_mask)
 
@@ -162,7 +171,7 @@ def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
                    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
                    ) -> None:
     """Launch `_gather_kv_kernel` into `out`: packed when `cu_seqlens` is given, else padded."""
-    code = quant.format_of(key_cache)[0]
+    code = quant4.format_of(key_cache, scales[0]) or quant.format_of(key_cache)[0]
     key_scales, strides = quant.page_strides(key_cache, scales[0])
     value_scales = key_scales if scales[1] is None else scales[1]
     for name, tensor, like in (("value_cache", value_cache, key_cache),
@@ -170,7 +179,8 @@ def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
                                ("value_scales", value_scales, key_scales)):
         if tensor.stride() != like.stride():
             raise ValueError(f"{name}: expected strides {like.stride()}, got {tensor.stride()}")
-    batch_size, num_heads, head_dim = seq_lens.shape[0], *key_cache.shape[2:]
+    # the output's heads: 4-bit pages hold head_dim / 2 bytes of them
+    batch_size, num_heads, head_dim = seq_lens.shape[0], *out[0].shape[-2:]
     is_packed = cu_seqlens is not None
     block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
     padded_len = 0 if is_packed else out[0].shape[1]
@@ -183,7 +193,7 @@ def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
     _gather_kv_kernel[(triton.cdiv(tile_len, block_t), batch_size)](
         key_cache_ptr=quant.raw(key_cache), value_cache_ptr=quant.raw(value_cache),
         key_out_ptr=out[0], value_out_ptr=out[1],
-        key_scales_ptr=key_scales, value_scales_ptr=value_scales,
+        key_scales_ptr=quant.raw(key_scales), value_scales_ptr=quant.raw(value_scales),
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         cu_seqlens_ptr=cu_seqlens if is_packed else seq_lens,
         block_tables_stride=block_tables.stride(0), **strides,
@@ -208,12 +218,7 @@ def gather_kv_triton(
     value_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton implementation of `gather_kv` (the CUDA path); same contract as the reference.
-    4-bit pages: codes and scales gathered as bytes here, dequantized by `quant4`."""
-    if quant4.format_of(key_cache, key_scales):
-        return quant.gather_dequantized(
-            lambda k, v, o, _: gather_kv_triton(k, v, block_tables, seq_lens, pad_to, o),
-            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
+    """Triton implementation of `gather_kv` (the CUDA path); same contract as the reference."""
     batch_size = seq_lens.shape[0]
     longest = int(seq_lens.max()) if batch_size else 0
     length = longest if pad_to is None else pad_to
@@ -229,7 +234,10 @@ def gather_kv_triton(
 
 def _new_out(shape: tuple[int, ...], key_cache: torch.Tensor, key_scales: torch.Tensor | None,
              out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh K and V outputs: the pages' dtype, or `out_dtype` (default float32) for 8-bit."""
+    """Fresh K and V outputs: the pages' dtype, or `out_dtype` (default float32) for 8-bit
+    (and 4-bit pages, whose heads are twice their bytes)."""
+    if quant4.format_of(key_cache, key_scales):
+        shape = (*shape[:-1], 2 * shape[-1])
     dtype = key_cache.dtype if key_scales is None else out_dtype or torch.float32
     return key_cache.new_empty(shape, dtype=dtype), key_cache.new_empty(shape, dtype=dtype)
 
@@ -333,11 +341,6 @@ def gather_kv_packed_triton(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of `gather_kv_packed` (the CUDA path); same contract."""
-    if quant4.format_of(key_cache, key_scales):  # as gather_kv_triton
-        return quant.gather_dequantized(
-            lambda k, v, o, _: gather_kv_packed_triton(k, v, block_tables, seq_lens,
-                                                       cu_seqlens, o),
-            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
     longest = int(seq_lens.max()) if seq_lens.shape[0] else 0
     if out is None:
         out = _new_out((int(cu_seqlens[-1]), *key_cache.shape[2:]), key_cache, key_scales,
