@@ -150,22 +150,30 @@ class EngineConfig:
         """This config with its `cache` given, or sized from `memory_fraction` of the free
         memory for `model` (`sizing.given_or_sized`; checked again: a swap needs the host
         pool the sized cache lacks)."""
-        self._check_latent(model)
         if self.cache is not None:
+            self._check_latent(model, self.cache)
             self._check_states(self.cache)
             return self
         cache = given_or_sized(model, None, self.memory_fraction)
+        self._check_latent(model, cache)
         self._check_states(cache)
         return dataclasses.replace(self, cache=cache, memory_fraction=None)
 
-    def _check_latent(self, model: torch.nn.Module) -> None:
+    def _check_latent(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         """A model paged as latents (`HFCausalLM.num_latent`, DeepSeek V2 / V3): not split
-        over ranks yet (each rank would need the whole latent and a share of the heads),
-        refused here, at start."""
-        if getattr(model, "num_latent", 0) and self.tensor_parallel_size != 1:
+        over ranks yet (each rank would need the whole latent and a share of the heads), and
+        on float or 8-bit pages without rotation (the latent attention reads one scale per
+        row half and unrotated rows), refused here, at start."""
+        if not getattr(model, "num_latent", 0):
+            return
+        if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: not supported "
                              f"yet for a model with latent attention layers (DeepSeek V2 / V3's "
                              f"latent pages are not split over ranks); use 1")
+        if cache.is_packed or cache.kv_rotation:
+            raise ValueError(f"cache: kv_cache_dtype={cache.kv_cache_dtype!r}, kv_rotation="
+                             f"{cache.kv_rotation}: a model with latent attention layers is "
+                             f"served on float or 8-bit pages without rotation")
 
     def _check_states(self, cache: CacheConfig) -> None:
         """A layout with recurrent layers: a live state for every sequence the scheduler

@@ -203,6 +203,18 @@ def test_tensor_parallelism_is_refused_at_start(checkpoints):
                                     tensor_parallel_size=2))
 
 
+@pytest.mark.parametrize("pages", [dict(kv_cache_dtype="int4"), dict(kv_rotation=True)])
+def test_four_bit_or_rotated_pages_are_refused_at_start(checkpoints, pages):
+    """The latent attention reads one scale per row half and unrotated rows: 4-bit or
+    rotated pages under latent layers are refused when the engine starts, never at the
+    first step."""
+    runner = HFCausalLM.from_pretrained(checkpoints["deepseek_v3"])
+    # this shape's latent half (12 values) cannot hold 4-bit groups of 16 at all: the
+    # config refuses it first; V3's (288) can, and the engine refuses it
+    with pytest.raises(ValueError, match="without rotation|expected a multiple of 16"):
+        Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32, **pages)))
+
+
 def test_paged_cache_still_refuses_latent_attention():
     """`PagedCache` pages what the model's own attention hands its cache (per-head K/V of
     other head dims): still refused, while the engine serves the model."""
