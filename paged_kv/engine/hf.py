@@ -131,7 +131,8 @@ class HFCausalLM(torch.nn.Module):
         require_served(model.config, type(self).__name__)
         layers = model_layers(model.config, model.dtype)
         self.layer_kinds = layers.kinds
-        # model layer -> cache layer (a layer that keeps nothing has none)
+        # model layer -> the cache layer its attention writes (a layer that keeps nothing
+        # has none; a hybrid layer's state is in another, `layers.state_layers`)
         self.cache_layers = layers.cache_layers
         self._step = StepContext()
         self.num_recurrent = install_mixers(model, layers, self._step)

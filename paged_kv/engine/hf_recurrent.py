@@ -47,17 +47,26 @@ def install_mixers(model: torch.nn.Module, layers: ModelLayers, step: StepContex
     """Give every recurrent module of `model` a forward over the packed step (see the module
     docstring); returns how many were given one.
 
+    A module's state is kept in its model layer's state layer (`ModelLayers.state_layers`:
+    a hybrid layer's second cache layer, beside its attention's).
+
     Raises
     ------
     UnsupportedModelError
-        A recurrent cache layer whose module has no mixer (it would keep no state).
+        A recurrent cache layer whose module has no mixer (it would keep no state), or a
+        mixer in a model layer with no state layer.
     """
     given: set[int] = set()
     for module in model.modules():
         run = mixer_of(module)
         if run is None:
             continue
-        cache_layer = layers.cache_layers[module.layer_idx]
+        cache_layer = layers.state_layers[module.layer_idx]
+        if cache_layer is None:  # its state would have nowhere to live
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: {type(module).__name__} of layer "
+                f"{module.layer_idx} runs in a layer the config gives no recurrent state",
+                [f"a recurrent module in layer {module.layer_idx}, not a recurrent layer"])
         module.forward = functools.partial(_mix, module, run, cache_layer, step)
         given.add(cache_layer)
     missing = [index for index, kind in enumerate(layers.kinds)

@@ -2,8 +2,10 @@
 
 Tiny random checkpoints (no download) of each recurrent family the engine serves — Qwen3-Next
 and Qwen3.5 (gated delta nets), Jamba (Mamba-1), LFM2 (short convolutions), Nemotron-H
-(Mamba-2 beside attention and an MLP-only layer), Granite 4 hybrids and Bamba (Mamba-2), and
-Mamba, Falcon-Mamba and Mamba-2 (recurrent layers only, a key-only layer leading) —
+(Mamba-2 beside attention and an MLP-only layer), Granite 4 hybrids and Bamba (Mamba-2),
+Falcon-H1 (attention and Mamba-2 side by side in every layer: two cache layers each, its µP
+multipliers off one), and Mamba, Falcon-Mamba and Mamba-2 (recurrent layers only, a key-only
+layer leading) —
 each against ``generate`` on the same checkpoint (float32, greedy, transformers' torch
 recurrences). The recurrent layers' states live in the cache's state slab: a packed step
 mixes prefill chunks and decodes, a 24-token budget splits the long prompts into chunks
@@ -46,6 +48,16 @@ def recurrent_configs() -> dict[str, tuple[object, tuple[str, ...], tuple[int | 
     three_one = ("recurrent", "recurrent", "full", "recurrent")
     pure = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, initializer_range=0.3)
     key_only = ("recurrent", "recurrent", "full")
+    # Falcon-H1: every multiplier off one, so a multiplier the engine dropped or applied
+    # twice changes the tokens; the gated norm on, gating after it
+    falcon = dict(num_hidden_layers=4, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                  mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                  mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=True,
+                  ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], ssm_in_multiplier=0.8,
+                  ssm_out_multiplier=1.3, attention_in_multiplier=0.9,
+                  attention_out_multiplier=1.1, key_multiplier=0.7,
+                  mlp_multipliers=[1.2, 0.8], embedding_multiplier=1.5,
+                  lm_head_multiplier=0.9)
     return {
         "qwen3_next": (t.Qwen3NextConfig(**COMMON, **delta, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, decoder_sparse_step=1,
@@ -71,6 +83,9 @@ def recurrent_configs() -> dict[str, tuple[object, tuple[str, ...], tuple[int | 
             num_local_experts=2, num_experts_per_tok=1), three_one, (0, 1, 2, 3)),
         "bamba": (t.BambaConfig(**COMMON, **mamba2, attn_layer_indices=[2]),
                   three_one, (0, 1, 2, 3)),
+        # attention and a state in every layer: its attention's cache layer, then its state's
+        "falcon_h1": (t.FalconH1Config(**COMMON, **falcon), ("full", "recurrent") * 4,
+                      (0, 2, 4, 6)),
         # recurrent layers only: a key-only attention layer (no model layer's) leads
         "mamba": (t.MambaConfig(**pure, state_size=8, expand=2), key_only, (0, 1)),
         "falcon_mamba": (t.FalconMambaConfig(**pure, state_size=8, expand=2), key_only,
@@ -81,6 +96,8 @@ def recurrent_configs() -> dict[str, tuple[object, tuple[str, ...], tuple[int | 
 
 
 FAMILIES = sorted(recurrent_configs())
+# each model layer's state layer where it is not its cache layer (a hybrid layer's)
+STATE_LAYERS = {"falcon_h1": (1, 3, 5, 7)}
 
 
 def prompts() -> dict[str, list[int]]:
@@ -137,6 +154,9 @@ def test_cache_layers_follow_the_config(family):
     layers = model_layers(config)
     assert tuple(str(kind) for kind in layers.kinds) == kinds
     assert layers.cache_layers == cache_layers
+    recurrent = tuple(layer if layer is not None and kinds[layer] == "recurrent" else None
+                      for layer in cache_layers)
+    assert layers.state_layers == STATE_LAYERS.get(family, recurrent)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -182,7 +202,7 @@ def test_samples_fork_the_state(family, checkpoints, expected):
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "jamba"])
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "jamba", "falcon_h1"])
 def test_preemption_matches_generate(family, preemption, checkpoints, expected):
     """A pool of 7 blocks for four prompts that would hold 11 at once: the engine
     preempts, and recomputes (the state starts again from zeros or a checkpoint) or swaps

@@ -23,6 +23,7 @@ from paged_kv.cli import build_parser, main  # noqa: E402
 from paged_kv.engine import Engine, SamplingParams  # noqa: E402
 from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.engine.hf import HFCausalLM  # noqa: E402
+from paged_kv.integrations.hf_architectures import engine_features  # noqa: E402
 from paged_kv.integrations.hf_support import (  # noqa: E402
     UnsupportedModelError,
     unsupported_features,
@@ -39,8 +40,10 @@ def _refused() -> dict[str, tuple[object, str]]:
     t = transformers
     four = {**COMMON, "num_hidden_layers": 4}
     return {
-        # attention and a recurrent state in every layer (the engine serves them apart)
-        "falcon-h1 hybrid layers": (t.FalconH1Config(**four), "4 'hybrid' layers"),
+        # attention and a recurrent state in one layer, in shared blocks (Zamba2's; the
+        # engine serves Falcon-H1's, which run attention and one mixer side by side)
+        "zamba2 hybrid layers": (t.Zamba2Config(**{**four, "layers_block_type": [
+            "mamba", "hybrid", "mamba", "hybrid"]}), "2 'hybrid' layers"),
         "a linear_attention layer set on qwen2": (
             t.Qwen2Config(layer_types=["full_attention", "linear_attention"], **COMMON),
             "1 'linear_attention' layers"),
@@ -80,6 +83,16 @@ def test_the_transformers_cache_refuses_recurrent_layers_the_engine_serves():
         PagedCache(config, num_blocks=8)
 
 
+def test_falcon_h1_is_served_by_the_engine_and_refused_by_paged_cache():
+    """Falcon-H1's layers attend and keep a Mamba-2 state at once: the engine serves them
+    (two cache layers each; tests/engine/test_recurrent_models.py checks the tokens),
+    `PagedCache`, which pages the attention alone, still refuses them."""
+    config = transformers.FalconH1Config(**{**COMMON, "num_hidden_layers": 4})
+    assert engine_features(config) == []
+    with pytest.raises(UnsupportedModelError, match="4 'hybrid' layers"):
+        PagedCache(config, num_blocks=8)
+
+
 def test_a_model_built_in_python_is_refused_too():
     config, setting = _refused()["a linear_attention layer set on qwen2"]
     model = transformers.AutoModelForCausalLM.from_config(config)  # builds: qwen2 ignores it
@@ -88,7 +101,7 @@ def test_a_model_built_in_python_is_refused_too():
 
 
 @pytest.mark.parametrize("command", ["demo", "serve"])
-@pytest.mark.parametrize("name", ["falcon-h1 hybrid layers", "cross-attention"])
+@pytest.mark.parametrize("name", ["zamba2 hybrid layers", "cross-attention"])
 def test_command_line_refuses_before_starting(name, command, refused_checkpoints, capsys):
     """Exit 2 with the reason at parse time: no engine core is spawned, no port bound."""
     config, setting = _refused()[name]

@@ -129,7 +129,10 @@ def _refused() -> dict[str, tuple[transformers.PreTrainedConfig, str]]:
         "qwen3.5 multimodal with linear layers": (
             transformers.Qwen3_5Config(text_config=dict(TINY, num_hidden_layers=4)),
             "'linear_attention' layers"),
-        "falcon-h1 hybrid layers": (tiny_config("falcon_h1"), "'hybrid' layers"),
+        # Falcon-H1's hybrid layers are served (tests/engine/test_recurrent_models.py);
+        # Zamba2's shared attention blocks are not
+        "zamba2 hybrid layers": (tiny_config("zamba2", layers_block_type=["mamba", "hybrid"]),
+                                 "'hybrid' layers"),
         "gemma 3 multimodal": (transformers.Gemma3Config(text_config=dict(TINY)),
                                "composite (multimodal) config"),
         "llama 4 multimodal": (transformers.Llama4Config(text_config=dict(TINY)),

@@ -56,6 +56,8 @@ MIXERS = {
     "NemotronHMamba2Mixer": "mamba2:run_mamba2",
     "GraniteMoeHybridMambaLayer": "mamba2:run_mamba2",
     "BambaMixer": "mamba2:run_mamba2",
+    # Mamba-2 with Falcon-H1's µP multipliers and optional norm, beside attention
+    "FalconH1Mixer": "falcon_h1:run_falcon_h1",
     # Mamba-1 (selective scan)
     "MambaMixer": "mamba1:run_mamba1",
     "FalconMambaMixer": "mamba1:run_mamba1",
