@@ -20,8 +20,12 @@ The families, each equal to transformers' own torch path on the same weights:
 - `ssd`: Mamba-2's state space duality (Mamba-2, Nemotron-H, Falcon-H1, Granite 4 hybrids);
 - `selective_scan`: Mamba-1's selective scan (Mamba, Jamba, Falcon-Mamba).
 
-The recurrences run as a sequential scan: one step per position of the longest sequence, over
-every sequence still running at once. Recurrent states are computed in float32 whatever the
+The reference is a sequential scan (`scan`): one step per position of the longest sequence,
+over every sequence still running at once. Prefill takes faster forms of the same sums
+(`recurrent_chunked`): a sequence of at least ``CHUNKED_FROM[name]`` tokens runs the gated
+delta rule or SSD in chunks of 64 tokens, and the convolution reads every token's window in
+one gather (`VECTORISED_CONV`); decodes stay on the scan. `selective_scan` (Mamba-1) is scan
+only. Recurrent states are computed in float32 whatever the
 inputs' dtype, as transformers' torch paths compute them (pass float32 states to keep them
 exact; other dtypes are rounded once, on the way out).
 
@@ -39,10 +43,30 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .recurrent_chunked import (
+    SequenceFn,
+    conv_all,
+    delta_sequence,
+    long_sequences,
+    over_sequences,
+    short_packing,
+    ssd_sequence,
+)
 from .recurrent_packing import Packing, Result, packing
 
 # (outputs of the tokens stepped, new states of their sequences), from (token indices, states)
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# The fast torch paths (`recurrent_chunked`). A sequence of at least this many tokens runs in
+# chunks, the shorter ones (decodes) through `scan`; None sends every sequence to `scan`,
+# the reference. The CPU crossover is 4-8 tokens for both (one chunk's fixed cost against the
+# scan's steps: `python benchmarks/recurrent_chunked.py`). SSD waits for a full chunk: its
+# chunked sums, in another order, differ from the scan's by ~1e-5 relative on unnormalised
+# inputs, and test_recurrent.py holds split and packed runs of up to 40 tokens to 1e-6 (the
+# gated delta rule's normalised keys stay within it).
+CHUNKED_FROM: dict[str, int | None] = {"gated_delta_rule": 8, "ssd": 64}
+# `causal_conv1d` by one gather of every token's window (False: `scan`, the reference)
+VECTORISED_CONV = True
 
 _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
     None: lambda x: x, "silu": F.silu, "swish": F.silu,
@@ -80,6 +104,35 @@ def scan(pack: Packing, state: torch.Tensor, out: torch.Tensor, step: Step) -> R
         here = (pack.emit_pos == position).nonzero().squeeze(1)
         emitted[here] = work[pack.emit_seq[here]]
     return out, work.to(state.dtype), emitted.to(state.dtype)
+
+
+def scan_or_chunks(pack: Packing, state: torch.Tensor, out: torch.Tensor, step: Step,
+                   chunked: SequenceFn, tokens: list[torch.Tensor],
+                   shortest: int | None) -> Result:
+    """`scan` the sequences shorter than `shortest` tokens, run `chunked` on the others.
+
+    Parameters
+    ----------
+    pack, state, out, step
+        As `scan`'s.
+    chunked : SequenceFn
+        One sequence's recurrence in chunks (`recurrent_chunked`).
+    tokens : list of torch.Tensor
+        ``[T, ...]`` per-token float32 inputs of `chunked`.
+    shortest : int or None
+        The fewest tokens a chunked sequence has; None: `scan` only.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        As `scan`'s.
+    """
+    long = long_sequences(pack, shortest)
+    if not long:
+        return scan(pack, state, out, step)
+    result = scan(short_packing(pack, long), state, out, step)  # their states pass through
+    over_sequences(pack, long, chunked, tokens, state, result)
+    return result
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -146,7 +199,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return act((full[..., -width:] * taps).sum(-1) + shift), full[..., 1:]
 
     pack = packing(cu_seqlens, x.shape[0], conv_state.shape[0], emit_at)
-    return scan(pack, conv_state, torch.empty_like(x), step)
+    if not VECTORISED_CONV:
+        return scan(pack, conv_state, torch.empty_like(x), step)
+    sums, final, emitted = conv_all(inputs, taps, pack, conv_state.float())
+    return (act(sums + shift).to(x.dtype), final.to(conv_state.dtype),
+            emitted.to(conv_state.dtype))
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -221,7 +278,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return torch.einsum("nhkv,nhk->nhv", s, q[tokens]), s
 
     pack = packing(cu_seqlens, v.shape[0], state.shape[0], emit_at)
-    return scan(pack, state, out, step)
+    return scan_or_chunks(pack, state, out, step, delta_sequence,
+                          [q, k, values, g.float(), strength],
+                          CHUNKED_FROM["gated_delta_rule"])
 
 
 
@@ -306,8 +365,13 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
         s = s * decay[tokens, :, None, None] + written[tokens, ..., None] * B[tokens, :, None]
         return torch.einsum("nhpm,nhm->nhp", s, C[tokens]) + skip[tokens], s
 
+    def chunked(tokens: list[torch.Tensor], s: torch.Tensor, emit_pos: torch.Tensor) -> Result:
+        y, last, emitted = ssd_sequence(tokens[:4], s, emit_pos)
+        return y + tokens[4], last, emitted
+
     pack = packing(cu_seqlens, x.shape[0], state.shape[0], emit_at)
-    return scan(pack, state, torch.empty_like(x), step)
+    return scan_or_chunks(pack, state, torch.empty_like(x), step, chunked,
+                          [written, step_size * A.float(), B, C, skip], CHUNKED_FROM["ssd"])
 
 
 def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
