@@ -48,3 +48,40 @@ def test_write_then_gather(benchmark, kv_cache_dtype):
         attention_error=ERRORS["float16 pages" if kv_cache_dtype == "auto" else kv_cache_dtype])
     first = new[:SETUP.seq_lens[0]].float()
     assert (keys[0, :SETUP.seq_lens[0]].float() - first).abs().max() <= 0.1 * first.abs().max()
+
+
+def test_4bit_rows_against_their_targets():
+    """int4 / nvfp4 capacity at head_dim 128 is the bytes' arithmetic; attention cosine on
+    outlier keys is near 1 for every variant; both targets are judged."""
+    from paged_kv.bench.workloads import quantised4 as q4
+
+    figures, _ = q4.capacity_figures()
+    ratios = {f.name.split(", ")[1]: f.ratio for f in figures}
+    # float16 512 B a token-head pair against 64 + 16 (int4) and 64 + 8 (nvfp4)
+    assert ratios["int4 pages (Llama-2-7B shape"] == pytest.approx(256 / 80, rel=0.01)
+    assert ratios["nvfp4 pages (Llama-2-7B shape"] == pytest.approx(256 / 72, rel=0.01)
+    cosines, _ = q4.cosine_figures()
+    assert len(cosines) == len(q4.VARIANTS)
+    assert all(0.98 < f.value.median <= 1.0 for f in cosines)
+    verdicts = q4.targets(figures + cosines)
+    assert len(verdicts) == 2
+    assert all(v.startswith(("met: ", "MISSED: ")) for v in verdicts.values())
+
+
+def test_4bit_decode_and_greedy_rows():
+    """Decode speed rows against int8 pages (the quick sizes), and greedy agreement with
+    float pages on the demo model: int8 nearly always agrees, 4-bit first tokens at least
+    tests/core/test_pages4.py's bounds."""
+    from paged_kv.bench.scale import QUICK
+    from paged_kv.bench.workloads import quantised4 as q4
+
+    speeds = q4.decode_figures(QUICK)
+    assert len(speeds) == len(q4.VARIANTS)
+    assert all(f.value.median > 0 and f.baseline.median > 0 for f in speeds)
+    figures, info = q4.agreement_figures()
+    agreement = {f.name.rsplit(", ", 1)[1]: f.value.median for f in figures}
+    assert agreement["int8"] >= 0.9
+    bounds = {"int4": 10, "int4+rotation": 11, "nvfp4": 6, "nvfp4+rotation": 7}
+    for variant, at_least in bounds.items():
+        first = int(info[f"4-bit: first tokens equal to float pages', {variant}"].split("/")[0])
+        assert first >= at_least and 0 < agreement[variant] <= 1

@@ -15,8 +15,9 @@ WORKLOADS = ("allocator", "kernels", "step_cost", "memory", "serving", "quantise
              "tensor_parallel")
 # only when named: they start `paged-kv serve`, redis-server and writer processes, or (hybrid)
 # prefill 8K-token prompts for minutes; state replays a 48-layer model's slot counts (about a
-# minute, and a transformers checkpoint)
-OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid", "tenants", "disagg", "state")
+# minute, and a transformers checkpoint); latent runs two transformers checkpoints
+OPTIONAL_WORKLOADS = ("service", "tiers", "replicas", "hybrid", "tenants", "disagg", "state",
+                      "latent")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -35,7 +36,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--workloads", nargs="+", choices=WORKLOADS + OPTIONAL_WORKLOADS,
                        default=list(WORKLOADS),
                        help="which workloads to run ('service', 'tiers', 'replicas', "
-                            "'hybrid', 'tenants', 'disagg' and 'state' run only when named)")
+                            "'hybrid', 'tenants', 'disagg', 'state' and 'latent' run only "
+                            "when named)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: 1 with --quick, which keeps timings "

@@ -22,6 +22,8 @@ from ..scale import Scale
 from ..timing import Figure, Stat, time_interleaved
 from ..trace import TraceRequest
 from .kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PagedSetup
+from .quantised4 import NOTES as NOTES4
+from .quantised4 import four_bit_figures
 from .serving import ServingRun, serve_config, served_model, stat_of
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -258,8 +260,12 @@ def run(scale: Scale, trace: Sequence[TraceRequest], device: torch.device) -> Wo
     info.update({f"attention relative error, {name}": f"{error:.2e}"
                  for name, error in errors.items()})
     plots = _plots(figures, runs)
+    more, four_bit = four_bit_figures(scale)  # after _plots: it reads figures[:3]
+    figures += more
+    info = {**{k: v for k, v in four_bit.items() if k.startswith("target")}, **info,
+            **{k: v for k, v in four_bit.items() if not k.startswith("target")}}
     return WorkloadResult(
-        key="quantised", title="6. Quantised pages: int8 and fp8 against float16",
+        key="quantised", title="6. Quantised pages: int8, fp8 and 4-bit against float16",
         description=DESCRIPTION.format(
             capacity_gib=CAPACITY_BUDGET >> 30, head_dim=64, layers=scale.serving_layers,
             kv_heads=2, num_requests=info["served requests"], factor=scale.serving_scale,
@@ -271,4 +277,4 @@ def run(scale: Scale, trace: Sequence[TraceRequest], device: torch.device) -> Wo
                "tied; greedy agreement is a lower bound on what a trained model shows.",
                "On CPU the torch path quantises with several full passes over the data (amax, "
                "divide, round, cast), so 8-bit write runs well below copy speed; the Triton "
-               "kernel does it in one pass."])
+               "kernel does it in one pass.", *NOTES4])
