@@ -98,10 +98,11 @@ NOTES = [
     "because a 4-head model has little per-head K/V to save. DeepSeek V3's 40,960 / 576 "
     "= 71x is the arithmetic at its real shape; sequences per pool follow the bytes (the "
     "few blocks a pool reserves move them a little).",
-    "Decode speed at this size measures per-step work, not memory traffic: a 16-head "
-    "model of hidden 128 reads a few MB of K/V per step, so the absorbed attention's extra "
-    "matmuls (q_nope W_UK per head, W_UV after attention) weigh against the bytes they "
-    "save, and the engine's per-step bookkeeping weighs against generate. Latent pages pay "
-    "off where K/V reads bound decode (large batches, long contexts, real head counts on a "
-    "GPU); this 2-core CPU run shows only that fewer bytes do or do not cost speed here.",
+    "Decode speed at this size is set by per-step work and by the K/V the torch path reads "
+    "each step: the absorbed form attends one latent head of (R + P) values a token where "
+    "per-head pages read every head's K and V, against extra matmuls (q_nope W_UK per "
+    "head, W_UV after attention); the longer the context, the more the bytes weigh. The "
+    "engine against generate at a short context measures the engine's per-step bookkeeping "
+    "on a model of hidden 128, not a kernel race. A GPU, where K/V reads bound decode, was "
+    "not measured here.",
 ]
