@@ -13,6 +13,8 @@ serve cached latents, samples fork them, preemption recomputes or swaps them.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -211,7 +213,7 @@ def test_four_bit_or_rotated_pages_are_refused_at_start(checkpoints, pages):
     runner = HFCausalLM.from_pretrained(checkpoints["deepseek_v3"])
     # this shape's latent half (12 values) cannot hold 4-bit groups of 16 at all: the
     # config refuses it first; V3's (288) can, and the engine refuses it
-    with pytest.raises(ValueError, match="without rotation|expected a multiple of 16"):
+    with pytest.raises(ValueError, match=r"without rotation|expected a multiple of 16"):
         Engine(runner, EngineConfig(cache=runner.cache_config(num_blocks=32, **pages)))
 
 
@@ -236,3 +238,46 @@ def test_what_latent_pages_cannot_serve_is_refused_by_name(config, reason):
     with pytest.raises(UnsupportedModelError, match="is not supported") as info:
         HFCausalLM(model)
     assert reason in str(info.value)
+
+
+def test_tenants_and_kv_events_see_latent_blocks_as_any(checkpoints, expected):
+    """Latent rows are pages like any: under a tenant policy each tenant hits only its own
+    prompt's blocks (another's salt misses), and the KV events a router reads rebuild the
+    engine's index of latent blocks (stored minus removed)."""
+    pytest.importorskip("zmq")
+    from paged_kv.events import KVEventsConfig
+    from paged_kv.tenants import TenantLimits, TenantPolicy
+
+    from ..events.test_kv_events import _drain, _sub, decode
+
+    runner = HFCausalLM.from_pretrained(checkpoints["deepseek_v3"])
+    policy = TenantPolicy({name: TenantLimits(quota=30) for name in ("acme", "beta")})
+    engine = Engine(runner, EngineConfig(
+        cache=runner.cache_config(num_blocks=64, block_size=BLOCK, tenants=policy),
+        kv_events=KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")))
+    socket = _sub(engine.events.endpoint)
+    try:
+        time.sleep(0.3)  # the subscription reaches the publisher before anything is sent
+        shared = prompts()["shared"]
+        hits = {}
+        for salt in ("acme", "beta", "acme"):
+            rid = engine.add_request(shared, greedy(), salt=salt)
+            while engine.has_unfinished_requests:
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        assert out.outputs[0].token_ids == expected["deepseek_v3", "shared"]
+                        hits.setdefault(salt, []).append(out.prefix_hit_tokens)
+        batches = [decode(frames) for frames in _drain(socket)]
+    finally:
+        socket.close(0)
+        engine.close()
+    assert hits == {"acme": [0, 9 * BLOCK], "beta": [0]}  # a salt never hits another's
+    held: set[bytes] = set()
+    for _, _, _, events in batches:
+        for event in events:
+            if event[0] == "BlockStored":
+                held.update(event[1])
+            elif event[0] == "BlockRemoved":
+                held.difference_update(event[1])
+    allocator = engine.cache.allocator
+    assert held == {allocator.block_hash(b) for b in range(allocator.num_blocks)} - {None}
