@@ -210,7 +210,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      beta: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
                      emit_at: torch.Tensor | None = None, use_qk_l2norm: bool = True,
                      scale: float | None = None) -> Result:
-    """Gated delta rule (Qwen3-Next, Qwen3.5), one token at a time per sequence.
+    """Gated delta rule (Qwen3-Next, Qwen3.5): scanned, or in chunks for a long sequence.
 
     Per token and value head, with ``S`` the ``[Dk, Dv]`` state::
 
@@ -297,7 +297,7 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
         dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
         dt_limit: tuple[float, float] = (0.0, float("inf")),
         emit_at: torch.Tensor | None = None) -> Result:
-    """Mamba-2's selective state space (SSD), one token at a time per sequence.
+    """Mamba-2's selective state space (SSD): scanned, or in chunks for a long sequence.
 
     Per token and head ``h`` (in group ``g = h // (H // G)``), with ``S`` the ``[P, N]``
     state and ``d = clamp(softplus(dt + dt_bias), *dt_limit)``::
