@@ -21,9 +21,12 @@ def hadamard(head_dim: int, device: torch.device) -> torch.Tensor:
 
     Examples
     --------
-    >>> hadamard(2, torch.device("cpu")) * 2 ** 0.5
+    >>> (hadamard(2, torch.device("cpu")) * 2 ** 0.5).round()  # 1/sqrt(2) times sqrt(2)
     tensor([[ 1.,  1.],
             [ 1., -1.]])
+    >>> h = hadamard(48, torch.device("cpu"))  # 3 blocks of 16: orthonormal all the same
+    >>> bool(torch.allclose(h @ h.T, torch.eye(48), atol=1e-6))
+    True
     """
     size = head_dim & -head_dim  # a head of 48 rotates in 3 blocks of 16
     matrix = torch.ones(1, 1)
