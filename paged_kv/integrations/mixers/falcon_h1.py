@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...kernels.recurrent import causal_conv1d, ssd
 from . import MixerOutput
-from .mamba2 import _time_step
+from .mamba2 import scan_projected
 
 __all__ = ["run_falcon_h1"]
 
@@ -66,35 +65,9 @@ def run_falcon_h1(module: torch.nn.Module, hidden_states: torch.Tensor,
         When the states' shapes do not fit the module, or (from the kernels) `cu_seqlens`
         does not tile the tokens or `emit_at` falls outside them.
     """
-    conv_state, ssm_state = states
-    heads, head_dim, size = module.num_heads, module.head_dim, module.ssm_state_size
-    groups, inner = module.n_groups, module.intermediate_size
-    if ssm_state.shape[1:] != (heads, head_dim, size) \
-            or conv_state.shape[1] != module.conv_dim:
-        raise ValueError(f"states: expected conv [B, {module.conv_dim}, K] and ssm "
-                         f"[B, {heads}, {head_dim}, {size}], got {list(conv_state.shape)} "
-                         f"and {list(ssm_state.shape)}")
-    tokens, dtype = hidden_states.shape[0], hidden_states.dtype
     # µP: the multipliers as transformers applies them (the buffer's dtype promotes as there)
     projected = module.in_proj(hidden_states * module.ssm_in_multiplier) \
         * module.mup_vector.reshape(-1)
-    gate, xbc, dt = projected.split([inner, module.conv_dim, heads], dim=-1)
-
-    # the window keeps the convolution's raw inputs (transformers' cache layout); the
-    # activation is the module's, on the convolution's output, as transformers applies it
-    conv, conv_final, conv_emitted = causal_conv1d(
-        xbc, module.conv1d.weight.squeeze(1), module.conv1d.bias, cu_seqlens, conv_state,
-        activation=None, emit_at=emit_at)
-    x, B, C = module.act(conv).split([inner, groups * size, groups * size], dim=-1)
-
-    step = _time_step(module, dt, ssm_state, cu_seqlens, tokens)
-    # x in float32 so y comes out float32, as transformers' chunked scan hands it on
-    y, ssm_final, ssm_emitted = ssd(
-        x.float().view(tokens, heads, head_dim), step, -torch.exp(module.A_log.float()),
-        B.view(tokens, groups, size), C.view(tokens, groups, size), module.D, cu_seqlens,
-        ssm_state, dt_softplus=False, dt_limit=(-float("inf"), float("inf")),
-        emit_at=emit_at)
-    y = y.view(tokens, inner)
+    y, gate, final, emitted = scan_projected(module, projected, states, cu_seqlens, emit_at)
     gated = module.norm(y, gate) if module.mamba_rms_norm else y * F.silu(gate)
-    out = module.out_proj(gated.to(dtype))
-    return MixerOutput(out, (conv_final, ssm_final), (conv_emitted, ssm_emitted))
+    return MixerOutput(module.out_proj(gated.to(hidden_states.dtype)), final, emitted)

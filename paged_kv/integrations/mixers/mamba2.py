@@ -76,6 +76,43 @@ def run_mamba2(module: torch.nn.Module, hidden_states: torch.Tensor,
         When the states' shapes do not fit the module, or (from the kernels) `cu_seqlens`
         does not tile the tokens or `emit_at` falls outside them.
     """
+    y, gate, final, emitted = scan_projected(module, module.in_proj(hidden_states), states,
+                                             cu_seqlens, emit_at)
+    out = module.out_proj(module.norm(y, gate).to(hidden_states.dtype))
+    return MixerOutput(out, final, emitted)
+
+
+def scan_projected(module: torch.nn.Module, projected: torch.Tensor,
+                   states: tuple[torch.Tensor, ...], cu_seqlens: torch.Tensor,
+                   emit_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+    """A Mamba-2 mixer's part between its input projection and its gated output: the
+    convolution, the time step and the scan (shared by every Mamba-2 family; Falcon-H1 scales
+    the projection its own way first and gates the output its own way after).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The mixer (``conv1d``, ``act``, ``dt_bias``, ``A_log``, ``D``, its sizes).
+    projected : torch.Tensor
+        ``[T, inner + conv_dim + H]`` the input projection's output, model dtype.
+    states, cu_seqlens, emit_at
+        As `run_mamba2`'s.
+
+    Returns
+    -------
+    y : torch.Tensor
+        ``[T, inner]`` float32, the scan's output before the gate.
+    gate : torch.Tensor
+        ``[T, inner]`` the projection's gate part.
+    final, emitted : tuple of torch.Tensor
+        ``(conv, ssm)`` after each sequence's tokens, and after each token of `emit_at`.
+
+    Raises
+    ------
+    ValueError
+        When the states' shapes do not fit the module, or (from the kernels) `cu_seqlens`
+        does not tile the tokens or `emit_at` falls outside them.
+    """
     conv_state, ssm_state = states
     heads, head_dim, size = module.num_heads, module.head_dim, module.ssm_state_size
     groups, inner = module.n_groups, module.intermediate_size
@@ -84,9 +121,8 @@ def run_mamba2(module: torch.nn.Module, hidden_states: torch.Tensor,
         raise ValueError(f"states: expected conv [B, {module.conv_dim}, K] and ssm "
                          f"[B, {heads}, {head_dim}, {size}], got {list(conv_state.shape)} "
                          f"and {list(ssm_state.shape)}")
-    tokens, dtype = hidden_states.shape[0], hidden_states.dtype
-    gate, xbc, dt = module.in_proj(hidden_states).split(
-        [inner, module.conv_dim, heads], dim=-1)
+    tokens = projected.shape[0]
+    gate, xbc, dt = projected.split([inner, module.conv_dim, heads], dim=-1)
 
     # The window keeps the convolution's raw inputs, as transformers' cache does. The
     # activation is the module's own, on the convolution rounded to the model dtype, as
@@ -104,8 +140,7 @@ def run_mamba2(module: torch.nn.Module, hidden_states: torch.Tensor,
         B.view(tokens, groups, size), C.view(tokens, groups, size), module.D, cu_seqlens,
         ssm_state, dt_softplus=False, dt_limit=(-float("inf"), float("inf")),
         emit_at=emit_at)
-    out = module.out_proj(module.norm(y.view(tokens, inner), gate).to(dtype))
-    return MixerOutput(out, (conv_final, ssm_final), (conv_emitted, ssm_emitted))
+    return y.view(tokens, inner), gate, (conv_final, ssm_final), (conv_emitted, ssm_emitted)
 
 
 def _time_step(module: torch.nn.Module, dt: torch.Tensor, ssm_state: torch.Tensor,
