@@ -18,7 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from paged_kv.integrations.mixers import mixer_of  # noqa: E402
 from paged_kv.integrations.mixers.falcon_h1 import run_falcon_h1  # noqa: E402
-from paged_kv.integrations.recurrent import recurrent_layers  # noqa: E402
+
+from .test_mixer_mamba2 import _forward, _generate, _inputs, _zeros, redraw  # noqa: E402
+from .test_mixer_mamba2 import _packed as packed  # noqa: E402
 
 HIDDEN, INNER, HEADS, STATE, KERNEL, CHUNK = 64, 96, 4, 8, 4, 8  # mamba_d_ssm 96 != 2 * 64
 LIMIT = (0.3, 1.2)  # softplus(dt + dt_bias) spreads over ~(0.05, 3): the clamp binds
@@ -40,51 +42,13 @@ def _mixer(rms_norm: bool, before_gate: bool, groups: int, dtype: torch.dtype = 
         intermediate_size=64)
     torch.manual_seed(0)
     module = transformers.FalconH1Model(config).eval().layers[0].mamba
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn_like(p)
-            p.copy_({"A_log": 0.5 * noise, "dt_bias": noise, "D": noise,
-                     "norm.weight": 1 + 0.2 * noise}.get(name, 0.2 * noise))
-    return module.to(dtype), config
-
-
-def _zeros(config: object, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Fresh states of `batch` sequences, shaped by the engine's own state specs."""
-    specs = recurrent_layers(config, dtype)[0]
-    return tuple(torch.zeros(batch, *spec.shape, dtype=spec.dtype) for spec in specs)
+    return redraw(module).to(dtype), config
 
 
 def _packed(module: torch.nn.Module, seqs: list[torch.Tensor], states: tuple[torch.Tensor, ...],
             emit_at: list[int] = ()) -> tuple[list[torch.Tensor], tuple, tuple]:
     """run_falcon_h1 over `seqs` packed in one call: per-sequence outputs, final, emitted."""
-    lengths = torch.tensor([len(s) for s in seqs])
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    with torch.no_grad():
-        out, final, emitted = run_falcon_h1(module, torch.cat(seqs), states, cu,
-                                            torch.tensor(list(emit_at), dtype=torch.int64))
-    return list(out.split(lengths.tolist())), final, emitted
-
-
-def _forward(module: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
-    """The module's forward on one sequence, batch 1, no cache (transformers' prefill)."""
-    with torch.no_grad():
-        return module(seq[None])[0]
-
-
-def _generate(module: torch.nn.Module, config: object, chunks: list[torch.Tensor]
-              ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The module over `chunks` of one sequence with transformers' own cache (a one-token
-    chunk after the first is its cached decode step): outputs, and the states it holds."""
-    cache = transformers.DynamicCache(config=config)
-    with torch.no_grad():
-        outs = [module(chunk[None], cache=cache)[0] for chunk in chunks]
-    layer = cache.layers[module.layer_idx]
-    return outs, (layer.conv_states[0][0], layer.recurrent_states[0][0])
-
-
-def _inputs(lengths: list[int], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    torch.manual_seed(1)
-    return [torch.randn(n, HIDDEN).to(dtype) for n in lengths]
+    return packed(module, seqs, states, emit_at, run_falcon_h1)
 
 
 def test_registered_and_multipliers_set() -> None:

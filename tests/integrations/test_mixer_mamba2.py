@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from paged_kv.integrations.mixers import mixer_of  # noqa: E402
+from paged_kv.integrations.mixers import Mixer, mixer_of  # noqa: E402
 from paged_kv.integrations.mixers.mamba2 import run_mamba2  # noqa: E402
 from paged_kv.integrations.recurrent import recurrent_layers  # noqa: E402
 
@@ -65,12 +65,18 @@ def _mixer(family: str, groups: int, dtype: torch.dtype = torch.float32,
     model = getattr(transformers, MODELS[family])(config).eval()
     layer = model.layers[0]
     module = layer.mixer if hasattr(layer, "mixer") else layer.mamba
+    return redraw(module).to(dtype), config
+
+
+def redraw(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with every parameter redrawn (A_log, D, dt_bias and the norm weight included:
+    their inits are constants a wrong formula could hide behind); the torch seed's draws."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             noise = torch.randn_like(p)
             p.copy_({"A_log": 0.5 * noise, "dt_bias": noise, "D": noise,
                      "norm.weight": 1 + 0.2 * noise}.get(name, 0.2 * noise))
-    return module.to(dtype), config
+    return module
 
 
 def _zeros(config: object, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -80,13 +86,14 @@ def _zeros(config: object, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor
 
 
 def _packed(module: torch.nn.Module, seqs: list[torch.Tensor], states: tuple[torch.Tensor, ...],
-            emit_at: list[int] = ()) -> tuple[list[torch.Tensor], tuple, tuple]:
-    """run_mamba2 over `seqs` packed in one call: per-sequence outputs, final, emitted."""
+            emit_at: list[int] = (), run: Mixer = run_mamba2,
+            ) -> tuple[list[torch.Tensor], tuple, tuple]:
+    """`run` (a mixer) over `seqs` packed in one call: per-sequence outputs, final, emitted."""
     lengths = torch.tensor([len(s) for s in seqs])
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     with torch.no_grad():
-        out, final, emitted = run_mamba2(module, torch.cat(seqs), states, cu,
-                                         torch.tensor(list(emit_at), dtype=torch.int64))
+        out, final, emitted = run(module, torch.cat(seqs), states, cu,
+                                  torch.tensor(list(emit_at), dtype=torch.int64))
     return list(out.split(lengths.tolist())), final, emitted
 
 
