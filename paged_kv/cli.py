@@ -6,12 +6,12 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
 from .bench.cli import add_bench_parser
+from .cli_types import api_keys, at_least, model_dir, redis_url, writable_dir
 from .config import KV_CACHE_DTYPES, CacheConfig
 from .core.accounting import CacheStats
 from .demo.synthetic import run_synthetic
@@ -141,71 +141,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _at_least(kind: Callable[[str], float], low: float, strict: bool = False):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(
-                f"expected {'>' if strict else '>='} {low}, got {text}")
-        return value
-    return parse
-
-
-def _model_dir(text: str) -> str:
-    if not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a directory (a local Hugging Face "
-                                         "checkpoint: config.json and weights)")
-    try:  # refuse a model the kernels would serve wrong tokens, before anything starts
-        from .engine.hf import UnsupportedModelError, check_checkpoint
-    except ImportError:  # no hf extra: loading the model says so
-        return text
-    try:
-        check_checkpoint(text)
-    except UnsupportedModelError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    except (OSError, ValueError):  # no readable config.json: loading it names the problem
-        pass
-    return text
-
-
-def _api_keys(text: str):
-    from .server.tenants_file import read_tenants_file
-
-    try:
-        return read_tenants_file(text)
-    except (OSError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _writable_dir(text: str) -> str:
-    try:
-        os.makedirs(text, exist_ok=True)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot create {text!r}: {exc.strerror}") from None
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a writable directory")
-    return text
-
-
-def _redis_url(text: str) -> str:
-    if not text.startswith(("redis://", "rediss://")) or len(text.split("://", 1)[1]) == 0:
-        raise argparse.ArgumentTypeError(f"expected redis://HOST:PORT/DB, got {text!r}")
-    return text
-
-
 def _engine_flags() -> argparse.ArgumentParser:
     """Cache and engine flags shared by ``demo`` and ``serve`` (one parent, so a flag added
     here applies to both)."""
     parent = argparse.ArgumentParser(add_help=False)
-    positive = _at_least(int, 1)
+    positive = at_least(int, 1)
     parent.add_argument("--block-size", type=positive, default=16, help="tokens per KV block")
     memory = parent.add_mutually_exclusive_group()
-    memory.add_argument("--memory-mib", type=_at_least(float, 0, strict=True), default=16.0,
+    memory.add_argument("--memory-mib", type=at_least(float, 0, strict=True), default=16.0,
                         help="KV pool budget in MiB")
-    memory.add_argument("--memory-fraction", type=_at_least(float, 0, strict=True),
+    memory.add_argument("--memory-fraction", type=at_least(float, 0, strict=True),
                         default=None,
                         help="size the KV pool as this share, in (0, 1], of the memory free "
                              "on the device (vLLM's --gpu-memory-utilization; not with "
@@ -223,18 +168,18 @@ def _engine_flags() -> argparse.ArgumentParser:
     parent.add_argument("--max-num-batched-tokens", type=positive, default=512,
                         help="tokens per engine step (prefill chunks and decodes)")
     tiers = parent.add_argument_group("cache tiers behind the device pool")
-    tiers.add_argument("--kv-host-mib", type=_at_least(float, 0), default=None, metavar="MIB",
+    tiers.add_argument("--kv-host-mib", type=at_least(float, 0), default=None, metavar="MIB",
                        help="host RAM for blocks written down from the pool (demo default "
                             "64, serve 0: off)")
-    tiers.add_argument("--kv-disk", type=_writable_dir, default=None, metavar="DIR",
+    tiers.add_argument("--kv-disk", type=writable_dir, default=None, metavar="DIR",
                        help="a directory keeping blocks across restarts (with --kv-disk-mib)")
-    tiers.add_argument("--kv-disk-mib", type=_at_least(float, 0, strict=True), default=None,
+    tiers.add_argument("--kv-disk-mib", type=at_least(float, 0, strict=True), default=None,
                        metavar="MIB", help="the disk tier's cap")
-    tiers.add_argument("--kv-remote", type=_redis_url, default=None,
+    tiers.add_argument("--kv-remote", type=redis_url, default=None,
                        metavar="redis://HOST:PORT/DB",
                        help="a Redis every replica shares (give it maxmemory and "
                             "maxmemory-policy allkeys-lru)")
-    parent.add_argument("--model", metavar="PATH", type=_model_dir, default=None,
+    parent.add_argument("--model", metavar="PATH", type=model_dir, default=None,
                         help="serve a Hugging Face causal LM from this local directory "
                              "(needs the hf extra) instead of the embedded TinyLlama")
     return parent
@@ -246,7 +191,7 @@ def _add_demo_parser(commands: argparse._SubParsersAction,
         "demo", parents=[parent], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="serve a workload on the embedded model and report throughput, latency "
              "and memory accounting")
-    positive = _at_least(int, 1)
+    positive = at_least(int, 1)
     demo.add_argument("--num-requests", type=positive, default=64)
     demo.add_argument("--num-layers", type=positive, default=4)
     demo.add_argument("--hidden-size", type=positive, default=256)
@@ -270,18 +215,18 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
         help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
              "/metrics) over the engine; needs the serve extra")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_at_least(int, 0), default=8000)
-    serve.add_argument("--api-keys", metavar="FILE", dest="tenants_file", type=_api_keys,
+    serve.add_argument("--port", type=at_least(int, 0), default=8000)
+    serve.add_argument("--api-keys", metavar="FILE", dest="tenants_file", type=api_keys,
                        default=None, help="'KEY TENANT' per line, or a TOML tenants file "
                                           "(admin keys, quotas, reservations, retention; "
                                           "docs/tenants.md): require Bearer auth and keep "
                                           "a prefix cache per tenant")
-    serve.add_argument("--max-waiting", type=_at_least(int, 0), default=256,
+    serve.add_argument("--max-waiting", type=at_least(int, 0), default=256,
                        help="requests that would wait for a running slot beyond this get "
                             "429 with Retry-After (0: none waits)")
-    serve.add_argument("--drain-timeout", type=_at_least(float, 0), default=30.0,
+    serve.add_argument("--drain-timeout", type=at_least(float, 0), default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
-    serve.add_argument("--api-server-count", type=_at_least(int, 1), default=1,
+    serve.add_argument("--api-server-count", type=at_least(int, 1), default=1,
                        help="API server processes (HTTP, tokenization, SSE) sharing the one "
                             "engine-core process and the listening socket")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
@@ -315,10 +260,10 @@ def _add_request_limits(serve: argparse.ArgumentParser) -> None:
     """What one request may ask (the defaults are `server.http.protocol.InputLimits`'s;
     that module needs the serve extra, so they are repeated here)."""
     limits = serve.add_argument_group("what one request may ask")
-    limits.add_argument("--max-logprobs", type=_at_least(int, 0), default=20,
+    limits.add_argument("--max-logprobs", type=at_least(int, 0), default=20,
                         help="the most top log-probabilities per token (logprobs, "
                              "top_logprobs, prompt_logprobs); more is a 400, as in vLLM")
-    limits.add_argument("--max-request-bytes", type=_at_least(int, 1),
+    limits.add_argument("--max-request-bytes", type=at_least(int, 1),
                         default=4 * 2**20,
                         help="a larger request body is refused (413) before it is parsed")
 
