@@ -463,6 +463,38 @@ class PagedKvArraysNoCacheAdapter(PagedKvArraysAdapter):
     enable_caching = False
 
 
+class PagedKvGroupsAdapter(PagedKvArraysAdapter):
+    """The array API over three layer groups (issue 42): full attention, a sliding window of
+    256 tokens and a recurrent state layer, one pool. Each step also gives back the blocks
+    windows left, indexes the window group's filled blocks under the leading group's keys
+    and offers a state checkpoint at every filled block; the pool is twice the trace's (sized
+    for full attention alone: a window row holds its whole prompt until its first decode
+    step gives the window's leftovers back) plus a window per request, and state slots for 64 per
+    running request: an admission offers a checkpoint at each block its prompt fills, and
+    they stay pending (unevictable) until the request's next step, so the first burst of
+    admissions (~33 blocks a prompt) must fit beside the live states; past that the
+    checkpoints evict one another."""
+
+    name = "paged_kv_groups"
+
+    def __init__(self, mods, num_blocks, bs):
+        import torch
+
+        import paged_kv
+        from paged_kv.config import StateSpec
+        kinds = (paged_kv.LayerKind(), paged_kv.LayerKind.sliding(256),
+                 paged_kv.LayerKind.recurrent((StateSpec("ssm", (1,), torch.float32),)))
+        slots = 64 * self.concurrency
+        cfg = paged_kv.CacheConfig(num_layers=3, num_kv_heads=1, head_dim=8, block_size=bs,
+                                   num_blocks=2 * num_blocks + 1 + self.concurrency * (256 // bs + 2),
+                                   dtype=torch.float32, device="cpu", enable_prefix_caching=True,
+                                   layer_kinds=kinds, num_state_slots=slots)
+        self.cache = paged_kv.PagedKVCache(cfg)
+        self.bs = bs
+
+    concurrency = 256  # set from --concurrency by main()
+
+
 NUM_TENANTS = 4
 
 
@@ -517,6 +549,7 @@ ADAPTERS = {
     "paged_kv_nocache": PagedKvNoCacheAdapter,
     "paged_kv_arrays": PagedKvArraysAdapter,
     "paged_kv_arrays_nocache": PagedKvArraysNoCacheAdapter,
+    "paged_kv_groups": PagedKvGroupsAdapter,
     "paged_kv_salted": PagedKvSaltedAdapter,
     "paged_kv_tenants": PagedKvTenantsAdapter,
 }
@@ -657,6 +690,7 @@ def main():
     if any(i != "null" for i in impls) and not args.anchors:
         ap.error("--anchors DIR (or ALLOC_ANCHORS_DIR) is required")
     mods = load_anchor_modules(args.anchors, impls) if args.anchors else {}
+    PagedKvGroupsAdapter.concurrency = args.concurrency
 
     noshare, share = make_traces(args.requests, args.concurrency, args.block_size,
                                  args.seed, args.share_frac)

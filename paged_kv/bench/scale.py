@@ -19,6 +19,8 @@ class Scale:
     step_layers: int
     step_kv_heads: int
     step_head_dim: int
+    step_seqs: tuple[int, ...] = (256, 512, 1024)  # workload 3's second part: running
+    step_seq_steps: int = 40           # sequences, and decode steps timed per repeat
     memory_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
     sharing_requests: int = 32         # prompts forked n ways (workload 4)
     serving_requests: int = 200        # workload 5
@@ -46,7 +48,8 @@ QUICK = Scale(name="quick", repeats=3, trace_requests=300, decode_steps=30, kern
               serving_scale=8, serving_layers=1, serving_hidden=128, serving_repeats=2,
               peers_requests=8, peers_new_tokens=8, peers_hidden=64, peers_layers=2,
               peers_vocab=512, peers_repeats=1, peers_defaults=False, hybrid_context=2048,
-              hybrid_window_divisor=4, hybrid_generate_prompt=256, hybrid_decode_steps=8)
+              hybrid_window_divisor=4, hybrid_generate_prompt=256, hybrid_decode_steps=8,
+              step_seqs=(64, 128, 256), step_seq_steps=10)
 
 FULL = Scale(name="full", repeats=5, trace_requests=2000, decode_steps=100, kernel_seqs=16,
              kernel_tokens=1024, step_lengths=(128, 256, 512, 1024, 2048, 4096), step_layers=2,

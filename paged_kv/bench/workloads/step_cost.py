@@ -1,5 +1,6 @@
 """``--workloads step_cost``: per-step cost against sequence length, the paged cache against the
-seeds'.
+seeds'; and one decode step's bookkeeping against the number of running sequences, for one
+layer group and for three (`paged_kv.bench.workloads.step_scale`).
 
 One decode step appends one token to each of 8 sequences and hands contiguous K/V on:
 
@@ -19,6 +20,7 @@ from ..baselines import ContiguousKVCache, ListKVCache
 from ..results import Plot, Series, WorkloadResult
 from ..scale import Scale
 from ..timing import Figure, Stat, time_interleaved
+from . import step_scale
 
 BATCH_SIZE, BLOCK_SIZE, RATIO_AT = 8, 16, 2048
 NAMES = ("paged: prepare + write + gather", "paged in place: prepare + write",
@@ -31,6 +33,14 @@ DESCRIPTION = (
     "steps end at that length, so seed (b)'s power-of-two bucket is no larger than it must "
     "be). The in-place line (prepare + write, no gather) is what a step costs the cache when "
     "attention reads the pages (paged_attention).")
+SCALE_DESCRIPTION = (
+    " Second part: one decode step's bookkeeping (scheduler, block manager, the step's input "
+    "arrays; no model, no K/V) with {seqs} running sequences of the serving trace's prompts, "
+    "for a uniform full-attention cache (1 group) and for full + sliding window ({window} "
+    "tokens) + recurrent state layers (3 groups), each as the cache's array step "
+    "(prepare_decode) and as the engine's scheduler step; median of {steps} steps a repeat. "
+    "Its figures compare each size with half as many sequences (the growth per doubling; "
+    "target <= 1.1x) and three groups with one.")
 NOTE = ("The paged cache's gather still copies each sequence's history once per step (that is "
         "what handing on contiguous K/V means); the seeds copy it once (a) or twice plus a fresh "
         "zeroed buffer (b). Only the in-place line, where attention reads the pages, is "
@@ -111,16 +121,21 @@ def run(scale: Scale) -> WorkloadResult:
                           tuple(by_length[n][i].min for n in by_length),
                           tuple(by_length[n][i].max for n in by_length))
                    for i, name in enumerate(NAMES))
+    scaled = step_scale.measure(scale.step_seqs, scale.step_seq_steps, scale.repeats)
+    scale_figures, scale_info, scale_plot = step_scale.growth_rows(scaled)
     first, last = scale.step_lengths[0], scale.step_lengths[-1]
     growth = {f"{name}: step time at {last} over at {first} tokens":
               f"{by_length[last][i].median / by_length[first][i].median:.1f}x"
               for i, name in enumerate(NAMES)}
     return WorkloadResult(
-        key="step_cost", title="3. Per-step cost against sequence length (the seeds' caches)",
+        key="step_cost", title="3. Per-step cost against sequence length (the seeds' caches) "
+        "and running sequences",
         description=DESCRIPTION.format(
             batch_size=BATCH_SIZE, layers=scale.step_layers, heads=scale.step_kv_heads,
-            head_dim=scale.step_head_dim, lengths=", ".join(map(str, scale.step_lengths))),
-        figures=figures, info=growth,
+            head_dim=scale.step_head_dim, lengths=", ".join(map(str, scale.step_lengths)))
+        + SCALE_DESCRIPTION.format(seqs=", ".join(map(str, scale.step_seqs)),
+                                   window=step_scale.WINDOW, steps=scale.step_seq_steps),
+        figures=figures + scale_figures, info={**growth, **scale_info},
         plots=[Plot("time of one decode step", "sequence length (tokens)", "ms per step",
-                    series, kind="line", logx=True, logy=True)],
+                    series, kind="line", logx=True, logy=True), scale_plot],
         notes=[NOTE])

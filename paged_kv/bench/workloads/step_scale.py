@@ -1,0 +1,175 @@
+"""The ``step_cost`` workload's second part: one decode step's bookkeeping against the number
+of running sequences (256, 512, 1,024), for one layer group and for three.
+
+A step's bookkeeping is everything the engine does for it outside the model: the
+scheduler's plan, the block manager's step (blocks, copy-on-write, prefix indexing, window
+give-backs, state checkpoints) and the step's input arrays (`StepBatch`: block tables, slot
+mapping, lengths, one per layer group). Two lines per layout:
+
+- ``cache``: the running set's row handles resolved once (`rows_of`), then per step one
+  ``[B]`` int32 token array and `prepare_decode` (what the scheduler's `prepare` calls);
+- ``scheduler``: the engine's `Scheduler` driven without a model: `schedule`, `prepare`,
+  `advance` and `update_from_output` (the sampled token stands in as
+  `output_token_id`).
+
+Layouts: ``1 group`` is a uniform full-attention cache; ``3 groups`` a cache whose layers
+are full attention, a sliding window of `WINDOW` tokens and a recurrent state layer (a
+full group, a window group giving blocks back, the state group offering a checkpoint at
+every filled block). The sequences are the serving trace's prompts (`make_trace`),
+admitted through the scheduler in steps of `PREFILL_TOKENS` tokens, then decoded; every
+stepper of one size holds the same prompts and takes the same tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ...config import CacheConfig, LayerKind, StateSpec
+from ...core.cache import PagedKVCache
+from ...engine.request import Request, Sequence
+from ...engine.sampling import SamplingParams
+from ...engine.scheduler import Scheduler
+from ..results import Plot, Series
+from ..timing import Figure, Stat
+from ..trace import TraceSpec, make_trace, output_token_id
+
+BLOCK_SIZE = 16
+WINDOW = 256  # tokens of the sliding-window layer (16 blocks, as Gemma's 512 at block 32)
+PREFILL_TOKENS = 8192  # the scheduler's token budget per step while the prompts are admitted
+LAYOUTS = {1: (LayerKind(),),
+           3: (LayerKind(), LayerKind.sliding(WINDOW),
+               LayerKind.recurrent((StateSpec("ssm", (1,), torch.float32),)))}
+KINDS = ("cache", "scheduler")
+
+
+def bookkeeping_config(num_groups: int, prompts: list[tuple[int, ...]], decode_steps: int,
+                       ) -> CacheConfig:
+    """A cache of `num_groups` layer groups whose pool is negligible (one head of width 1
+    per layer) and holds `prompts` through `decode_steps` more tokens each, with room left
+    over so no allocation evicts a live block; state slots for every sequence's live state
+    and as many checkpoints again (more are offered: the policy then evicts)."""
+    kinds = LAYOUTS[num_groups]
+    tokens = [len(p) + decode_steps + PREFILL_TOKENS // BLOCK_SIZE for p in prompts]
+    blocks = sum(-(-n // BLOCK_SIZE) for n in tokens)
+    window = (len(kinds) > 1) * len(prompts) * (WINDOW // BLOCK_SIZE + 2)
+    recurrent = sum(kind.is_recurrent for kind in kinds)
+    return CacheConfig(num_layers=len(kinds), num_kv_heads=1, head_dim=1,
+                       block_size=BLOCK_SIZE, num_blocks=blocks + window + 64,
+                       dtype=torch.float16, max_num_seqs=len(prompts),
+                       layer_kinds=kinds if len(kinds) > 1 else (),
+                       num_state_slots=recurrent * (2 * len(prompts) + 1024))
+
+
+def trace_prompts(num_seqs: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """The first `num_seqs` prompts of the serving trace (`TraceSpec`'s defaults: mean 512
+    tokens, at most 4,096, half behind a 256-token system prompt)."""
+    return [r.prompt_token_ids for r in make_trace(TraceSpec(num_requests=num_seqs), seed)]
+
+
+class DecodeStepper:
+    """`len(prompts)` running sequences of a `num_groups`-group cache, all admitted and
+    decoding; `step` runs one decode step of every one of them (`kind`: see the module
+    docstring)."""
+
+    def __init__(self, kind: str, num_groups: int, prompts: list[tuple[int, ...]],
+                 decode_steps: int) -> None:
+        self.kind, self.step_index = kind, 0
+        self.cache = PagedKVCache(bookkeeping_config(num_groups, prompts, decode_steps))
+        self.scheduler = Scheduler(self.cache, max_num_seqs=len(prompts),
+                                   max_num_batched_tokens=PREFILL_TOKENS,
+                                   preemption="recompute")
+        params = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
+        for request_id, prompt in enumerate(prompts):
+            request = Request(request_id, list(prompt), params, 0.0)
+            self.scheduler.add(Sequence(request, 0, list(prompt), None))
+        while self.scheduler.waiting or any(
+                seq.num_computed < len(seq.token_ids) - 1 for seq in self.scheduler.running):
+            self._scheduler_step()  # admit, prefill in chunks, then decode until all decode
+        self.rows = self.cache.rows_of([seq.seq_id for seq in self.scheduler.running])
+        self.step = self._scheduler_step if kind == "scheduler" else self._cache_step
+
+    def _scheduler_step(self) -> None:
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        scheduler.prepare(plan)
+        scheduler.advance(plan)
+        samples = [(seq, output_token_id(seq.request.request_id, len(seq.token_ids)), None)
+                   for seq in plan if seq.num_computed == len(seq.token_ids)]
+        scheduler.update_from_output(samples, frozenset())
+
+    def _cache_step(self) -> None:
+        # the token array built inside the step, as the scheduler's `prepare` builds it
+        tokens = np.full(self.rows.size, output_token_id(0, self.step_index), dtype=np.int32)
+        self.cache.prepare_decode(self.rows, tokens)
+        self.step_index += 1
+
+
+def time_steps(stepper: DecodeStepper, num_steps: int) -> float:
+    """Median seconds of `num_steps` decode steps (after one untimed)."""
+    stepper.step()
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        stepper.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(num_seqs: tuple[int, ...], decode_steps: int, repeats: int, seed: int = 0,
+            ) -> dict[tuple[int, str, int], Stat]:
+    """``{(groups, kind, sequences): seconds per step}`` over `repeats` fresh steppers of
+    each, the sizes and layouts interleaved in every repeat."""
+    prompts = {n: trace_prompts(n, seed) for n in num_seqs}
+    keys = [(groups, kind, n) for n in num_seqs for groups in LAYOUTS for kind in KINDS]
+    times: dict[tuple[int, str, int], list[float]] = {key: [] for key in keys}
+    for _ in range(repeats):
+        for groups, kind, n in keys:
+            stepper = DecodeStepper(kind, groups, prompts[n], decode_steps + 1)
+            times[(groups, kind, n)].append(time_steps(stepper, decode_steps))
+    return {key: Stat(tuple(values), "s") for key, values in times.items()}
+
+
+def growth(stats: dict[tuple[int, str, int], Stat], groups: int, kind: str,
+           ) -> list[tuple[int, float]]:
+    """``(sequences, step time over the step at half as many)`` for each doubling measured."""
+    sizes = sorted(n for g, k, n in stats if (g, k) == (groups, kind))
+    return [(n, stats[(groups, kind, n)].median / stats[(groups, kind, n // 2)].median)
+            for n in sizes if n // 2 in sizes]
+
+
+def label(groups: int, kind: str) -> str:
+    """A line's name: the layout (`LAYOUTS`: 1 group is full attention; 3 are full, sliding
+    and state) and what the step runs; short, as the summary table cuts long names."""
+    return f"{groups} group{'s' if groups > 1 else ''}, {kind}"
+
+
+def growth_rows(stats: dict[tuple[int, str, int], Stat]) -> tuple[list[Figure], dict, Plot]:
+    """The growth figures (each step against the one at half the sequences, and three
+    groups against one), the growth per doubling as info, and the plot of ms per step."""
+    ms = {key: stat.scaled(1e3, "ms") for key, stat in stats.items()}
+    lines = sorted({(g, k) for g, k, _ in ms})
+    figures = [Figure(f"decode step, {n} seqs, {label(g, k)}", ms[(g, k, n)],
+                      f"the same at {n // 2} seqs", ms[(g, k, n // 2)], False)
+               for g, k in lines for n, _ in growth(stats, g, k)]
+    figures += [Figure(f"decode step, {n} seqs, {kind}: 3 groups", ms[(3, kind, n)],
+                       "1 group", ms[(1, kind, n)], False)
+                for groups, kind, n in ms if groups == 3 and (1, kind, n) in ms]
+    info = {f"{label(g, k)}: growth per doubling": ", ".join(
+        f"{n // 2}->{n}: {ratio:.2f}x" for n, ratio in growth(stats, g, k)) for g, k in lines}
+    info.update({f"{label(g, k)}: ms per step": ", ".join(
+        f"{n}: {ms[(g, k, n)].median:.3f}" for gg, kk, n in sorted(ms) if (gg, kk) == (g, k))
+        for g, k in lines})
+    series = []
+    for g, k in lines:
+        sizes = sorted(n for gg, kk, n in ms if (gg, kk) == (g, k))
+        series.append(Series(label(g, k), tuple(float(n) for n in sizes),
+                             tuple(ms[(g, k, n)].median for n in sizes),
+                             tuple(ms[(g, k, n)].min for n in sizes),
+                             tuple(ms[(g, k, n)].max for n in sizes)))
+    plot = Plot("one decode step's bookkeeping", "running sequences", "ms per step",
+                tuple(series), kind="line", logx=True, logy=True)
+    return figures, info, plot

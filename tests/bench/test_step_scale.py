@@ -1,0 +1,66 @@
+"""The ``step_cost`` workload's second part (`step_scale`) at tiny size: every layout and step
+kind is measured at every size, the growth rows name each doubling, and the four steppers
+of one size do the same work (the same sequences, tokens and leading blocks). No timing
+is asserted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from paged_kv.bench.workloads.step_scale import (
+    KINDS,
+    LAYOUTS,
+    DecodeStepper,
+    growth_rows,
+    measure,
+    trace_prompts,
+)
+
+SIZES = (4, 8)
+
+
+@pytest.fixture(scope="module")
+def stats():
+    return measure(SIZES, decode_steps=2, repeats=1)
+
+
+def test_every_layout_kind_and_size_is_measured(stats):
+    assert set(stats) == {(g, k, n) for g in LAYOUTS for k in KINDS for n in SIZES}
+    assert all(len(s.values) == 1 and math.isfinite(s.median) and s.median > 0
+               for s in stats.values())
+
+
+def test_growth_rows_name_each_doubling_and_three_groups_against_one(stats):
+    figures, info, plot = growth_rows(stats)
+    # a doubling per line (2 layouts x 2 kinds), then 3 groups against 1 per kind and size
+    assert len(figures) == 4 + 2 * len(SIZES)
+    assert all(f.value.unit == "ms" and f.ratio > 0 for f in figures)
+    assert sum("growth per doubling" in key for key in info) == 4
+    assert all("4->8: " in value for key, value in info.items() if "growth" in key)
+    assert len(plot.series) == 4 and all(s.x == (4.0, 8.0) for s in plot.series)
+
+
+def _state(stepper: DecodeStepper) -> dict:
+    """Each sequence's tokens and leading-group blocks."""
+    tables = stepper.cache.tables
+    return {seq_id: (tables.num_tokens_of(seq_id), tables.blocks(seq_id).size)
+            for seq_id in tables.seq_ids}
+
+
+def test_the_steppers_of_one_size_do_the_same_work():
+    prompts = trace_prompts(6)
+    steppers = [DecodeStepper(kind, groups, prompts, 8) for groups in LAYOUTS for kind in KINDS]
+    for stepper in steppers:
+        assert stepper.rows.size == len(prompts)  # every sequence admitted and decoding
+        for _ in range(3):
+            stepper.step()
+    states = [_state(stepper) for stepper in steppers]
+    assert all(state == states[0] for state in states[1:])
+    assert {len(s.cache.groups) for s in steppers} == {1, 3}
+    # the scheduler decodes every running sequence, one token each
+    scheduler = steppers[1].scheduler
+    assert all(n == 1 for n in scheduler.schedule().values())
+    assert np.array_equal(np.sort(steppers[0].rows), np.sort(steppers[1].rows))
