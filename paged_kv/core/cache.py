@@ -51,6 +51,7 @@ from .batch import BatchOrSeqIds, SeqId, StepBatch
 from .groups.groups import LayerGroup
 from .groups.kinds import build_groups
 from .groups.layout import GroupLayout
+from .groups.state_group import StateGroup
 from .layer_access import LayerAccess
 from .load_cached import load_blocks
 from .page_table import PageTables
@@ -110,6 +111,8 @@ class PagedKVCache(Admissions, LayerAccess):
                         if len(self._groups) > 1 or leader.gives_back else None)
         self._plane = {layer: (group.index, plane) for group in self._groups
                        for plane, layer in enumerate(group.layers)}
+        # the recurrent layers' group (its checkpoints' events and tier values), if any
+        self._states = next((g for g in self._groups if isinstance(g, StateGroup)), None)
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
         self._generation = 0  # mutations so far: a plan of an older generation is stale
@@ -135,6 +138,13 @@ class PagedKVCache(Admissions, LayerAccess):
         """The layer groups, the leading one first (`paged_kv.core.groups`; one for a
         uniform model). Read them; change them only through the cache."""
         return self._groups
+
+    @property
+    def state_group(self) -> StateGroup | None:
+        """The recurrent layers' group (None without them): its checkpoints as the tiers
+        and the hand-off move them (`StateGroup.tier_keys`, `values_at`, `stored_values`,
+        `owns_value`). Read it; change it only through the cache."""
+        return self._states
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
@@ -227,8 +237,13 @@ class PagedKVCache(Admissions, LayerAccess):
 
     def take_events(self) -> list[BlockEvent]:
         """Return and clear the block events logged since the last call (see
-        `BlockAllocator.take_events`): what the tiers copy out and KV events publish."""
-        return self._allocator.take_events()
+        `BlockAllocator.take_events`): what the tiers copy out and KV events publish; a
+        recurrent state group's ``state_stored`` / ``state_removed`` checkpoint events
+        follow (`StateGroup.take_events`)."""
+        events = self._allocator.take_events()
+        if self._states is not None:
+            events += self._states.take_events()
+        return events
 
     def load_cached(self, keys: list[bytes], token_ids: np.ndarray, payload: torch.Tensor,
                     parent_key: bytes) -> int:
@@ -238,22 +253,26 @@ class PagedKVCache(Admissions, LayerAccess):
         Parameters
         ----------
         keys : list of bytes
-            The blocks' chained keys, a prompt's consecutive full blocks in order.
+            The blocks' chained keys, a prompt's consecutive full blocks in order; on a
+            layout with recurrent layers, then a state checkpoint's chunk keys
+            (`HybridAdmission.missing`), loaded into a checkpoint slot.
         token_ids : np.ndarray
-            ``[len(keys) * block_size]`` the blocks' token ids.
+            ``[num_blocks * block_size]`` the blocks' token ids (chunk keys have none).
         payload : torch.Tensor
             ``[len(keys), pool.block_nbytes]`` uint8, the blocks as `KVPool.read_blocks`
-            gave them.
+            gave them (a checkpoint's chunks as `StateGroup.stored_values` did).
         parent_key : bytes
             The key the first block chains from (its `stored` event names it as parent).
 
         Returns
         -------
         int
-            Blocks loaded (0 when the pool cannot spare them; nothing changed then). A key
-            indexed meanwhile keeps its block; the copy is freed.
+            Blocks loaded (0 when the pool cannot spare them; nothing changed then), plus
+            the chunks of the checkpoints loaded. A key indexed meanwhile keeps its block;
+            the copy is freed.
         """
-        loaded = load_blocks(self._allocator, self._pool, keys, token_ids, payload, parent_key)
+        loaded = load_values(self._allocator, self._pool, self._states, keys, token_ids,
+                             payload, parent_key)
         self._after_mutation()
         return loaded
 
@@ -463,6 +482,30 @@ class PagedKVCache(Admissions, LayerAccess):
 
 
 __all__ = ["InvariantError", "OutOfBlocksError", "PagedKVCache", "PagedKVError"]
+
+
+def load_values(allocator: BlockAllocator, pool: KVPool, states: StateGroup | None,
+                keys: list[bytes], token_ids: np.ndarray, payload: torch.Tensor,
+                parent_key: bytes) -> int:
+    """`load_blocks` for a run whose keys may end with a state group's chunk keys (a hybrid
+    prompt's checkpoint at the run's end, `HybridAdmission.missing`): the blocks are
+    loaded (`token_ids` are theirs alone), then the checkpoints, each into a slot of its
+    own; returns the blocks loaded plus the chunks of the checkpoints loaded. A checkpoint
+    is indexed whatever became of the blocks: its key names the prefix it follows, and an
+    admission serves it only where every group's blocks hit too."""
+    if states is None or not any(map(states.owns_value, keys)):
+        return load_blocks(allocator, pool, keys, token_ids, payload, parent_key)
+    mine = [i for i, key in enumerate(keys) if states.owns_value(key)]
+    blocks = [i for i, key in enumerate(keys) if not states.owns_value(key)]
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
+            or tuple(payload.shape) != (len(keys), pool.block_nbytes):
+        raise ValueError(f"load_cached(): expected uint8 payload [{len(keys)}, "
+                         f"{pool.block_nbytes}] for {len(keys)} keys, got "
+                         f"{getattr(payload, 'dtype', type(payload).__name__)} "
+                         f"{tuple(getattr(payload, 'shape', ()))}")
+    loaded = load_blocks(allocator, pool, [keys[i] for i in blocks], token_ids,
+                         payload[blocks], parent_key) if blocks else 0
+    return loaded + states.load_values([keys[i] for i in mine], payload[mine])
 
 
 def snapshot(cache: PagedKVCache) -> tuple:

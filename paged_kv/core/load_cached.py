@@ -4,7 +4,9 @@ Functions over the cache's owners (allocator, pool): the tiers' manager reads wh
 a step stored (`stored_blocks`, read only) and copies their bytes out after the step that
 wrote them; fetched blocks come back through `PagedKVCache.load_cached` (`load_blocks`),
 into fresh device blocks, indexed and cached, where the next admission finds them as any
-prefix hit. Nothing here knows a store, a file or a socket.
+prefix hit. (A recurrent state group's checkpoints travel beside them as block-sized values
+under chunk keys, `paged_kv.core.groups.state_values`: the cache splits a fetched run into
+the blocks and the checkpoints.) Nothing here knows a store, a file or a socket.
 """
 
 from __future__ import annotations
@@ -81,3 +83,4 @@ def load_blocks(allocator: BlockAllocator, pool: KVPool, keys: list[bytes],
         allocator.register(block_id, key, piece, parent)
     allocator.free(block_ids, unique=True)  # cached, the tail evicted first
     return n
+

@@ -177,21 +177,19 @@ class EngineConfig:
 
     def _check_states(self, cache: CacheConfig) -> None:
         """A layout with recurrent layers: a live state for every sequence the scheduler
-        may run, and none of the parts that would move pages without their states yet
-        (refused here, at start, rather than failing a request later)."""
+        may run, and one rank (the states are not split over ranks yet): refused here, at
+        start, rather than failing a request later. The tiers and the hand-off move the
+        state checkpoints with the pages (`paged_kv.core.groups.state_values`)."""
         if not cache.num_state_slots:
             return
         if cache.num_state_slots < self.max_num_seqs:
             raise ValueError(f"cache.num_state_slots ({cache.num_state_slots}) holds fewer live "
                              f"recurrent states than max_num_seqs ({self.max_num_seqs}) "
                              f"sequences: raise num_state_slots or lower max_num_seqs")
-        refused = [name for name, on in (
-            ("kv_tiers", self.kv_tiers is not None and self.kv_tiers.enabled),
-            ("handoff", self.handoff is not None),
-            ("tensor_parallel_size > 1", self.tensor_parallel_size != 1)) if on]
-        if refused:
-            raise ValueError(f"{refused[0]}: not supported yet for a model with recurrent "
-                             f"layers (their states would not move with the pages)")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: not "
+                             f"supported yet for a model with recurrent layers (their "
+                             f"states are not split over ranks); use 1")
 
     def part_factories(self) -> dict[str, PartFactory]:
         """The parts to build, by name, in the order the engine builds them and calls their

@@ -49,7 +49,10 @@ class PeerSource(Store):
         self._trust, self._channel = role.trust, role.channel
         self._lease = (handoff.lease or "").encode()
         namespace, lease_s = role.namespace, role.config.lease_s
-        self.keys = {codec.store_key(namespace, key): key for key in handoff.leased_keys()}
+        leased, states = handoff.leased_keys(), role.cache.state_group
+        if handoff.block_keys and states is not None:  # the checkpoint after the last block
+            leased += states.tier_keys(handoff.key_bytes()[-1])
+        self.keys = {codec.store_key(namespace, key): key for key in leased}
         self.lease_s = handoff.lease_seconds or lease_s
         self.deadline = time.monotonic() + self.lease_s  # heartbeats move it
         self.beat = time.monotonic()

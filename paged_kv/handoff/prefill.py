@@ -96,6 +96,8 @@ class PrefillRole(EnginePart):
         keys = (keys or block_keys(tokens, size, root_hash(salt)))[:(len(prompt) - 1) // size]
         ids = self._run(keys, tokens, size)
         keys = keys[:len(ids)]
+        keys, states = self._state_end(keys)  # recurrent layers: a run ending at a state
+        ids = ids[:len(keys)]
         leased, starts = list(keys), None
         if self.cache.config.layer_kinds:  # a layout of layer kinds: every other group's run
             starts = []
@@ -107,8 +109,25 @@ class PrefillRole(EnginePart):
         if not ids:
             return [], {}, starts
         data = self.cache.pool.read_blocks(np.array(ids, dtype=np.int64)).numpy()
+        if states is not None:  # the checkpoint's chunks, after every block
+            leased += self.cache.state_group.tier_keys(keys[-1])
+            data = np.concatenate([data, states.numpy()])
         return keys, {key: codec.encode(key, self._digest, row)
                       for key, row in zip(leased, data, strict=True)}, starts
+
+    def _state_end(self, keys: list[bytes]) -> tuple[list[bytes], object]:
+        """On a layout with recurrent layers, `keys` cut back to the last block after which
+        a state checkpoint is written, and that checkpoint's values (the decode engine
+        starts from it: blocks without their state would be recomputed there); else `keys`
+        and None."""
+        states = self.cache.state_group
+        if not keys or states is None:
+            return keys, None
+        for end in range(len(keys), 0, -1):
+            values = states.values_at(keys[end - 1])
+            if values is not None:
+                return keys[:end], values
+        return [], None
 
     def _run(self, keys: list[bytes], tokens: np.ndarray, size: int) -> list[int]:
         """The cached blocks of `keys` from the first on, up to the first not cached."""

@@ -130,11 +130,27 @@ class TierManager(EnginePart):
         block_ids, keys = stored_blocks(self.cache.allocator, events)
         every = self._tenants(block_ids, keys)
         new = self._held.claim_missing(keys)
+        if new:
+            data = self.cache.pool.read_blocks(block_ids[new])  # before the slot is reused
+            tenants = None if every is None else [every[i] for i in new]
+            self._writer.submit([keys[i] for i in new], data, tenants)
+        self._store_states(events)
+
+    def _store_states(self, events: list) -> None:
+        """Queue the state checkpoints `events` stored (a model with recurrent layers) as
+        block-sized chunks (`paged_kv.core.groups.state_values`), where a tier lacks them;
+        their tenant is the block's they follow (known when the block was stored)."""
+        states = self.cache.state_group
+        if states is None or not any(event.kind == "state_stored" for event in events):
+            return
+        keys, data = states.stored_values(events)
+        new = self._held.claim_missing(keys)
         if not new:
             return
-        data = self.cache.pool.read_blocks(block_ids[new])  # before the slot can be reused
-        tenants = None if every is None else [every[i] for i in new]
-        self._writer.submit([keys[i] for i in new], data, tenants)
+        tenants = None
+        if self.shares is not None:
+            tenants = [self._key_tenant.get(keys[i][:codec.CHAIN_BYTES], 0) for i in new]
+        self._writer.submit([keys[i] for i in new], data[new], tenants)
 
     def _tenants(self, block_ids: np.ndarray, keys: list[bytes]) -> list[int] | None:
         """The ledger's tenant of each stored block (tagged when it was indexed), kept
@@ -202,7 +218,7 @@ class TierManager(EnginePart):
         returns how many, counted as hits of the tiers they came from."""
         loaded = 0
         if fetch.payload is not None and len(fetch.sources):
-            n = min(len(fetch.sources), max(0, spare_blocks))
+            n = self._within(fetch.keys[:len(fetch.sources)], max(0, spare_blocks))
             size = self.cache.config.block_size
             loaded = self.cache.load_cached(fetch.keys[:n], fetch.token_ids[:n * size],
                                             fetch.payload[:n], fetch.parent)
@@ -220,6 +236,17 @@ class TierManager(EnginePart):
             self.shares[fetch.failure[1]].forget(fetch.keys[len(fetch.sources):][:1])
         self._observed(fetch, loaded)
         return loaded
+
+    def _within(self, keys: list[bytes], spare_blocks: int) -> int:
+        """How many of `keys` to load with `spare_blocks` blocks: up to the first block
+        past them (a state checkpoint's chunks take no block)."""
+        states = self.cache.state_group
+        for i, key in enumerate(keys):
+            if states is None or not states.owns_value(key):
+                if spare_blocks == 0:
+                    return i
+                spare_blocks -= 1
+        return len(keys)
 
     def _observed(self, fetch: Fetch, loaded: int) -> None:
         """What a fetch saw of the tiers: its loaded blocks are held where the lookups

@@ -79,8 +79,9 @@ class HybridAdmission(NamedTuple):
     def missing(self, block_size: int) -> tuple[bytes, list[bytes], np.ndarray]:
         """What a lower tier is asked for: the leading group's `Admission.missing`, then
         each other group's blocks (under its `group_key`s) that a hit at the prompt's end
-        needs — a window group's last window only. One run, so one fetch; a run that
-        stops early lands the leading group's blocks first."""
+        needs — a window group's last window only — and a state group's checkpoint there
+        (its chunk keys, `StateGroup.tier_keys`; they have no tokens). One run, so one
+        fetch; a run that stops early lands the leading group's blocks first."""
         parent, keys, tokens = self.leader.missing(block_size)
         lead = self.leader
         if lead.tokens is None or not keys:
@@ -88,6 +89,9 @@ class HybridAdmission(NamedTuple):
         end, start = len(lead.hits) + len(keys), len(lead.hits)
         keys, parts = list(keys), [tokens]
         for group in self.groups[1:]:
+            if not group.holds_blocks:  # a state group: its checkpoint at the run's end
+                keys += group.tier_keys(lead.keys[end - 1])
+                continue
             first = max(start, group.skipped_blocks(end * block_size))
             keys += [group_key(key, group.index) for key in lead.keys[first:end]]
             parts.append(lead.tokens[first * block_size:end * block_size])

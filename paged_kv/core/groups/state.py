@@ -22,6 +22,7 @@ do). A slot is in exactly one state:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -190,6 +191,11 @@ class StateSlots:
         self._latest: dict[int, int] = {}                # row -> its newest checkpoint slot
         self._latest_of: dict[int, int] = {}             # that slot -> its row
         self.num_written = self.num_hits = self.num_evicted = 0  # checkpoints, so far
+        # ("stored" | "removed", slot, key): a checkpoint became servable or went, for the
+        # tiers and KV events (bounded as the allocator's events: a user who never drains
+        # them does not leak memory)
+        self.events: collections.deque[tuple[str, int, bytes]] = collections.deque(
+            maxlen=65536)
 
     # -- queries --------------------------------------------------------------------------
     def live_of(self, rows: Sequence[int]) -> np.ndarray:
@@ -227,6 +233,10 @@ class StateSlots:
     def position_of(self, slot: int) -> int:
         """Tokens a checkpoint's state has consumed."""
         return self._key_of[slot][1]
+
+    def written_key(self, slot: int) -> bytes | None:
+        """The key of the written checkpoint in `slot`, or None (free, live, pending)."""
+        return self._key_of[slot][0] if slot in self.policy else None
 
     # -- mutators -------------------------------------------------------------------------
     def take_live(self, row: int, exclude: int | None = None) -> int:
@@ -295,8 +305,32 @@ class StateSlots:
         servable and evictable from now on."""
         for row in rows:
             for key in self._pending.pop(row, ()):
-                slot = self._slot_of[key]
-                self.policy.add(slot, self._tier[slot])
+                self._servable(self._slot_of[key])
+
+    def _servable(self, slot: int) -> None:
+        """A pending checkpoint was written: evictable, servable, and announced."""
+        self.policy.add(slot, self._tier[slot])
+        self.events.append(("stored", slot, self._key_of[slot][0]))
+
+    def adopt(self, key: bytes, position: int) -> int | None:
+        """A slot for a written checkpoint after `position` tokens that came from
+        elsewhere (a lower tier, a hand-off), indexed under `key` at the `LATEST` tier (a
+        prompt is about to start from it), or None: the key is indexed already, or no slot
+        is free and no written checkpoint ranks below it. The caller fills the slot."""
+        if key in self._slot_of:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self.policy.victim()
+            if slot is None or not self.policy.admits(LATEST, slot):
+                return None
+            self._evict(slot)
+        self._slot_of[key], self._key_of[slot] = slot, (key, position)
+        self._tier[slot] = LATEST
+        self.num_written += 1
+        self._servable(slot)
+        return slot
 
     def written(self, slots: Sequence[int]) -> None:
         """The checkpoints in `slots` hold their states (every recurrent layer wrote them):
@@ -307,8 +341,7 @@ class StateSlots:
             left = [key for key in self._pending[row] if key not in keys]
             for key in self._pending[row]:
                 if key in keys:
-                    slot = self._slot_of[key]
-                    self.policy.add(slot, self._tier[slot])
+                    self._servable(self._slot_of[key])
             if left:
                 self._pending[row] = left
             else:
@@ -320,7 +353,7 @@ class StateSlots:
         for key in self._pending.pop(row, ()):
             slot = self._slot_of[key]
             if self._key_of[slot][1] <= num_tokens:
-                self.policy.add(slot, self._tier[slot])
+                self._servable(slot)
                 continue
             del self._slot_of[key], self._key_of[slot], self._tier[slot]
             self._unlatest(slot)
@@ -330,6 +363,7 @@ class StateSlots:
     def _evict(self, slot: int) -> None:
         key, _ = self._key_of.pop(slot)
         del self._slot_of[key], self._tier[slot]
+        self.events.append(("removed", slot, key))
         self._unlatest(slot)
         self.policy.remove(slot)
         self.num_evicted += 1
@@ -428,6 +462,26 @@ class StateSlab:
         every = [tensor for tensors in self._tensors.values() for tensor in tensors]
         for tensor, copy in zip(every, saved, strict=True):
             tensor[slot].copy_(copy)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one slot's states (every layer's, every spec's)."""
+        return sum(t[0].nbytes for tensors in self._tensors.values() for t in tensors)
+
+    def read_bytes(self, slot: int) -> torch.Tensor:
+        """``[slot_nbytes]`` uint8 on the host: slot `slot`'s states, layer by layer and
+        spec by spec (what `write_bytes` takes back)."""
+        return torch.cat([tensor[slot].detach().reshape(-1).view(torch.uint8).cpu()
+                          for tensors in self._tensors.values() for tensor in tensors])
+
+    def write_bytes(self, slot: int, payload: torch.Tensor) -> None:
+        """Slot `slot` of every tensor from `read_bytes`' ``[slot_nbytes]`` uint8."""
+        start = 0
+        for tensors in self._tensors.values():
+            for tensor in tensors:
+                view = tensor[slot].view(-1).view(torch.uint8)
+                view.copy_(payload[start:start + view.numel()].to(tensor.device))
+                start += view.numel()
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies of `layer`'s states at `slots` (``[B]`` int64): ``[B, *spec.shape]`` each."""
