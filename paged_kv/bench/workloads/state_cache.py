@@ -22,7 +22,7 @@ import torch
 
 from ...config import CacheConfig, LayerKind, StateSpec
 from ...core.cache import PagedKVCache
-from ...core.groups.state import CheckpointPolicy
+from ...core.groups.checkpoints import CheckpointPolicy
 from ...errors import OutOfBlocksError
 
 BLOCK_SIZE = 16

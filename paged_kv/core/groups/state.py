@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,6 +32,8 @@ import torch
 from ..._checks import check_tensor
 from ...config import StateSpec
 from ...errors import OutOfBlocksError, PagedKVError, ensure
+from .checkpoints import DENSE, INTERVAL, LATEST, SHARED, CheckpointPolicy
+from .state_tenants import CheckpointShares
 
 
 class OutOfStateSlotsError(OutOfBlocksError):
@@ -79,91 +79,6 @@ class StateBatch:
         return self.emit_slots.shape[0]
 
 
-# a checkpoint's tier: what it is likely worth to a later prompt (the policy keeps the
-# higher tiers under pressure; Marconi's admission by likely reuse)
-DENSE = 0     # an interior boundary, taken only because a slot was free
-INTERVAL = 1  # an interior boundary on the sparse interval (a later prompt that shares
-#               a prefix nobody has met at yet still hits near its junction)
-LATEST = 2    # a sequence's last boundary (a finished request's next turn starts there),
-#               or one served to a hit
-SHARED = 3    # a junction: where a prompt's attention blocks hit past its state
-
-
-class CheckpointPolicy:
-    """Which written checkpoint goes first when a slot is wanted: the lowest tier
-    (`DENSE` < `INTERVAL` < `LATEST` < `SHARED`), then the least recently used (added or
-    served).
-    A heap with lazy deletion: O(log n) a choice.
-
-    The one place the ranking lives: `StateSlots` calls `add`, `touch`, `retier`,
-    `remove`, `victim` and `admits` only.
-
-    Every checkpoint saves one state's bytes of memory for the prefill it spares, so
-    among its tier the one least likely to be reused goes first: a boundary inside one
-    request's own suffix (`DENSE`) before any request's last one (`LATEST`, a multi-turn
-    conversation's next turn), and both before a boundary two prompts shared (`SHARED`).
-    """
-
-    def __init__(self) -> None:
-        self._rank: dict[int, tuple[int, int]] = {}  # slot -> (tier, last use)
-        self._heap: list[tuple[int, int, int]] = []  # (tier, last use, slot), some stale
-        self._clock = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._rank)
-
-    def __contains__(self, slot: object) -> bool:
-        return slot in self._rank
-
-    def add(self, slot: int, tier: int) -> None:
-        """Make `slot`, a written checkpoint of `tier`, evictable (the most recent)."""
-        rank = (tier, next(self._clock))
-        self._rank[slot] = rank
-        heapq.heappush(self._heap, (*rank, slot))
-        if len(self._heap) > 2 * len(self._rank) + 64:  # drop the stale entries
-            self._heap = [(*rank, s) for s, rank in self._rank.items()]
-            heapq.heapify(self._heap)
-
-    def tier_of(self, slot: int) -> int:
-        """`slot`'s tier."""
-        return self._rank[slot][0]
-
-    def touch(self, slot: int) -> None:
-        """`slot` was served: it is now the most recently used of its tier."""
-        self.add(slot, self._rank[slot][0])
-
-    def retier(self, slot: int, tier: int) -> None:
-        """`slot` moves to `tier` (its use unchanged)."""
-        used = self._rank[slot][1]
-        self._rank[slot] = (tier, used)
-        heapq.heappush(self._heap, (tier, used, slot))
-
-    def remove(self, slot: int) -> None:
-        """`slot` is no checkpoint any more."""
-        del self._rank[slot]
-
-    def victim(self, exclude: int | None = None) -> int | None:
-        """The checkpoint to evict first (never `exclude`), or None when there is none."""
-        heap, held, found = self._heap, [], None
-        while heap:
-            tier, used, slot = heap[0]
-            if self._rank.get(slot) != (tier, used):
-                heapq.heappop(heap)  # stale: removed, touched or re-tiered since
-            elif slot == exclude:
-                held.append(heapq.heappop(heap))
-            else:
-                found = slot
-                break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        return found
-
-    def admits(self, tier: int, victim: int) -> bool:
-        """Whether a new checkpoint of `tier` ranks above `victim` (so `victim` may go for
-        it): a higher tier, or the same tier and newer (it always is)."""
-        return self._rank[victim][0] <= tier
-
-
 class StateSlots:
     """Which slot of the state slab is free, live (a row's) or a checkpoint (a key's);
     see the module docstring. Never touches a tensor.
@@ -176,11 +91,13 @@ class StateSlots:
         Which written checkpoint goes first (default: lowest tier, then LRU).
     interval : int
         Tokens between the interior boundaries kept at the `INTERVAL` tier (0: none).
+    shares : CheckpointShares, optional
+        Each tenant's quota and reservation of checkpoints (None: no tenants).
     """
 
     def __init__(self, num_slots: int, policy: CheckpointPolicy | None = None,
-                 interval: int = 0) -> None:
-        self.num_slots, self.interval = num_slots, interval
+                 interval: int = 0, shares: CheckpointShares | None = None) -> None:
+        self.num_slots, self.interval, self.shares = num_slots, interval, shares
         self.policy = CheckpointPolicy() if policy is None else policy
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, ...
         self._live: dict[int, int] = {}                  # row -> its live slot
@@ -267,24 +184,18 @@ class StateSlots:
             self._retier(slot, LATEST)
         self.policy.touch(slot)
 
-    def offer(self, key: bytes, position: int, row: int, shared: bool = False) -> int | None:
+    def offer(self, key: bytes, position: int, row: int, shared: bool = False,
+              tenant: int = 0) -> int | None:
         """A slot for the checkpoint of `row` after `position` tokens, indexed under `key`
         (pending until `confirm`), or None: the key is indexed already, or no slot is free
         and no written checkpoint ranks below it (dense while there is room, thinned by
         tier under pressure). It is the row's newest (`LATEST`; the one before drops to
         `DENSE`), or a junction where prompts met (`shared`: `SHARED`)."""
         tier = SHARED if shared else LATEST
-        if key in self._slot_of:
+        slot = None if key in self._slot_of else self._slot_for(tier, tenant)
+        if slot is None:
             return None
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = self.policy.victim()
-            if slot is None or not self.policy.admits(tier, slot):
-                return None
-            self._evict(slot)
-        self._slot_of[key], self._key_of[slot] = slot, (key, position)
-        self._tier[slot] = tier
+        self._index(slot, key, position, tier, tenant)
         self._pending.setdefault(row, []).append(key)
         previous = self._latest.get(row)
         if previous is not None and self._tier[previous] == LATEST:
@@ -312,25 +223,39 @@ class StateSlots:
         self.policy.add(slot, self._tier[slot])
         self.events.append(("stored", slot, self._key_of[slot][0]))
 
-    def adopt(self, key: bytes, position: int) -> int | None:
+    def adopt(self, key: bytes, position: int, tenant: int = 0) -> int | None:
         """A slot for a written checkpoint after `position` tokens that came from
         elsewhere (a lower tier, a hand-off), indexed under `key` at the `LATEST` tier (a
         prompt is about to start from it), or None: the key is indexed already, or no slot
         is free and no written checkpoint ranks below it. The caller fills the slot."""
-        if key in self._slot_of:
-            return None
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = self.policy.victim()
-            if slot is None or not self.policy.admits(LATEST, slot):
-                return None
-            self._evict(slot)
-        self._slot_of[key], self._key_of[slot] = slot, (key, position)
-        self._tier[slot] = LATEST
-        self.num_written += 1
-        self._servable(slot)
+        slot = None if key in self._slot_of else self._slot_for(LATEST, tenant)
+        if slot is not None:
+            self._index(slot, key, position, LATEST, tenant)
+            self.num_written += 1
+            self._servable(slot)
         return slot
+
+    def _slot_for(self, tier: int, tenant: int) -> int | None:
+        """A slot for a new checkpoint of `tier` and `tenant`: a free one, else the
+        policy's victim ranking below it (a tenant at its quota: its own; see
+        `CheckpointShares`), evicted; or None."""
+        shares, allowed = self.shares, None
+        if shares is not None:
+            allowed = (shares.own(tenant) if shares.at_quota(tenant)
+                       else shares.evictable_by(tenant))
+        if self._free and (shares is None or not shares.at_quota(tenant)):
+            return self._free.pop()
+        slot = self.policy.victim(allowed=allowed)
+        if slot is None or not self.policy.admits(tier, slot):
+            return None
+        self._evict(slot)
+        return slot
+
+    def _index(self, slot: int, key: bytes, position: int, tier: int, tenant: int) -> None:
+        self._slot_of[key], self._key_of[slot] = slot, (key, position)
+        self._tier[slot] = tier
+        if self.shares is not None:
+            self.shares.add(slot, tenant)
 
     def written(self, slots: Sequence[int]) -> None:
         """The checkpoints in `slots` hold their states (every recurrent layer wrote them):
@@ -358,11 +283,15 @@ class StateSlots:
             del self._slot_of[key], self._key_of[slot], self._tier[slot]
             self._unlatest(slot)
             self._free.append(slot)
+            if self.shares is not None:
+                self.shares.remove(slot)
             self.num_written -= 1
 
     def _evict(self, slot: int) -> None:
         key, _ = self._key_of.pop(slot)
         del self._slot_of[key], self._tier[slot]
+        if self.shares is not None:
+            self.shares.remove(slot)
         self.events.append(("removed", slot, key))
         self._unlatest(slot)
         self.policy.remove(slot)
@@ -401,6 +330,8 @@ class StateSlots:
         every = self._free + live + list(self._key_of)
         ensure(len(every) == len(set(every)) == self.num_slots,
                "free, live and checkpoint slots do not partition the slab")
+        for problem in [] if self.shares is None else self.shares.check(set(self._key_of)):
+            ensure(False, problem)
 
     def snapshot(self) -> tuple:
         """Comparable copy of the bookkeeping (for tests of rejected calls)."""
@@ -409,7 +340,8 @@ class StateSlots:
                 tuple(sorted(self._latest.items())),
                 tuple(sorted((row, tuple(keys)) for row, keys in self._pending.items())),
                 tuple(sorted(s for s in self._key_of if s in self.policy)),
-                self.num_written, self.num_hits, self.num_evicted)
+                self.num_written, self.num_hits, self.num_evicted,
+                None if self.shares is None else self.shares.snapshot())
 
 
 class StateSlab:

@@ -49,6 +49,7 @@ from . import state_values
 from .groups import Filled, LayerGroup
 from .rules import group_key
 from .state import OutOfStateSlotsError, StateBatch, StateSlab, StateSlots
+from .state_tenants import CheckpointShares
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class StateGroup(LayerGroup):
     # swapped-out sequences' live states, host copies (`StateSlab.save`)
     host: dict[SeqId, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     block_nbytes: int = 0  # one value of a lower tier (`state_values`): a pool block's bytes
+    tenant: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> its tenant
 
     holds_blocks: ClassVar[bool] = False  # a row holds a state slot, never a block
 
@@ -90,7 +92,10 @@ class StateGroup(LayerGroup):
         group = super().build(index, kind, layers, config, allocator, pool, compiled, None)
         # a sparse interval of 8 blocks (128 tokens at block 16) outlives other interior
         # boundaries: a prompt meeting a prefix no one has met at yet hits near it
-        group.slots = StateSlots(config.num_state_slots, interval=8 * config.block_size)
+        shares = (None if config.tenants is None else
+                  CheckpointShares(config.tenants, config.num_state_slots, config.num_blocks))
+        group.slots = StateSlots(config.num_state_slots, interval=8 * config.block_size,
+                                 shares=shares)
         group.slab = StateSlab({layer: config.kind_of(layer).states for layer in layers},
                                config.num_state_slots, config.device)
         group.leader = leader.tables
@@ -140,6 +145,8 @@ class StateGroup(LayerGroup):
         attention blocks hit past the state (`shared` blocks against the hit's), the
         checkpoint at that junction is offered as shared when the row computes it."""
         ensure(self.tables.add(plan.seq_id) == row, "layer groups' rows diverged")
+        if self.slots.shares is not None:
+            self.tenant[row] = self.slots.shares.tenant_of_root(plan.root)
         if shared * self.tables.block_size > plan.num_hit:
             self.junction[row] = shared * self.tables.block_size
         count = plan.count if prepare else 0
@@ -190,7 +197,8 @@ class StateGroup(LayerGroup):
         for row, column, key, _, _ in filled:
             i, position = position_of[row], (column + 1) * block_size
             slot = self.slots.offer(group_key(key, self.index), position, row,
-                                    shared=self.junction.get(row) == position)
+                                    shared=self.junction.get(row) == position,
+                                    tenant=self.tenant.get(row, 0))
             if slot is not None:
                 tokens.append(int(starts[i] + position - 1 - old[i]))
                 slots.append(slot)
@@ -209,6 +217,8 @@ class StateGroup(LayerGroup):
     def fork(self, allocator: BlockAllocator, parent: SeqId, child: SeqId) -> None:
         """`child`'s row, and a live slot holding a copy of `parent`'s state."""
         row = self.tables.fork(parent, child)
+        if self.slots.shares is not None:
+            self.tenant[row] = self.tenant.get(self.tables.row_of[parent], 0)
         slot = self.slots.take_live(row)
         self.slab.copy(int(self.slots.live_of([self.tables.row_of[parent]])[0]), slot)
 
@@ -220,6 +230,7 @@ class StateGroup(LayerGroup):
         if self.host.pop(seq_id, None) is None:
             self.slots.release_live(row)
         self.junction.pop(row, None)
+        self.tenant.pop(row, None)
         self.lost.discard(row)
         self.tables.remove(seq_id)
 
