@@ -1,7 +1,10 @@
-"""The tiers behind a model with recurrent layers: its state checkpoints are stored beside
-its blocks (block-sized chunks under their own keys, verified and fingerprinted as blocks
-are), and a fresh engine over the same disk directory (a restart) serves a repeated
-prompt's prefix from the disk, blocks and state together, with transformers' tokens.
+"""The engine's parts beside a model with recurrent layers.
+
+The tiers: its state checkpoints are stored beside its blocks (block-sized chunks under
+their own keys, verified and fingerprinted as blocks are), and a fresh engine over the
+same disk directory (a restart) serves a repeated prompt's prefix from the disk, blocks
+and state together, with the first engine's tokens; a tenant's checkpoints stay under its
+salt. 8-bit attention pages beside float states give the float pages' tokens.
 """
 
 from __future__ import annotations
@@ -113,3 +116,23 @@ def test_a_tenants_checkpoints_go_to_the_tiers_under_its_salt(checkpoints, engin
     assert again.prefix_hit_tokens == 9 * BLOCK
     assert again.outputs[0].token_ids == out.outputs[0].token_ids == other.outputs[0].token_ids
     restarted.cache.check()
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_8_bit_attention_pages_beside_float_states(family, checkpoints):
+    """int8 pages for the attention layers, the states in their own dtype (float32): the
+    same greedy tokens as float pages, and a prefix hit from a checkpoint."""
+    outputs = {}
+    for dtype in ("auto", "int8"):
+        runner = HFCausalLM.from_pretrained(checkpoints[family])
+        engine = Engine(runner, EngineConfig(
+            cache=runner.cache_config(num_blocks=96, block_size=BLOCK, num_state_slots=64,
+                                      kv_cache_dtype=dtype), max_num_seqs=16))
+        first, again = (generated(engine, "shared") for _ in range(2))
+        assert again.prefix_hit_tokens == 9 * BLOCK
+        assert all(t.dtype == torch.float32
+                   for t in engine.cache.states(engine.cache.config.recurrent_layers[0]))
+        outputs[dtype] = [first.outputs[0].token_ids, again.outputs[0].token_ids]
+        engine.cache.check()
+        engine.close()
+    assert outputs["int8"] == outputs["auto"]
