@@ -180,6 +180,14 @@ class LayerGroup:
         leading group's blocks that filled in the step (see `add_row`)."""
         return self.committer.commit(plan)
 
+    def commit_leading(self, plan: StepPlan) -> tuple[StepBatch, list[Filled] | None]:
+        """Commit a checked plan as the leading group; its batch, and the blocks that filled
+        (as `filled_blocks` finds them) when its commit found them itself (a decode step
+        without copies indexes them in one pass), else None."""
+        filled: list[Filled] = []
+        batch = self.committer.commit(plan, filled)
+        return batch, (filled if plan.new_blocks is None else None)
+
     def needed_per_row(self, step: Step) -> np.ndarray:
         """``[B]`` blocks each row of `step` takes in the group (before any give-back)."""
         return self.planner.plan(step, fast=False).per_sequence()
@@ -296,22 +304,34 @@ class LayerGroup:
 
     def blocks_between(self, rows: np.ndarray, upto: np.ndarray) -> np.ndarray:
         """Block ids of each row's columns from its `released` count up to `upto`."""
-        parts = [self.tables.block_ids[row, self.released[row]: end]
-                 for row, end in zip(rows.tolist(), upto.tolist(), strict=True)]
-        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+        return self.columns_between(rows, upto)[2]
+
+    def columns_between(self, rows: np.ndarray, upto: np.ndarray,
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's columns from its `released` count up to `upto` (none where `upto` is
+        not past it), flattened in row order: ``[N]`` the index into `rows` each belongs
+        to, its column, and the block id there (int64).
+
+        A few array operations for any number of rows: a decode step of a window group
+        gives back a block for about one row in ``block_size``, ~64 rows at 1,024, and a
+        loop over them cost ~4 us a row.
+        """
+        start = self.released_of(rows)
+        counts = np.maximum(np.minimum(upto, self.tables.block_ids.shape[1]) - start, 0)
+        owner = np.repeat(np.arange(rows.size), counts)
+        # each entry's rank within its row: its flat index less its row's first
+        rank = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        columns = start[owner] + rank
+        return owner, columns, self.tables.block_ids[rows[owner], columns].astype(np.int64)
 
     def release(self, allocator: BlockAllocator, rows: np.ndarray, upto: np.ndarray) -> int:
         """Give back each row's blocks before column `upto` (as `releasable` named them):
         the row points at the null block there, and the blocks are freed — indexed ones
         stay cached (a later prefix hit can still use them), the rest go free. Returns
         how many blocks left the rows."""
-        ids = self.blocks_between(rows, upto)
-        for row, end in zip(rows.tolist(), upto.tolist(), strict=True):
-            start = int(self.released[row])
-            columns = np.arange(start, end)
-            self.tables.replace_blocks(np.full(columns.size, row), columns,
-                                       np.zeros(columns.size, dtype=np.int64))
-            self.released[row] = end
+        owner, columns, ids = self.columns_between(rows, upto)
+        self.tables.replace_blocks(rows[owner], columns, np.zeros(ids.size, dtype=np.int64))
+        self.released[rows] = upto
         allocator.free(ids)  # two forked rows may give back one block: one owner each
         return int(ids.size)
 

@@ -70,17 +70,23 @@ class GroupLayout:
                      for group, release in zip(self.groups, releases, strict=True))
         check_capacity(allocator, StepPlan(step, sum(plan.requested for plan in plans), None),
                        what, credit=credit)
-        old_lens = tables.num_tokens[rows].copy()
         mirrored = self.config.enable_prefix_caching and len(self.groups) > 1
-        # a window leader gives back the blocks a filling one chains from: keep their keys
-        # the rows' chains before the step: a block it fills chains from the last key
-        # even where that block was not indexed (recomputed while another row's is)
-        chains = tables.chains(rows.tolist()) if mirrored else None
+        # a decode step's leading commit reports the blocks that filled (one pass, no
+        # per-row read of the chains); any other step finds them after it, from the
+        # lengths and the rows' chains before it: a window leader gives back the blocks a
+        # filling one chains from, and a block it fills chains from the last key even
+        # where that block was not indexed (recomputed while another row's is)
+        found = mirrored and plans[0].new_blocks is not None
+        old_lens = tables.num_tokens[rows].copy() if found else None
+        chains = tables.chains(rows.tolist()) if found else None
         for group, (moving, upto) in zip(self.groups, releases, strict=True):
             if moving.size:
                 self.given_back += group.release(allocator, moving, upto)
-        first = self.leader.commit_step(plans[0], [])
-        filled = filled_blocks(allocator, tables, rows, old_lens, chains) if mirrored else []
+        first, filled = self.leader.commit_leading(plans[0])
+        if not mirrored:
+            filled = []
+        elif found:
+            filled = filled_blocks(allocator, tables, rows, old_lens, chains)
         batches = (first, *(group.commit_step(plan, filled) for group, plan in zip(
             self.groups[1:], plans[1:], strict=True)))
         for group in self.groups[1:]:
@@ -91,9 +97,9 @@ class GroupLayout:
         """``[len(rows)]`` blocks each row's give-back makes obtainable: those every owner
         gives back in this step (forks decoding together give back shared blocks at once),
         each credited to the first row giving it back."""
-        parts = [group.blocks_between(rows[i:i + 1], upto[i:i + 1]) for i in range(rows.size)]
-        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        owner = np.repeat(np.arange(rows.size), [part.size for part in parts])
+        if not rows.size:  # a full or state group, or no window moved on: nothing to count
+            return np.zeros(0, dtype=np.int64)
+        owner, _, ids = group.columns_between(rows, upto)
         unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
         gone = counts == self.allocator.refcount[unique]
         return np.bincount(owner[first[gone]], minlength=rows.size).astype(np.int64)

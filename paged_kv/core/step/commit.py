@@ -100,12 +100,16 @@ class StepCommitter:
                                self._device)
 
     # -- a step ---------------------------------------------------------------------------
-    def commit(self, plan: StepPlan) -> StepBatch:
+    def commit(self, plan: StepPlan, filled: list | None = None) -> StepBatch:
         """Apply a checked plan: allocate, copy on write, extend the rows, index the blocks
-        that filled with known ids; returns the step's batch."""
+        that filled with known ids; returns the step's batch.
+
+        With `filled` (a list) a decode step without copies (``plan.new_blocks is None``)
+        appends the blocks it indexed to it, as `index_filled_blocks` says; other steps
+        leave it alone (`paged_kv.core.groups.groups.filled_blocks` finds theirs)."""
         new_ids = (self._allocator.allocate(plan.requested) if plan.requested else _NONE)
         if plan.new_blocks is None:
-            return self._commit_decode(plan.step, new_ids)
+            return self._commit_decode(plan.step, new_ids, filled)
         copy_rows, copy_columns, sources = plan.copies
         if len(copy_rows):
             copies, new_ids = new_ids[: len(copy_rows)], new_ids[len(copy_rows):]
@@ -117,7 +121,7 @@ class StepCommitter:
             return self._commit_one(plan.step, new_ids)
         return self._commit_rows(plan, new_ids)
 
-    def _commit_decode(self, step: Step, new_ids: np.ndarray) -> StepBatch:
+    def _commit_decode(self, step: Step, new_ids: np.ndarray, out: list | None) -> StepBatch:
         tables, rows = self._tables, step.rows
         known = step.token_ids.size > 0
         slots, num_blocks, seq_lens, max_blocks, max_len, filled, filled_tokens = \
@@ -125,7 +129,7 @@ class StepCommitter:
         if not known:
             tables.set_chains(rows.tolist(), [None] * rows.size)  # never indexed
         elif self._indexing and filled.shape[1]:
-            index_filled_blocks(self._allocator, tables, filled, filled_tokens)
+            index_filled_blocks(self._allocator, tables, filled, filled_tokens, out)
         # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
         return StepBatch.from_host(
             step.seq_ids, tables.block_ids[:, :max_blocks][rows], num_blocks, seq_lens,

@@ -74,10 +74,16 @@ def match_prefix(allocator: BlockAllocator, token_ids: Sequence[int] | np.ndarra
 
 
 def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: np.ndarray,
-                        filled_tokens: np.ndarray) -> None:
+                        filled_tokens: np.ndarray, out: list | None = None) -> None:
     """Index the blocks a decode step filled with its last tokens: ``filled[:, i]`` is a row
     and the block it filled, ``filled_tokens[i]`` that block's token ids (as
-    `PageTables.commit_decode` returns them, so nothing is gathered again)."""
+    `PageTables.commit_decode` returns them, so nothing is gathered again).
+
+    With `out` (a list), each block this indexes (or finds indexed under its key already)
+    is appended to it as ``(row, column, key, parent key, token bytes)``: what the other
+    layer groups index their blocks under (`paged_kv.core.groups.groups.filled_blocks`
+    finds the same, a block at a time).
+    """
     rows, blocks = filled.tolist()
     if not rows:
         return
@@ -86,8 +92,13 @@ def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: n
         keep = [i for i, parent in enumerate(parents) if parent is not None]
         rows, blocks = [rows[i] for i in keep], [blocks[i] for i in keep]
         parents, filled_tokens = [parents[i] for i in keep], filled_tokens[keep]
-    keys = allocator.register_blocks(blocks, parents, encode_tokens(filled_tokens))
+    data = encode_tokens(filled_tokens)
+    keys = allocator.register_blocks(blocks, parents, data)
     tables.set_chains(rows, keys)
+    if out is not None and rows:  # each block filled the row's last column: its length's
+        columns = (tables.num_tokens[rows] // tables.block_size - 1).tolist()
+        out.extend(zip(rows, columns, keys, parents, split_blocks(data, len(rows)),
+                       strict=True))
 
 
 def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,
