@@ -6,6 +6,7 @@ import torch
 
 from ._triton import tl, triton
 from .backend import use_triton
+from .rows import index_copy_rows
 
 _CHUNK_BYTES = 2 << 20
 
@@ -29,7 +30,7 @@ def copy_blocks_reference(
     for start in range(0, src_rows.numel(), chunk):
         part = buffer[: min(chunk, src_rows.numel() - start)]
         torch.index_select(rows, 0, src_rows[start:start + chunk], out=part)
-        rows.index_copy_(0, dst_rows[start:start + chunk], part)
+        index_copy_rows(rows, dst_rows[start:start + chunk], part)
 
 
 if triton is not None:

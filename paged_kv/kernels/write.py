@@ -7,6 +7,7 @@ import torch
 from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
+from .rows import index_copy_rows
 from .write4 import write_kv4_triton
 
 
@@ -32,7 +33,7 @@ def write_kv_reference(
             quant.raw(scales).view(num_slots, *scales.shape[2:]).index_copy_(
                 0, slot_mapping, quant.raw(scale))
         flat = quant.raw(cache).view(num_slots, *cache.shape[2:])
-        flat.index_copy_(0, slot_mapping, quant.raw(new))
+        index_copy_rows(flat, slot_mapping, quant.raw(new))
 
 
 if triton is not None:

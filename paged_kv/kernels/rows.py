@@ -1,0 +1,75 @@
+"""Row copies on the CPU at memory speed: the torch paths' moving parts.
+
+torch's CPU ``index_copy_`` walks its source element by element, so it moves a row of
+half-precision K/V eight times slower than a row of 16-byte elements; `wide` views rows
+as the widest element that divides them (bit for bit the same bytes: nothing is
+converted). ``index_select`` copies whole rows, and whole blocks (``block_size`` tokens)
+run at ``copy_``'s speed where token rows do not: `gather_packed_blocks` copies each
+sequence's full blocks as block rows straight into its span of a packed output, and only
+its last partial block token by token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# widest first; the 16-byte one is moved as two doubles, bit for bit (never computed on)
+_WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
+
+
+def wide(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (``[N, ...]``, each row contiguous) as ``[N, W]`` of the widest element
+    dividing a row's bytes and the view's offset, or as they are when none does."""
+    if rows.numel() == 0 or rows.dim() == 0:
+        return rows
+    flat = rows.reshape(rows.shape[0], -1)
+    if flat.stride(-1) != 1 or (flat.shape[0] > 1 and flat.stride(0) != flat.shape[1]):
+        return rows
+    nbytes, offset = flat.shape[1] * flat.element_size(), flat.storage_offset() * \
+        flat.element_size()
+    for dtype in _WIDE:
+        size = dtype.itemsize
+        if size > flat.element_size() and nbytes % size == 0 and offset % size == 0:
+            return flat.view(torch.uint8).view(dtype)
+    return rows
+
+
+def index_copy_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.index_copy_(0, index, source)`` through `wide` views of both (the same
+    bytes land in the same rows)."""
+    wide_target, wide_source = wide(target), wide(source)
+    if wide_target.dtype == wide_source.dtype and wide_target.dtype != target.dtype:
+        wide_target.index_copy_(0, index, wide_source)
+    else:
+        target.index_copy_(0, index, source)
+
+
+def gather_packed_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: list[int], starts: list[int], out: torch.Tensor) -> None:
+    """Copy each sequence's tokens from the pages into its span of a packed output.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        ``[num_blocks, block_size, H, D]`` pages.
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32 (every length within its row's blocks).
+    seq_lens, starts : list of int
+        ``[B]`` each sequence's length and first row in `out`.
+    out : torch.Tensor
+        ``[total_tokens, H, D]`` contiguous.
+    """
+    block_size = cache.shape[1]
+    blocks, tokens = cache.view(cache.shape[0], -1), cache.view(-1, cache[0, 0].numel())
+    rows = out.view(out.shape[0], -1)
+    for b, (length, start) in enumerate(zip(seq_lens, starts, strict=True)):
+        full = length // block_size
+        table = block_tables[b]
+        if full:
+            span = rows[start:start + full * block_size].view(full, -1)
+            torch.index_select(blocks, 0, table[:full].long(), out=span)
+        tail = length - full * block_size
+        if tail:
+            slots = table[full].long() * block_size + torch.arange(tail, device=cache.device)
+            torch.index_select(tokens, 0, slots, out=rows[start + full * block_size:
+                                                          start + length])
