@@ -296,11 +296,17 @@ class LayerGroup:
     def releasable(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The blocks `rows` may give back before their next tokens (none for a full
         group): ``[R]`` rows, and for each the column to give back up to."""
+        moving, upto = self.releasable_at(rows)
+        return rows[moving], upto
+
+    def releasable_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`releasable` by position: ``[R]`` indices into `rows` of the rows that give
+        blocks back, in order, and for each the column to give back up to."""
         if not self.gives_back or not rows.size:
             return rows[:0], rows[:0]
         upto = self.skipped_blocks(self.tables.num_tokens[rows])
-        moving = upto > self.released_of(rows)
-        return rows[moving], upto[moving]
+        moving = np.flatnonzero(upto > self.released_of(rows))
+        return moving, upto[moving]
 
     def blocks_between(self, rows: np.ndarray, upto: np.ndarray) -> np.ndarray:
         """Block ids of each row's columns from its `released` count up to `upto`."""

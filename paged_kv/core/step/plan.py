@@ -65,6 +65,8 @@ class StepPlan(NamedTuple):
 
     def per_sequence(self) -> np.ndarray:
         """``[B]`` int64 blocks each sequence takes (a copy counted for the one making it)."""
+        if not len(self.copies[0]):  # no copy (the usual step): no membership pass
+            return self.new_blocks.copy()
         return self.new_blocks + np.isin(self.step.rows, self.copies[0])
 
 
