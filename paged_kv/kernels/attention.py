@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quant, quant4
+from . import attention_prefill, quant, quant4
 from ._triton import tl, triton
 from .attention_reference import AttentionKind, check_kind, paged_attention_reference
 from .backend import use_triton
@@ -204,22 +204,34 @@ def paged_attention_triton(
     out = query.new_empty(query.shape) if out is None else out
     if num_tokens == 0:
         return out
-    scales, strides = quant.page_strides(key_cache, key_scales)
     packed = quant4.format_of(key_cache, key_scales)
-    # a program per (token, kv head), so the kv head's query heads share each K/V tile
-    _paged_attention_kernel[(num_tokens, key_cache.shape[2])](
-        query_ptr=query, key_cache_ptr=quant.raw(key_cache),
-        value_cache_ptr=quant.raw(value_cache), key_scales_ptr=quant.raw(scales),
-        value_scales_ptr=quant.raw(scales if value_scales is None else value_scales),
+    args = dict(
+        query_ptr=query, **_page_args(key_cache, value_cache, key_scales, value_scales),
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc, out_ptr=out,
         **_token_strides("query", query), **_token_strides("out", out),
-        **strides, block_tables_stride=block_tables.stride(0),
+        block_tables_stride=block_tables.stride(0),
         scale=head_dim ** -0.5 if scale is None else scale,
         **{**_shape_args(query, key_cache, seq_lens), **({"FORMAT": packed} if packed else {})},
         **_kind_args(kind, query),
     )
+    if num_tokens > seq_lens.shape[0]:  # a prefill chunk: its queries share K/V tiles
+        attention_prefill.launch_tiled(args, query_start_loc, num_tokens, key_cache.shape[2])
+    else:
+        # a query a sequence (decode; or fewer, when rows are empty): a program per (token,
+        # kv head), so the kv head's query heads share each K/V tile
+        _paged_attention_kernel[(num_tokens, key_cache.shape[2])](**args)
     return out
+
+
+def _page_args(key_cache: torch.Tensor, value_cache: torch.Tensor,
+               key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> dict:
+    """The kernels' page and scale pointers (fp8 as bytes) and their strides."""
+    scales, strides = quant.page_strides(key_cache, key_scales)
+    return dict(key_cache_ptr=quant.raw(key_cache), value_cache_ptr=quant.raw(value_cache),
+                key_scales_ptr=quant.raw(scales),
+                value_scales_ptr=quant.raw(scales if value_scales is None else value_scales),
+                **strides)
 
 
 def _shape_args(query: torch.Tensor, key_cache: torch.Tensor, seq_lens: torch.Tensor) -> dict:

@@ -21,12 +21,20 @@ import pytest
 triton = pytest.importorskip("triton")
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 
-from paged_kv.kernels import attention, backend, copy, gather, write  # noqa: E402
+from paged_kv.kernels import (  # noqa: E402
+    attention,
+    attention_prefill,
+    backend,
+    copy,
+    gather,
+    write,
+)
 
 from .conftest import TOLERANCES, cdiv  # noqa: E402
 
 KERNELS = [(write, "_write_kv_kernel"), (gather, "_gather_kv_kernel"),
-           (copy, "_copy_blocks_kernel"), (attention, "_paged_attention_kernel")]
+           (copy, "_copy_blocks_kernel"), (attention, "_paged_attention_kernel"),
+           (attention_prefill, "_prefill_attention_kernel")]
 
 # (block_size, num_kv_heads, head_dim, dtype) for the data-movement kernels
 LAYOUTS = [

@@ -1,0 +1,311 @@
+"""Prefill attention over pages with K/V tiles shared across a tile of queries (FlashAttention-2
+style): a program per (query tile, KV head), its launcher, and the tile list it runs over.
+
+`attention._paged_attention_kernel` runs a program per (query token, KV head), so every one of
+a prompt's ``n`` new tokens reads its sequence's K/V again: ``n`` times the bytes a prefill
+needs. Here a program holds ``BLOCK_M`` consecutive queries of one sequence, each with the
+KV head's ``group_size`` query heads, as the rows of one tile, and walks the keys once::
+
+    rows of a tile (BLOCK_G = next_power_of_2(group_size) heads per query):
+
+      row r:  query first_query + r // BLOCK_G,  head kv_head * group_size + r % BLOCK_G
+            +-------------------- BLOCK_D --------------------+
+      r = 0 | query q0, head 0                                 |
+      r = 1 | query q0, head 1       (GQA: one K/V tile feeds  |
+        ... | ...                     all heads of the group)  |
+            | query q0 + BLOCK_M - 1, head BLOCK_G - 1         |
+            +--------------------------------------------------+
+      keys:   first .. end - 1 in steps of BLOCK_N, each key's block looked up in the table
+
+A query ``j`` of a sequence of ``n`` new tokens and ``seq_len`` cached ones sits at position
+``seq_len - n + j`` (bottom-right causal, as `paged_attention`); a row masks the keys after
+its position and, for a window or chunk, those before its first visible one. The loop runs
+from the first key any row of the tile sees (that of its first query: first visible keys grow
+with the position) to the last one its last query sees, so the blocks wholly before a window
+or chunk are never read, as in the per-token kernel. The softmax is online, in float32, with
+the sinks as a value-less first column and the soft-cap before the mask, as there.
+
+The tile list is built with torch ops from ``query_start_loc`` and sized by a bound that needs
+no read of the device (``cdiv(num_tokens, BLOCK_M) + B`` tiles at most: each sequence wastes
+less than one tile), so a launch neither waits for the device nor changes its grid with the
+batch's split into sequences; the programs past the last tile return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quant, quant4
+from ._triton import tl, triton
+
+__all__ = ["launch_tiled", "query_tiles", "tile_shape"]
+
+# rows (queries x heads of the group) per program: a [64, 128] float32 accumulator and a
+# [64, 64] score tile fit a 4-warp program's registers (vLLM's unified attention uses 64 query
+# rows for prefill too); the gpu_check benchmark times it against SDPA and FlashAttention
+ROWS_PER_TILE = 64
+KEYS_PER_TILE = 64  # a [64, D] K and V tile in flight per step, as the per-token kernel
+# kernel arguments of the per-token kernel that the tiled one has no use for: it reads its
+# sequence from the tile list, and pads the group to a power of two only (the rows are >= 16)
+_PER_TOKEN_ONLY = ("num_seqs", "BLOCK_B", "BLOCK_G", "BLOCK_N")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefill_attention_kernel(
+        query_ptr,            # [num_tokens, num_q_heads, D]
+        key_cache_ptr,        # [num_blocks, block_size, num_kv_heads, D]
+        value_cache_ptr,      # [num_blocks, block_size, num_kv_heads, D], same strides
+        key_scales_ptr,       # [num_blocks, block_size, num_kv_heads], read when FORMAT
+        value_scales_ptr,     # as key_scales, same strides
+        sinks_ptr,            # [num_q_heads] float32, read when HAS_SINKS
+        block_tables_ptr,     # [B, max_blocks] int32
+        seq_lens_ptr,         # [B] int32, including this step's tokens
+        query_start_loc_ptr,  # [B + 1] int32
+        tile_seqs_ptr,        # [max_tiles] int32: the tile's sequence, -1 past the last tile
+        tile_queries_ptr,     # [max_tiles] int32: its first query, counted in its sequence
+        out_ptr,              # [num_tokens, num_q_heads, D]
+        query_stride_token,   # strides, in elements
+        query_stride_head,
+        query_stride_dim,
+        out_stride_token,
+        out_stride_head,
+        out_stride_dim,
+        cache_stride_block,
+        cache_stride_offset,
+        cache_stride_head,
+        cache_stride_dim,
+        scale_stride_block,   # key_scales / value_scales strides
+        scale_stride_offset,
+        scale_stride_head,
+        block_tables_stride,
+        block_size,
+        group_size,           # num_q_heads // num_kv_heads
+        head_dim,
+        scale,                # softmax scale
+        window,               # sliding window W, read when LOCAL (2**30 when off)
+        chunk,                # chunk size C, read when LOCAL (2**30 when off)
+        softcap,              # scores -> softcap * tanh(scores / softcap), read when SOFTCAP
+        BLOCK_M: tl.constexpr,  # queries per tile
+        BLOCK_G: tl.constexpr,  # next_power_of_2(group_size): rows per query
+        BLOCK_N: tl.constexpr,  # keys per step
+        BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16 for tl.dot
+        UPCAST_DOT: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
+        FORMAT: tl.constexpr,   # 0 = float pages; else quant.FORMATS' (or quant4's) code
+        LOCAL: tl.constexpr,    # a window or chunk: rows mask the keys before their first
+        HAS_SINKS: tl.constexpr,  # a per-head sink logit in the softmax denominator
+        SOFTCAP: tl.constexpr,  # soft-cap the scaled scores
+    ):
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(tile_seqs_ptr + tile)
+        if seq < 0:  # past the last tile of the batch (the grid is an upper bound)
+            return
+        first_query = tl.load(tile_queries_ptr + tile)
+        query_start = tl.load(query_start_loc_ptr + seq)
+        num_queries = tl.load(query_start_loc_ptr + seq + 1) - query_start
+        context = tl.load(seq_lens_ptr + seq) - num_queries  # position of query 0
+        # keys first .. end - 1: from what the tile's first query sees to its last query
+        end = context + tl.minimum(first_query + BLOCK_M, num_queries)
+        ROWS: tl.constexpr = BLOCK_M * BLOCK_G
+        rows = tl.arange(0, ROWS)
+        row_query = first_query + rows // BLOCK_G
+        row_head = rows % BLOCK_G
+        is_head = row_head < group_size
+        is_row = (row_query < num_queries) & is_head
+        row_pos = context + row_query  # [ROWS] positions of the rows' queries
+        first = 0
+        if LOCAL:
+            row_first = tl.maximum(row_pos - window + 1, 0)
+            row_first = tl.maximum(row_first, row_pos // chunk * chunk)
+            first_pos = context + first_query
+            first = tl.maximum(first_pos - window + 1, 0)
+            first = tl.maximum(first, first_pos // chunk * chunk)
+
+        dims = tl.arange(0, BLOCK_D)
+        is_dim = dims < head_dim
+        heads = kv_head * group_size + row_head
+        q_offsets = ((query_start + row_query).to(tl.int64)[:, None] * query_stride_token
+                     + heads[:, None] * query_stride_head + dims[None, :] * query_stride_dim)
+        q_mask = is_row[:, None] & is_dim[None, :]
+        q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # [ROWS, BLOCK_D]
+        # tl.dot wants one dtype: the pages', or the query's when the pages are codes
+        if FORMAT == 0:
+            q = q.to(key_cache_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+
+        if HAS_SINKS:
+            # the sink is a key column of logit `sink` and no value: the running max starts
+            # at it with exp(sink - sink) = 1 in the denominator (padding heads read 0)
+            m_i = tl.load(sinks_ptr + heads, mask=is_head, other=0.0).to(tl.float32)
+            l_i = tl.full([ROWS], 1.0, tl.float32)
+        else:
+            m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max
+            l_i = tl.zeros([ROWS], tl.float32)  # running softmax denominator
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        keys = tl.arange(0, BLOCK_N)
+        table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+        for start in range(first, end, BLOCK_N):
+            positions = start + keys
+            is_key = positions < end
+            blocks = tl.load(table_row + positions // block_size, mask=is_key, other=0)
+            page_rows = (blocks.to(tl.int64) * cache_stride_block
+                         + (positions % block_size) * cache_stride_offset
+                         + kv_head * cache_stride_head)
+            kv_mask = is_key[:, None] & is_dim[None, :]
+            scale_rows = (blocks.to(tl.int64) * scale_stride_block
+                          + (positions % block_size) * scale_stride_offset
+                          + kv_head * scale_stride_head)
+            if FORMAT >= 4:  # 4-bit: two codes a byte, a scale per 16 dims
+                k = quant4.load_dequantized(key_cache_ptr, key_scales_ptr, page_rows[:, None],
+                                            scale_rows[:, None], dims[None, :],
+                                            cache_stride_dim, kv_mask, FORMAT)
+                v = quant4.load_dequantized(value_cache_ptr, value_scales_ptr,
+                                            page_rows[:, None], scale_rows[:, None],
+                                            dims[None, :], cache_stride_dim, kv_mask, FORMAT)
+                k = k.to(query_ptr.dtype.element_ty)
+                v = v.to(query_ptr.dtype.element_ty)
+            else:
+                kv_offsets = page_rows[:, None] + dims[None, :] * cache_stride_dim
+                k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [N, D]
+                v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+                if FORMAT != 0:
+                    k_scale = tl.load(key_scales_ptr + scale_rows, mask=is_key, other=0.0)
+                    v_scale = tl.load(value_scales_ptr + scale_rows, mask=is_key, other=0.0)
+                    k = quant.decode(k, FORMAT) * k_scale.to(tl.float32)[:, None]
+                    v = quant.decode(v, FORMAT) * v_scale.to(tl.float32)[:, None]
+                    k = k.to(query_ptr.dtype.element_ty)
+                    v = v.to(query_ptr.dtype.element_ty)
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, BLOCK_N]
+            if SOFTCAP:
+                # tanh from exp (no tl.tanh; libdevice's is not in the interpreter), odd and
+                # saturating: (1 - e) / (1 + e) with e = exp(-2|x|) never overflows
+                capped = scores / softcap
+                e = tl.exp(-2.0 * tl.abs(capped))
+                tanh = (1.0 - e) / (1.0 + e)
+                scores = softcap * tl.where(capped < 0, -tanh, tanh)
+            # per row: causal (bottom-right), and the window / chunk's first visible key
+            visible = is_key[None, :] & (positions[None, :] <= row_pos[:, None])
+            if LOCAL:
+                visible = visible & (positions[None, :] >= row_first[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # a row may see none of this step's keys yet (the tile's later rows of a window
+            # start after its first row's keys): subtract 0 there, so exp(-inf) = 0, not NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # p rounds to the cache dtype, as flash attention does, so the dot runs on tensor cores
+            if FORMAT == 0:
+                p = p.to(value_cache_ptr.dtype.element_ty)
+            else:
+                p = p.to(query_ptr.dtype.element_ty)
+            if UPCAST_DOT:
+                p = p.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+
+        # every real row sees its own key, so l_i > 0 there; padding rows past the sequence's
+        # queries may see none, and divide by 1 rather than make a NaN nobody stores
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_offsets = ((query_start + row_query).to(tl.int64)[:, None] * out_stride_token
+                       + heads[:, None] * out_stride_head + dims[None, :] * out_stride_dim)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def tile_shape(group_size: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_G)``: queries per tile and rows per query for a KV head's group.
+
+    The group is padded to a power of two (``BLOCK_G``) and the tile holds `ROWS_PER_TILE`
+    rows, so ``BLOCK_M = ROWS_PER_TILE // BLOCK_G`` queries (at least one: a group wider than
+    the tile takes one query a tile).
+
+    Examples
+    --------
+    >>> tile_shape(1), tile_shape(3), tile_shape(128)  # 64 rows = 64 x 1 = 16 x 4; 1 x 128
+    ((64, 1), (16, 4), (1, 128))
+    """
+    block_g = 1 << max(0, group_size - 1).bit_length()
+    return max(1, ROWS_PER_TILE // block_g), block_g
+
+
+def query_tiles(query_start_loc: torch.Tensor, num_tokens: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiles of `block_m` consecutive queries of one sequence covering a batch.
+
+    Parameters
+    ----------
+    query_start_loc : torch.Tensor
+        ``[B + 1]`` int32 offsets of each sequence's queries.
+    num_tokens : int
+        ``query_start_loc[-1]``, known on the host (the query's length), so nothing is read
+        back from the device.
+    block_m : int
+        Queries per tile.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(tile_seqs, tile_queries)``, both ``[cdiv(num_tokens, block_m) + B]`` int32 on the
+        offsets' device: each tile's sequence (``-1`` past the last tile) and first query,
+        counted within its sequence. A sequence of ``n`` queries has ``cdiv(n, block_m)``
+        tiles, in order; one with none has none.
+
+    Examples
+    --------
+    >>> seqs, firsts = query_tiles(torch.tensor([0, 5, 5, 6], dtype=torch.int32), 6, 4)
+    >>> seqs.tolist(), firsts.tolist()  # 5 queries: tiles at 0 and 4; then 1 query; spare
+    ([0, 0, 2, -1, -1], [0, 4, 0, 0, 0])
+    """
+    num_seqs = query_start_loc.shape[0] - 1
+    # sum of cdiv(n_i, M) <= sum (n_i / M + 1) = num_tokens / M + B, so this bound needs no
+    # read of the lengths
+    max_tiles = -(-num_tokens // block_m) + num_seqs
+    num_queries = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    tiles_per_seq = torch.div(num_queries + block_m - 1, block_m, rounding_mode="floor")
+    tile_ends = torch.cumsum(tiles_per_seq, 0)  # [B]
+    tiles = torch.arange(max_tiles, device=query_start_loc.device)
+    seqs = torch.searchsorted(tile_ends, tiles, right=True)  # [max_tiles], B past the end
+    is_tile = seqs < num_seqs
+    # a spare tile reads the last sequence's start, then is masked: no out-of-range index
+    first_tile = (tile_ends - tiles_per_seq)[seqs.clamp(max=num_seqs - 1)]
+    firsts = (tiles - first_tile) * block_m
+    return (torch.where(is_tile, seqs, -1).to(torch.int32),
+            torch.where(is_tile, firsts, 0).to(torch.int32))
+
+
+def launch_tiled(kernel_args: dict, query_start_loc: torch.Tensor, num_tokens: int,
+                 num_kv_heads: int) -> None:
+    """Run `_prefill_attention_kernel` over the batch with the per-token kernel's arguments.
+
+    Parameters
+    ----------
+    kernel_args : dict
+        The keyword arguments `attention.paged_attention_triton` gives
+        `attention._paged_attention_kernel` (pointers, strides, sizes, layer kind); the ones
+        only that kernel uses are dropped and the tile list and shapes added.
+    query_start_loc : torch.Tensor
+        ``[B + 1]`` int32 offsets of each sequence's queries.
+    num_tokens : int
+        Rows of the query, ``query_start_loc[-1]``.
+    num_kv_heads : int
+        The grid's second dimension.
+
+    Mutates
+    -------
+    ``kernel_args["out_ptr"]``, every row of which is written.
+    """
+    block_m, block_g = tile_shape(kernel_args["group_size"])
+    tile_seqs, tile_queries = query_tiles(query_start_loc, num_tokens, block_m)
+    args = {name: value for name, value in kernel_args.items() if name not in _PER_TOKEN_ONLY}
+    # a program per (tile of block_m queries, kv head): each K/V tile it loads serves all
+    # block_m x group_size rows, where the per-token kernel loads it once per query
+    _prefill_attention_kernel[(tile_seqs.shape[0], num_kv_heads)](
+        **args, tile_seqs_ptr=tile_seqs, tile_queries_ptr=tile_queries,
+        BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=KEYS_PER_TILE)
