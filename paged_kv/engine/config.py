@@ -217,7 +217,9 @@ def _tiers(config: TierConfig | None, always: bool, context: PartContext) -> Eng
 
 
 def _publisher(config: KVEventsConfig, context: PartContext) -> EnginePart | None:
-    return open_publisher(config, context.cache.config.block_size, context.parts.get("tiers"))
+    states = context.cache.state_group  # declared in every batch: hits end at a checkpoint
+    return open_publisher(config, context.cache.config.block_size, context.parts.get("tiers"),
+                          () if states is None else (states.index,))
 
 
 def _role(config: HandoffConfig, context: PartContext) -> EnginePart | None:

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import zmq
 
@@ -27,7 +28,8 @@ from .schema import MEDIUM_DEVICE, encode_batch, to_wire
 
 logger = logging.getLogger(__name__)
 
-INDEX_KINDS = frozenset({"stored", "evicted", "removed", "cleared"})
+INDEX_KINDS = frozenset({"stored", "evicted", "removed", "cleared", "state_stored",
+                         "state_removed"})
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 REQUESTS_PER_PASS = 32  # replay requests read between two batches: a flood waits its turn
 
@@ -43,6 +45,10 @@ class EventPublisher(EnginePart):
         Tokens per block, in every ``BlockStored``.
     medium : str
         The tier the blocks live in (``"GPU"``: the engine's own pool).
+    state_groups : sequence of int
+        The layer groups of the model's recurrent layers (`PagedKVCache.state_group`; none:
+        attention only): every batch declares them, so that a router counts this replica's
+        prefix hits only up to a state checkpoint (`paged_kv.events.schema`).
 
     Raises
     ------
@@ -53,8 +59,9 @@ class EventPublisher(EnginePart):
     wants_events = True
 
     def __init__(self, config: KVEventsConfig, *, block_size: int,
-                 medium: str = MEDIUM_DEVICE) -> None:
+                 medium: str = MEDIUM_DEVICE, state_groups: Sequence[int] = ()) -> None:
         self.config, self.block_size, self.medium = config, block_size, medium
+        self.state_groups = tuple(state_groups)
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -79,6 +86,9 @@ class EventPublisher(EnginePart):
         self._numbering = threading.Lock()  # the step thread and the tiers' writer publish
         self._sent: collections.deque[tuple[int, bytes]] = \
             collections.deque(maxlen=config.buffer_steps)
+        # batches numbered (sent, queued or dropped): a subscriber that applied this many
+        # is up to date
+        self.num_batches = 0
         self.num_published = self.num_dropped = self.num_replays = 0
         self.replay_limiter = ReplayLimiter(config.replay_rate, config.replay_burst,
                                             config.replay_total_rate)
@@ -90,7 +100,8 @@ class EventPublisher(EnginePart):
         """Where and what it publishes (a router's discovery, ``GET /kv_events``)."""
         return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                 "topic": self.config.topic, "block_size": self.block_size,
-                "medium": self.medium, "token_ids": self.config.token_ids}
+                "medium": self.medium, "token_ids": self.config.token_ids,
+                "state_groups": list(self.state_groups)}
 
     def publish(self, events: list[BlockEvent], medium: str | None = None) -> None:
         """Queue one step's events (those that change the index; none: nothing sent), of
@@ -99,6 +110,7 @@ class EventPublisher(EnginePart):
             return
         with self._numbering:  # numbers in queue order
             seq = next(self._seq)
+            self.num_batches += 1
             try:
                 self._queue.put_nowait((seq, time.time(), events, medium or self.medium))
             except queue.Full:  # the sequence number is spent: subscribers see the gap
@@ -140,7 +152,8 @@ class EventPublisher(EnginePart):
         try:
             payload = encode_batch(stamp, to_wire(events, block_size=self.block_size,
                                                   medium=medium,
-                                                  token_ids=self.config.token_ids))
+                                                  token_ids=self.config.token_ids,
+                                                  state_groups=self.state_groups))
             number = seq.to_bytes(8, "big")
             self._pub.send_multipart((self._topic, number, payload), copy=False)
             self._sent.append((seq, payload))
