@@ -4,20 +4,26 @@ Realistic shapes: 32 sequences of 1-4K tokens, 8 KV heads x 128, block 16, bf16,
 heads. One table: GB/s of write / gather (padded, packed) / copy and each one's speed relative
 to a device-to-device ``dst.copy_(src)`` moving the same bytes (the practical roofline);
 paged attention (decode and a prefill chunk) against SDPA on contiguous K/V and against
-gather + SDPA. Exits non-zero when there is no CUDA device or a kernel disagrees with its
-reference. Takes well under a minute on an H100-class GPU.
+gather + SDPA; the prefill chunk (the tiled kernel, `attention_prefill`) also against the
+per-token kernel it replaced (a program per query token, which reads the K/V once per query)
+and FlashAttention's varlen kernel on contiguous packed K/V where ``flash_attn`` imports
+(its row is skipped otherwise); ``--tile-sweep`` adds the tiled kernel at other tile shapes.
+Exits non-zero when there is no CUDA device or a kernel disagrees with its reference. Takes
+well under a minute on an H100-class GPU.
 
-    python benchmarks/gpu_check.py [--markdown bench-out/gpu_check.md]
+    python benchmarks/gpu_check.py [--markdown bench-out/gpu_check.md] [--tile-sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from paged_kv.bench.workloads.kernels import PagedSetup, copy_baseline  # noqa: E402
+from paged_kv.kernels import attention, attention_prefill  # noqa: E402
 from paged_kv.kernels._triton import triton  # noqa: E402
 from paged_kv.kernels.attention import (  # noqa: E402
     paged_attention_reference,
@@ -45,6 +52,8 @@ DEVICE = "cuda"
 INT32_LIMIT = 2**31  # elements; pool offsets past this need 64-bit arithmetic
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# (rows per tile, keys per step) of the tiled prefill kernel tried by --tile-sweep
+TILE_SHAPES = [(32, 64), (64, 32), (64, 64), (128, 32), (128, 64)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-copies", type=int, default=256, help="block pairs to copy")
     parser.add_argument("--skip-int64", action="store_true",
                         help="skip the check on a pool past 2**31 elements (needs ~9 GiB)")
+    parser.add_argument("--tile-sweep", action="store_true",
+                        help="also time the tiled prefill kernel at each of TILE_SHAPES")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", type=Path, metavar="PATH",
                         help="also write the table, with date, GPU and versions, to PATH")
@@ -233,6 +244,84 @@ def attention_rows(args: argparse.Namespace, batch: PagedSetup, dtype: torch.dty
 
         rows.append(Row(f"paged_attention {name}", ms, kv_bytes / ms / 1e6,
                         "gather_kv (Triton) + SDPA", bench(gather_then_sdpa)))
+        if num_new > 1:
+            rows += prefill_rows(args, batch, inputs, ms, kv_bytes, failures)
+    return rows
+
+
+@contextlib.contextmanager
+def per_token_kernel() -> Iterator[None]:
+    """`paged_attention_triton` with its prefill branch pointed back at the per-token kernel
+    (a program per query token and KV head, as before `attention_prefill`), given the same
+    arguments: the old kernel on the same batch, through the same launcher."""
+    def launch(kernel_args: dict, query_start_loc: torch.Tensor, num_tokens: int,
+               num_kv_heads: int) -> None:
+        attention._paged_attention_kernel[(num_tokens, num_kv_heads)](**kernel_args)
+
+    with mock.patch.object(attention_prefill, "launch_tiled", launch):
+        yield
+
+
+def flash_attn_varlen() -> Callable | None:
+    """FlashAttention's ``flash_attn_varlen_func``, or None (with the reason printed) when
+    ``flash_attn`` does not import here."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except (ImportError, OSError, RuntimeError) as error:  # missing, or built for another torch
+        print(f"  flash_attn varlen: skipped ({type(error).__name__}: {error})")
+        return None
+    return flash_attn_varlen_func
+
+
+def prefill_rows(args: argparse.Namespace, batch: PagedSetup, inputs: tuple, tiled_ms: float,
+                 kv_bytes: int, failures: list[str]) -> list[Row]:
+    """The tiled prefill chunk against the per-token kernel, FlashAttention's varlen kernel
+    on contiguous packed K/V (bottom-right causal, as ours), and at other tile shapes."""
+    query, *caches = inputs[:3]
+    query_start_loc = inputs[5]
+    want = paged_attention_reference(*inputs)
+    tolerance = TOLERANCES[query.dtype]
+    op = f"paged_attention prefill chunk of {args.chunk} (tiled)"
+    with per_token_kernel():
+        old = paged_attention_triton(*inputs)
+        require("paged_attention prefill, per-token kernel",
+                torch.allclose(old, want, atol=tolerance, rtol=tolerance), failures)
+        old_ms = bench(lambda: paged_attention_triton(*inputs, out=old))
+    rows = [Row(op, tiled_ms, kv_bytes / tiled_ms / 1e6,
+                "per-token kernel (K/V read once per query)", old_ms)]
+    flash = flash_attn_varlen() if query.dtype != torch.float32 else None  # 16-bit only
+    if flash is not None:
+        key, value = gather_kv_packed_triton(*caches, batch.block_tables, batch.seq_lens,
+                                             batch.cu_seqlens)  # [total, Hkv, D]
+        max_len = int(batch.seq_lens.max())
+
+        def run() -> torch.Tensor:
+            return flash(query, key, value, query_start_loc, batch.cu_seqlens, args.chunk,
+                         max_len, causal=True)
+
+        agrees = torch.allclose(run(), want, atol=tolerance, rtol=tolerance)
+        print(f"  flash_attn varlen against the reference: {'ok' if agrees else 'differs'}")
+        rows.append(Row(op, tiled_ms, kv_bytes / tiled_ms / 1e6,
+                        "FlashAttention varlen, contiguous packed K/V", bench(run)))
+    if args.tile_sweep:
+        rows += tile_sweep_rows(inputs, want, tiled_ms, kv_bytes, failures)
+    return rows
+
+
+def tile_sweep_rows(inputs: tuple, want: torch.Tensor, tiled_ms: float, kv_bytes: int,
+                    failures: list[str]) -> list[Row]:
+    """The tiled kernel at each of `TILE_SHAPES`, against it at the default shape."""
+    rows, tolerance = [], TOLERANCES[want.dtype]
+    default = (attention_prefill.ROWS_PER_TILE, attention_prefill.KEYS_PER_TILE)
+    for num_rows, num_keys in TILE_SHAPES:
+        with mock.patch.object(attention_prefill, "ROWS_PER_TILE", num_rows), \
+                mock.patch.object(attention_prefill, "KEYS_PER_TILE", num_keys):
+            got = paged_attention_triton(*inputs)
+            require(f"paged_attention prefill, tile {num_rows}x{num_keys}",
+                    torch.allclose(got, want, atol=tolerance, rtol=tolerance), failures)
+            ms = bench(lambda got=got: paged_attention_triton(*inputs, out=got))
+        rows.append(Row(f"tiled prefill, {num_rows} rows x {num_keys} keys", ms,
+                        kv_bytes / ms / 1e6, f"tiled, {default[0]} x {default[1]}", tiled_ms))
     return rows
 
 
