@@ -8,6 +8,8 @@ gather + SDPA; the prefill chunk (the tiled kernel, `attention_prefill`) also ag
 per-token kernel it replaced (a program per query token, which reads the K/V once per query)
 and FlashAttention's varlen kernel on contiguous packed K/V where ``flash_attn`` imports
 (its row is skipped otherwise); ``--tile-sweep`` adds the tiled kernel at other tile shapes.
+Then decode of a few long sequences (``--long-seqs`` of ``--long-len`` tokens), where the keys
+are split across programs (flash-decoding), against the same kernel unsplit and SDPA.
 Exits non-zero when there is no CUDA device or a kernel disagrees with its reference. Takes
 well under a minute on an H100-class GPU.
 
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-copies", type=int, default=256, help="block pairs to copy")
     parser.add_argument("--skip-int64", action="store_true",
                         help="skip the check on a pool past 2**31 elements (needs ~9 GiB)")
+    parser.add_argument("--long-seqs", type=int, default=4,
+                        help="sequences of the split-key (flash-decoding) decode case")
+    parser.add_argument("--long-len", type=int, default=32768,
+                        help="tokens of each sequence of the split-key decode case")
     parser.add_argument("--tile-sweep", action="store_true",
                         help="also time the tiled prefill kernel at each of TILE_SHAPES")
     parser.add_argument("--seed", type=int, default=0)
@@ -255,7 +261,7 @@ def per_token_kernel() -> Iterator[None]:
     (a program per query token and KV head, as before `attention_prefill`), given the same
     arguments: the old kernel on the same batch, through the same launcher."""
     def launch(kernel_args: dict, query_start_loc: torch.Tensor, num_tokens: int,
-               num_kv_heads: int) -> None:
+               num_kv_heads: int, num_splits: int = 1) -> None:
         attention._paged_attention_kernel[(num_tokens, num_kv_heads)](**kernel_args)
 
     with mock.patch.object(attention_prefill, "launch_tiled", launch):
@@ -325,6 +331,39 @@ def tile_sweep_rows(inputs: tuple, want: torch.Tensor, tiled_ms: float, kv_bytes
     return rows
 
 
+def split_decode_rows(args: argparse.Namespace, dtype: torch.dtype,
+                      failures: list[str]) -> list[Row]:
+    """Decode of `--long-seqs` sequences of `--long-len` tokens: too few (sequence, KV head)
+    programs to fill the GPU, so the keys are split (`attention_prefill.decode_splits`);
+    against the same batch unsplit (the per-token kernel) and SDPA on contiguous K/V."""
+    batch = PagedSetup(args.long_seqs, args.long_len, dtype, DEVICE, args.seed,
+                       min_len=args.long_len, block_size=args.block_size,
+                       num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    caches = (batch.key_cache, batch.value_cache)
+    query = torch.randn(args.long_seqs, args.num_q_heads, args.head_dim,
+                        device=DEVICE).to(dtype)
+    query_start_loc = torch.arange(args.long_seqs + 1, dtype=torch.int32, device=DEVICE)
+    inputs = (query, *caches, batch.block_tables, batch.seq_lens, query_start_loc)
+    num_splits = attention_prefill.decode_splits(
+        args.long_seqs, args.long_seqs, args.num_kv_heads,
+        batch.block_tables.shape[1] * args.block_size, query.device)
+    print(f"  split decode: {args.long_seqs} x {args.long_len} tokens, {num_splits} splits")
+    want, tolerance = paged_attention_reference(*inputs), TOLERANCES[dtype]
+    got = paged_attention_triton(*inputs)
+    require("paged_attention split decode",
+            torch.allclose(got, want, atol=tolerance, rtol=tolerance), failures)
+    ms = bench(lambda: paged_attention_triton(*inputs, out=got))
+    with mock.patch.object(attention_prefill, "decode_splits", lambda *_: 1):
+        unsplit_ms = bench(lambda: paged_attention_triton(*inputs, out=got))
+    kv_bytes = 2 * args.long_seqs * args.long_len * row_bytes(args, dtype)
+    padded_k, padded_v = (t.transpose(1, 2).contiguous()  # [B, Hkv, T, D]
+                          for t in gather_kv_triton(*caches, batch.block_tables, batch.seq_lens))
+    sdpa = sdpa_padded(query[:, :, None], padded_k, padded_v, 1)
+    op = f"paged_attention decode, {args.long_seqs} x {args.long_len}, {num_splits} splits"
+    return [Row(op, ms, kv_bytes / ms / 1e6, "unsplit (per-token kernel)", unsplit_ms),
+            Row(op, ms, kv_bytes / ms / 1e6, "SDPA, contiguous K/V", bench(sdpa))]
+
+
 def check_int64_offsets(args: argparse.Namespace, dtype: torch.dtype,
                         failures: list[str]) -> None:
     """Every kernel on a pool whose offsets pass 2**31 elements (int32 indexing would wrap)."""
@@ -383,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.num_kv_heads}x{args.head_dim} KV heads, {args.num_q_heads} query heads, "
           f"block {args.block_size}, {args.dtype}")
     rows = [write_row(args, batch, dtype, failures), *gather_rows(args, batch, dtype, failures),
-            copy_row(args, dtype, failures), *attention_rows(args, batch, dtype, failures)]
+            copy_row(args, dtype, failures), *attention_rows(args, batch, dtype, failures),
+            *split_decode_rows(args, dtype, failures)]
     del batch
     torch.cuda.empty_cache()
     block_numel = args.block_size * args.num_kv_heads * args.head_dim

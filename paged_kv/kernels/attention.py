@@ -204,7 +204,6 @@ def paged_attention_triton(
     out = query.new_empty(query.shape) if out is None else out
     if num_tokens == 0:
         return out
-    packed = quant4.format_of(key_cache, key_scales)
     args = dict(
         query_ptr=query, **_page_args(key_cache, value_cache, key_scales, value_scales),
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
@@ -212,16 +211,29 @@ def paged_attention_triton(
         **_token_strides("query", query), **_token_strides("out", out),
         block_tables_stride=block_tables.stride(0),
         scale=head_dim ** -0.5 if scale is None else scale,
-        **{**_shape_args(query, key_cache, seq_lens), **({"FORMAT": packed} if packed else {})},
+        **_shape_args(query, key_cache, key_scales, seq_lens),
         **_kind_args(kind, query),
     )
-    if num_tokens > seq_lens.shape[0]:  # a prefill chunk: its queries share K/V tiles
-        attention_prefill.launch_tiled(args, query_start_loc, num_tokens, key_cache.shape[2])
+    _launch(args, query, key_cache, block_tables, seq_lens, query_start_loc)
+    return out
+
+
+def _launch(args: dict, query: torch.Tensor, key_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            query_start_loc: torch.Tensor) -> None:
+    """Run the kernel that suits the batch with the per-token kernel's arguments `args`."""
+    num_tokens, num_seqs, num_kv_heads = query.shape[0], seq_lens.shape[0], key_cache.shape[2]
+    # a prefill chunk's queries share K/V tiles; a few long decode rows split their keys
+    num_splits = attention_prefill.decode_splits(
+        num_tokens, num_seqs, num_kv_heads, block_tables.shape[1] * key_cache.shape[1],
+        query.device)
+    if num_tokens > num_seqs or num_splits > 1:
+        attention_prefill.launch_tiled(args, query_start_loc, num_tokens, num_kv_heads,
+                                       num_splits)
     else:
         # a query a sequence (decode; or fewer, when rows are empty): a program per (token,
         # kv head), so the kv head's query heads share each K/V tile
-        _paged_attention_kernel[(num_tokens, key_cache.shape[2])](**args)
-    return out
+        _paged_attention_kernel[(num_tokens, num_kv_heads)](**args)
 
 
 def _page_args(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -234,8 +246,10 @@ def _page_args(key_cache: torch.Tensor, value_cache: torch.Tensor,
                 **strides)
 
 
-def _shape_args(query: torch.Tensor, key_cache: torch.Tensor, seq_lens: torch.Tensor) -> dict:
-    """The kernel's sizes and tile shapes for these tensors."""
+def _shape_args(query: torch.Tensor, key_cache: torch.Tensor, key_scales: torch.Tensor | None,
+                seq_lens: torch.Tensor) -> dict:
+    """The kernel's sizes and tile shapes for these tensors (FORMAT: quant4's code for 4-bit
+    pages, else quant's)."""
     num_q_heads, head_dim = query.shape[1:]
     group_size = num_q_heads // key_cache.shape[2]
     # 64 keys per step spans blocks of any size and keeps a [64, D] tile (16 KiB bf16 at
@@ -245,7 +259,7 @@ def _shape_args(query: torch.Tensor, key_cache: torch.Tensor, seq_lens: torch.Te
                 BLOCK_B=triton.next_power_of_2(seq_lens.shape[0]),
                 BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=64,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST_DOT=not query.is_cuda,
-                FORMAT=quant.format_of(key_cache)[0])
+                FORMAT=quant4.format_of(key_cache, key_scales) or quant.format_of(key_cache)[0])
 
 
 # stands for "off" in the kernel's window / chunk: no position reaches it, so the first

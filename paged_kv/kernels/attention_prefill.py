@@ -33,18 +33,27 @@ batch's split into sequences; the programs past the last tile return at once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import quant, quant4
 from ._triton import tl, triton
 
-__all__ = ["launch_tiled", "query_tiles", "tile_shape"]
+__all__ = ["decode_splits", "launch_tiled", "query_tiles", "tile_shape"]
 
 # rows (queries x heads of the group) per program: a [64, 128] float32 accumulator and a
 # [64, 64] score tile fit a 4-warp program's registers (vLLM's unified attention uses 64 query
 # rows for prefill too); the gpu_check benchmark times it against SDPA and FlashAttention
 ROWS_PER_TILE = 64
 KEYS_PER_TILE = 64  # a [64, D] K and V tile in flight per step, as the per-token kernel
+# flash-decoding: split a decode batch's keys until about this many programs run per
+# multiprocessor (2: one waiting on memory while the other computes), in runs of at least
+# MIN_KEYS_PER_SPLIT keys (4 steps of 64, so a split's fixed cost, a partial written and read
+# back, stays small beside its loads), into at most MAX_SPLITS
+PROGRAMS_PER_MULTIPROCESSOR = 2
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 16
 # kernel arguments of the per-token kernel that the tiled one has no use for: it reads its
 # sequence from the tile list, and pads the group to a power of two only (the rows are >= 16)
 _PER_TOKEN_ONLY = ("num_seqs", "BLOCK_B", "BLOCK_G", "BLOCK_N")
@@ -66,6 +75,9 @@ if triton is not None:
         tile_seqs_ptr,        # [max_tiles] int32: the tile's sequence, -1 past the last tile
         tile_queries_ptr,     # [max_tiles] int32: its first query, counted in its sequence
         out_ptr,              # [num_tokens, num_q_heads, D]
+        partial_out_ptr,      # [NUM_SPLITS, num_tokens, num_q_heads, D] float32, when split
+        partial_max_ptr,      # [NUM_SPLITS, num_tokens, num_q_heads] float32, when split
+        partial_sum_ptr,      # [NUM_SPLITS, num_tokens, num_q_heads] float32, when split
         query_stride_token,   # strides, in elements
         query_stride_head,
         query_stride_dim,
@@ -80,6 +92,7 @@ if triton is not None:
         scale_stride_offset,
         scale_stride_head,
         block_tables_stride,
+        num_tokens,           # rows of the query (and of each split's partials)
         block_size,
         group_size,           # num_q_heads // num_kv_heads
         head_dim,
@@ -96,9 +109,13 @@ if triton is not None:
         LOCAL: tl.constexpr,    # a window or chunk: rows mask the keys before their first
         HAS_SINKS: tl.constexpr,  # a per-head sink logit in the softmax denominator
         SOFTCAP: tl.constexpr,  # soft-cap the scaled scores
+        NUM_SPLITS: tl.constexpr,  # > 1: this program takes one of as many runs of the keys
     ):
-        tile = tl.program_id(0)
+        # the last tiles of a sequence see the most keys: launching them first (and the spare
+        # tiles past the end, which return at once) leaves the short ones to fill the tail
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         seq = tl.load(tile_seqs_ptr + tile)
         if seq < 0:  # past the last tile of the batch (the grid is an upper bound)
             return
@@ -122,6 +139,13 @@ if triton is not None:
             first_pos = context + first_query
             first = tl.maximum(first_pos - window + 1, 0)
             first = tl.maximum(first, first_pos // chunk * chunk)
+        if NUM_SPLITS > 1:
+            # flash-decoding: split `split` takes one run of whole steps of the keys, and
+            # writes its unnormalized sums for `_combine_splits_kernel` (runs past the end
+            # are empty and write max -inf, sum 0)
+            span = tl.cdiv(tl.cdiv(end - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            first = first + split * span
+            end = tl.minimum(end, first + span)
 
         dims = tl.arange(0, BLOCK_D)
         is_dim = dims < head_dim
@@ -141,6 +165,9 @@ if triton is not None:
             # at it with exp(sink - sink) = 1 in the denominator (padding heads read 0)
             m_i = tl.load(sinks_ptr + heads, mask=is_head, other=0.0).to(tl.float32)
             l_i = tl.full([ROWS], 1.0, tl.float32)
+            if NUM_SPLITS > 1:  # counted once, by the first split
+                m_i = tl.where(split == 0, m_i, float("-inf"))
+                l_i = tl.where(split == 0, l_i, 0.0)
         else:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max
             l_i = tl.zeros([ROWS], tl.float32)  # running softmax denominator
@@ -211,12 +238,58 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
 
-        # every real row sees its own key, so l_i > 0 there; padding rows past the sequence's
-        # queries may see none, and divide by 1 rather than make a NaN nobody stores
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_offsets = ((query_start + row_query).to(tl.int64)[:, None] * out_stride_token
-                       + heads[:, None] * out_stride_head + dims[None, :] * out_stride_dim)
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if NUM_SPLITS > 1:
+            # [split, token, head] of contiguous partials: the combine reads them back
+            num_q_heads = tl.num_programs(1) * group_size
+            partial_rows = ((split.to(tl.int64) * num_tokens + query_start + row_query)
+                            * num_q_heads + heads)
+            tl.store(partial_max_ptr + partial_rows, m_i, mask=is_row)
+            tl.store(partial_sum_ptr + partial_rows, l_i, mask=is_row)
+            tl.store(partial_out_ptr + partial_rows[:, None] * head_dim + dims[None, :], acc,
+                     mask=q_mask)
+        else:
+            # every real row sees its own key, so l_i > 0 there; padding rows past the
+            # sequence's queries may see none, and divide by 1 rather than make a NaN
+            # nobody stores
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_offsets = ((query_start + row_query).to(tl.int64)[:, None] * out_stride_token
+                           + heads[:, None] * out_stride_head + dims[None, :] * out_stride_dim)
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        partial_out_ptr,   # [NUM_SPLITS, num_tokens, num_q_heads, D] float32, unnormalized
+        partial_max_ptr,   # [NUM_SPLITS, num_tokens, num_q_heads] float32 running maxima
+        partial_sum_ptr,   # [NUM_SPLITS, num_tokens, num_q_heads] float32 softmax sums
+        out_ptr,           # [num_tokens, num_q_heads, D]
+        out_stride_token,  # strides, in elements
+        out_stride_head,
+        out_stride_dim,
+        num_rows,          # num_tokens * num_q_heads: one split's partials
+        head_dim,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,  # next_power_of_2(NUM_SPLITS)
+        BLOCK_D: tl.constexpr,  # next_power_of_2(D)
+    ):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        row = token.to(tl.int64) * tl.num_programs(1) + head
+        splits = tl.arange(0, BLOCK_S)
+        is_split = splits < NUM_SPLITS
+        dims = tl.arange(0, BLOCK_D)
+        is_dim = dims < head_dim
+        m = tl.load(partial_max_ptr + splits * num_rows + row, mask=is_split,
+                    other=float("-inf"))
+        l_s = tl.load(partial_sum_ptr + splits * num_rows + row, mask=is_split, other=0.0)
+        # the first split holds the row's first visible keys (or its sink), so the max is
+        # finite; empty splits (-inf) weigh exp(-inf) = 0
+        weights = tl.exp(m - tl.max(m, axis=0))  # [BLOCK_S]
+        acc = tl.load(partial_out_ptr + (splits[:, None] * num_rows + row) * head_dim
+                      + dims[None, :], mask=is_split[:, None] & is_dim[None, :], other=0.0)
+        out = tl.sum(acc * weights[:, None], axis=0) / tl.sum(l_s * weights, axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * out_stride_token + head * out_stride_head
+                 + dims * out_stride_dim, out.to(out_ptr.dtype.element_ty), mask=is_dim)
+
 
 
 def tile_shape(group_size: int) -> tuple[int, int]:
@@ -280,8 +353,38 @@ def query_tiles(query_start_loc: torch.Tensor, num_tokens: int,
             torch.where(is_tile, firsts, 0).to(torch.int32))
 
 
+def decode_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_keys: int,
+                  device: torch.device) -> int:
+    """How many runs of keys each decode query's attention is split into (flash-decoding).
+
+    A decode batch has a program per (sequence, KV head); a few long sequences then leave
+    most of a GPU idle, each program walking thousands of keys. Splitting the keys into runs
+    that programs take in parallel, then combining their partial softmaxes, fills the GPU:
+    enough splits for about `PROGRAMS_PER_MULTIPROCESSOR` programs per multiprocessor, no run
+    shorter than `MIN_KEYS_PER_SPLIT` of the longest possible sequence (`max_keys`, the block
+    table's width in tokens: known on the host, where the lengths are not), at most
+    `MAX_SPLITS`. 1 (no split) for prefill batches, which have tiles enough, and off CUDA.
+
+    Examples
+    --------
+    >>> decode_splits(4, 4, 8, 8192, torch.device("cpu"))  # the interpreter runs one by one
+    1
+    """
+    if num_tokens > num_seqs or device.type != "cuda":
+        return 1
+    target = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(device.index)
+    splits = min(MAX_SPLITS, target // max(1, num_tokens * num_kv_heads),
+                 max_keys // MIN_KEYS_PER_SPLIT)
+    return max(1, splits)
+
+
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def launch_tiled(kernel_args: dict, query_start_loc: torch.Tensor, num_tokens: int,
-                 num_kv_heads: int) -> None:
+                 num_kv_heads: int, num_splits: int = 1) -> None:
     """Run `_prefill_attention_kernel` over the batch with the per-token kernel's arguments.
 
     Parameters
@@ -296,16 +399,47 @@ def launch_tiled(kernel_args: dict, query_start_loc: torch.Tensor, num_tokens: i
         Rows of the query, ``query_start_loc[-1]``.
     num_kv_heads : int
         The grid's second dimension.
+    num_splits : int, optional
+        Runs of keys each tile's attention is split into (`decode_splits`); above 1 the tiles
+        hold one query each (decode), the splits write float32 partials
+        (``num_splits * num_tokens * num_q_heads * (D + 2)`` elements) and
+        `_combine_splits_kernel` merges them into the output.
 
     Mutates
     -------
     ``kernel_args["out_ptr"]``, every row of which is written.
     """
-    block_m, block_g = tile_shape(kernel_args["group_size"])
+    group_size, out = kernel_args["group_size"], kernel_args["out_ptr"]
+    if num_splits > 1:  # a query a tile, its group's heads padded to the 16 rows tl.dot needs
+        block_m, block_g = 1, max(16, tile_shape(group_size)[1])
+    else:
+        block_m, block_g = tile_shape(group_size)
+    partials = _partials(out, num_splits)
     tile_seqs, tile_queries = query_tiles(query_start_loc, num_tokens, block_m)
     args = {name: value for name, value in kernel_args.items() if name not in _PER_TOKEN_ONLY}
-    # a program per (tile of block_m queries, kv head): each K/V tile it loads serves all
-    # block_m x group_size rows, where the per-token kernel loads it once per query
-    _prefill_attention_kernel[(tile_seqs.shape[0], num_kv_heads)](
-        **args, tile_seqs_ptr=tile_seqs, tile_queries_ptr=tile_queries,
-        BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=KEYS_PER_TILE)
+    # a program per (tile of block_m queries, kv head[, split]): each K/V tile it loads serves
+    # all block_m x group_size rows, where the per-token kernel loads it once per query
+    _prefill_attention_kernel[(tile_seqs.shape[0], num_kv_heads, num_splits)](
+        **args, tile_seqs_ptr=tile_seqs, tile_queries_ptr=tile_queries, num_tokens=num_tokens,
+        **partials, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=KEYS_PER_TILE,
+        NUM_SPLITS=num_splits)
+    if num_splits > 1:
+        # a program per (token, query head): D + 2 floats of each split, a few KiB at most
+        _combine_splits_kernel[(num_tokens, out.shape[1])](
+            **partials, out_ptr=out, out_stride_token=out.stride(0),
+            out_stride_head=out.stride(1), out_stride_dim=out.stride(2),
+            num_rows=num_tokens * out.shape[1], head_dim=out.shape[2], NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=kernel_args["BLOCK_D"])
+
+
+def _partials(out: torch.Tensor, num_splits: int) -> dict[str, torch.Tensor]:
+    """The split kernels' float32 partials of an ``out [num_tokens, num_q_heads, D]``, three
+    views of one allocation: ``[num_splits, num_tokens, num_q_heads, D]`` outputs, then
+    ``[num_splits, num_tokens, num_q_heads]`` maxima and sums, flat (one element each,
+    unread, without splits)."""
+    num_rows = num_splits * out.shape[0] * out.shape[1] if num_splits > 1 else 1
+    head_dim = out.shape[2]
+    flat = out.new_empty(num_rows * (head_dim + 2), dtype=torch.float32)
+    return dict(partial_out_ptr=flat[: num_rows * head_dim],
+                partial_max_ptr=flat[num_rows * head_dim: num_rows * (head_dim + 1)],
+                partial_sum_ptr=flat[num_rows * (head_dim + 1):])

@@ -1,7 +1,8 @@
 """The tiled prefill kernel (`attention_prefill`) against the torch reference, through the
 Triton interpreter on CPU: query tiles that cross block and chunk edges, GQA groups packed into
 a tile's rows, every layer kind, 8-bit and 4-bit pages, ragged batches of decode rows beside
-prefill chunks over cached prefixes.
+prefill chunks over cached prefixes; and the same kernel splitting a decode batch's keys
+(flash-decoding) with the combine of its partial softmaxes.
 
 The tile holds `attention_prefill.ROWS_PER_TILE` rows (64 on a GPU); the tests lower it, and
 the keys per step, so that prompts of a few dozen tokens take several query tiles, the last
@@ -81,6 +82,7 @@ QUANTISED = [
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiled kernel (and quant4's helpers) for the interpreter, with tiles of `TILES`."""
     for module, name in [(attention_prefill, "_prefill_attention_kernel"),
+                         (attention_prefill, "_combine_splits_kernel"),
                          *[(quant4, n) for n in ("load_scale", "decode4", "load_dequantized")]]:
         function = getattr(module, name)
         if not isinstance(function, interpreter.InterpretedFunction):
@@ -90,13 +92,15 @@ def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def tiled_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Tokens of each launch of the tiled kernel, to check that a batch took it."""
+def tiled_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``(num_tokens, num_splits)`` of each launch of the tiled kernel, to check that a batch
+    took it (and split its keys or not)."""
     launches, real = [], attention_prefill.launch_tiled
 
-    def spy(args: dict, query_start_loc: torch.Tensor, num_tokens: int, *rest) -> None:
-        launches.append(num_tokens)
-        real(args, query_start_loc, num_tokens, *rest)
+    def spy(args: dict, query_start_loc: torch.Tensor, num_tokens: int, num_kv_heads: int,
+            num_splits: int = 1) -> None:
+        launches.append((num_tokens, num_splits))
+        real(args, query_start_loc, num_tokens, num_kv_heads, num_splits)
 
     monkeypatch.setattr(attention_prefill, "launch_tiled", spy)
     return launches
@@ -120,7 +124,7 @@ def case_name(seq_lens: list[int], query_lens: list[int], kind: dict) -> str:
 def test_tiled_prefill_matches_reference(block_size: int, num_q_heads: int, num_kv_heads: int,
                                          head_dim: int, dtype: torch.dtype, seq_lens: list[int],
                                          query_lens: list[int], kind: dict,
-                                         tiled_launches: list[int]) -> None:
+                                         tiled_launches: list[tuple[int, int]]) -> None:
     torch.manual_seed(21)
     inputs, _ = paged_inputs(block_size, num_q_heads, num_kv_heads, head_dim, dtype,
                              seq_lens, query_lens)
@@ -128,7 +132,7 @@ def test_tiled_prefill_matches_reference(block_size: int, num_q_heads: int, num_
     expected = attention.paged_attention_reference(*inputs, scale=0.3, **kind)
     out = torch.full_like(inputs[0], float("nan"))  # every row must be written
     actual = attention.paged_attention_triton(*inputs, scale=0.3, out=out, **kind)
-    assert tiled_launches == [sum(query_lens)], "the batch did not take the tiled kernel"
+    assert tiled_launches == [(sum(query_lens), 1)], "the batch did not take the tiled kernel"
     assert actual is out and actual.dtype == dtype
     torch.testing.assert_close(actual, expected, **tolerances(dtype),
                                msg=lambda m: f"{case_name(seq_lens, query_lens, kind)}: {m}")
@@ -150,7 +154,7 @@ def test_cases_cross_tiles_blocks_and_chunks() -> None:
 
 @pytest.mark.parametrize(("page_format", "dtype", "kind"), QUANTISED)
 def test_tiled_prefill_on_quantised_pages(page_format: str, dtype: torch.dtype, kind: dict,
-                                          tiled_launches: list[int]) -> None:
+                                          tiled_launches: list[tuple[int, int]]) -> None:
     torch.manual_seed(3)
     block_size, seq_lens, query_lens = 5, [17, 12, 26], [1, 12, 19]
     # outlier 1: scores of ~100 make the softmax one-hot, and then one bfloat16 rounding of
@@ -163,12 +167,12 @@ def test_tiled_prefill_on_quantised_pages(page_format: str, dtype: torch.dtype, 
     kind = {**make_kind(kind, 4), "key_scales": scales[0], "value_scales": scales[1]}
     expected = attention.paged_attention_reference(*args, **kind)
     actual = attention.paged_attention_triton(*args, **kind)
-    assert tiled_launches == [sum(query_lens)]
+    assert tiled_launches == [(sum(query_lens), 1)]
     torch.testing.assert_close(actual, expected, **tolerances(dtype, roundings=2))
 
 
 @pytest.mark.parametrize("code", [quant4.INT4, quant4.NVFP4], ids=["int4", "nvfp4"])
-def test_tiled_prefill_on_4bit_pages(code: int, tiled_launches: list[int]) -> None:
+def test_tiled_prefill_on_4bit_pages(code: int, tiled_launches: list[tuple[int, int]]) -> None:
     torch.manual_seed(8)
     block_size, seq_lens, query_lens, dtype = 4, [22, 9], [13, 1], torch.float16
     inputs, _ = paged_inputs(block_size, 4, 2, 32, dtype, seq_lens, query_lens)
@@ -181,11 +185,11 @@ def test_tiled_prefill_on_4bit_pages(code: int, tiled_launches: list[int]) -> No
     kind = {"key_scales": key_scales, "value_scales": value_scales}
     expected = attention.paged_attention_reference(*args, **kind)
     actual = attention.paged_attention_triton(*args, **kind)
-    assert tiled_launches == [sum(query_lens)]
+    assert tiled_launches == [(sum(query_lens), 1)]
     torch.testing.assert_close(actual, expected, **tolerances(dtype, roundings=2))
 
 
-def test_decode_batches_keep_the_per_token_kernel(tiled_launches: list[int]) -> None:
+def test_decode_batches_keep_the_per_token_kernel(tiled_launches: list[tuple[int, int]]) -> None:
     torch.manual_seed(5)
     inputs, _ = paged_inputs(4, 4, 2, 16, torch.float32, [9, 17, 1], [1, 1, 1])
     expected = attention.paged_attention_reference(*inputs)
@@ -206,3 +210,72 @@ def test_query_tiles_cover_each_sequence_in_order(query_lens: list[int], block_m
     assert list(zip(seqs[:num_tiles].tolist(), firsts[:num_tiles].tolist(),
                     strict=True)) == expected
     assert (seqs[num_tiles:] == -1).all(), f"spare tiles: {seqs.tolist()}"
+
+
+# (block_size, num_q_heads, num_kv_heads, dtype, seq_lens, num_splits, kind) of decode
+# batches split into runs of keys: a sequence of 1 key leaves every split but the first empty
+SPLIT_CASES = [
+    pytest.param(4, 2, 2, torch.float32, [1, 9, 40, 70], 3, {}, id="mha-3-splits-fp32"),
+    pytest.param(16, 8, 2, torch.bfloat16, [70, 33], 5, {}, id="gqa4-5-splits-bf16"),
+    pytest.param(5, 4, 2, torch.float16, [41, 2, 66], 2, {"window": 13},
+                 id="window13-2-splits-fp16"),
+    pytest.param(4, 4, 2, torch.float32, [50, 23], 4, {"chunk": 16}, id="chunk16-4-splits-fp32"),
+    pytest.param(4, 4, 2, torch.float32, [1, 9, 40, 70], 3, {"sinks": torch.float32},
+                 id="sinks-3-splits-fp32"),
+    pytest.param(5, 4, 1, torch.bfloat16, [60, 17, 1], 4,
+                 {"window": 20, "sinks": torch.float32, "softcap": 3.0},
+                 id="window-sinks-softcap-4-splits-bf16"),
+]
+
+
+@pytest.mark.parametrize(("block_size", "num_q_heads", "num_kv_heads", "dtype", "seq_lens",
+                          "num_splits", "kind"), SPLIT_CASES)
+def test_split_decode_matches_reference(block_size: int, num_q_heads: int, num_kv_heads: int,
+                                        dtype: torch.dtype, seq_lens: list[int],
+                                        num_splits: int, kind: dict,
+                                        tiled_launches: list[tuple[int, int]],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(13)
+    monkeypatch.setattr(attention_prefill, "decode_splits", lambda *_: num_splits)
+    query_lens = [1] * len(seq_lens)
+    inputs, _ = paged_inputs(block_size, num_q_heads, num_kv_heads, 16, dtype, seq_lens,
+                             query_lens)
+    kind = make_kind(kind, num_q_heads)
+    expected = attention.paged_attention_reference(*inputs, **kind)
+    out = torch.full_like(inputs[0], float("nan"))
+    actual = attention.paged_attention_triton(*inputs, out=out, **kind)
+    assert tiled_launches == [(len(seq_lens), num_splits)], "the keys were not split"
+    torch.testing.assert_close(actual, expected, **tolerances(dtype),
+                               msg=lambda m: f"{case_name(seq_lens, query_lens, kind)}: {m}")
+
+
+def test_split_decode_on_int8_pages(tiled_launches: list[tuple[int, int]],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(4)
+    monkeypatch.setattr(attention_prefill, "decode_splits", lambda *_: 3)
+    seq_lens, dtype = [33, 1, 20], torch.float16
+    _, pages, scales, _, block_tables = written_pages(
+        "int8", seq_lens, 4, 2, 16, dtype, write.write_kv_reference, outlier=1.0)
+    args = (torch.randn(3, 4, 16).to(dtype), *pages, block_tables,
+            torch.tensor(seq_lens, dtype=torch.int32), offsets([1, 1, 1]))
+    kind = {"key_scales": scales[0], "value_scales": scales[1]}
+    expected = attention.paged_attention_reference(*args, **kind)
+    actual = attention.paged_attention_triton(*args, **kind)
+    assert tiled_launches == [(3, 3)]
+    torch.testing.assert_close(actual, expected, **tolerances(dtype, roundings=2))
+
+
+@pytest.mark.parametrize(("num_tokens", "num_seqs", "max_keys", "expected"), [
+    (4, 4, 8192, 8),     # 4 x 8 programs: 8 splits make 256 of the 264 wanted (132 SMs)
+    (1, 1, 65536, 16),   # one long sequence: capped at MAX_SPLITS
+    (4, 4, 600, 2),      # short tables: runs of at least 256 keys
+    (40, 40, 8192, 1),   # 320 programs fill the GPU already
+    (9, 4, 8192, 1),     # a prefill batch has its query tiles
+])
+def test_decode_splits_fill_the_multiprocessors(num_tokens: int, num_seqs: int, max_keys: int,
+                                                expected: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_prefill, "_multiprocessors", lambda index: 132)
+    splits = attention_prefill.decode_splits(num_tokens, num_seqs, 8, max_keys,
+                                             torch.device("cuda", 0))
+    assert splits == expected
