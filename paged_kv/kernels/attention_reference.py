@@ -247,13 +247,13 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             kind, block_tables, seq_lens, num_queries, key_cache.shape[1])
     k, v = _gather(key_cache, value_cache, block_tables, gathered_lens, workspace, scales,
                    query.dtype)  # (B, T, Hkv, D)
-    if kind is None or not (kind.is_local or kind.needs_explicit_softmax):
-        if seq_lens.shape[0] == 1 and int(seq_lens[0]) == num_queries:
-            # a whole prompt at once: plain causal attention, no mask to build or read
-            return F.scaled_dot_product_attention(
-                query.float(), k[:, :num_queries].float().transpose(1, 2),
-                v[:, :num_queries].float().transpose(1, 2), is_causal=True, scale=scale,
-                enable_gqa=True).to(query.dtype)
+    plain = kind is None or not (kind.is_local or kind.needs_explicit_softmax)
+    if plain and seq_lens.shape[0] == 1 and int(seq_lens[0]) == num_queries:
+        # a whole prompt at once: plain causal attention, no mask to build or read
+        return F.scaled_dot_product_attention(
+            query.float(), k[:, :num_queries].float().transpose(1, 2),
+            v[:, :num_queries].float().transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=True).to(query.dtype)
     key_pos = torch.arange(k.shape[1], device=query.device)
     if kind is not None and kind.is_local:
         key_pos = first_key[:, None] + key_pos  # (B, T) absolute positions
