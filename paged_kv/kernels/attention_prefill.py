@@ -29,6 +29,13 @@ The tile list is built with torch ops from ``query_start_loc`` and sized by a bo
 no read of the device (``cdiv(num_tokens, BLOCK_M) + B`` tiles at most: each sequence wastes
 less than one tile), so a launch neither waits for the device nor changes its grid with the
 batch's split into sequences; the programs past the last tile return at once.
+
+The same kernel does flash-decoding: a decode batch of a few long sequences has too few
+(sequence, KV head) programs to fill a GPU, so `decode_splits` gives the grid a third axis of
+key runs, a tile holds one query, each run writes its unnormalized float32 ``acc`` with its
+running max and denominator, and `_combine_splits_kernel` merges the runs::
+
+    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s
 """
 
 from __future__ import annotations
