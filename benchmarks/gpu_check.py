@@ -54,8 +54,8 @@ DEVICE = "cuda"
 INT32_LIMIT = 2**31  # elements; pool offsets past this need 64-bit arithmetic
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-# (rows per tile, keys per step) of the tiled prefill kernel tried by --tile-sweep
-TILE_SHAPES = [(32, 64), (64, 32), (64, 64), (128, 32), (128, 64)]
+# (rows per tile, keys per step, warps) of the tiled prefill kernel tried by --tile-sweep
+TILE_SHAPES = [(32, 64, 4), (64, 32, 4), (64, 64, 8), (128, 32, 4), (128, 32, 8), (128, 64, 8)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,16 +318,19 @@ def tile_sweep_rows(inputs: tuple, want: torch.Tensor, tiled_ms: float, kv_bytes
                     failures: list[str]) -> list[Row]:
     """The tiled kernel at each of `TILE_SHAPES`, against it at the default shape."""
     rows, tolerance = [], TOLERANCES[want.dtype]
-    default = (attention_prefill.ROWS_PER_TILE, attention_prefill.KEYS_PER_TILE)
-    for num_rows, num_keys in TILE_SHAPES:
+    default = (attention_prefill.ROWS_PER_TILE, attention_prefill.KEYS_PER_TILE,
+               attention_prefill.NUM_WARPS)
+    for num_rows, num_keys, num_warps in TILE_SHAPES:
+        name = f"{num_rows} rows x {num_keys} keys, {num_warps} warps"
         with mock.patch.object(attention_prefill, "ROWS_PER_TILE", num_rows), \
-                mock.patch.object(attention_prefill, "KEYS_PER_TILE", num_keys):
+                mock.patch.object(attention_prefill, "KEYS_PER_TILE", num_keys), \
+                mock.patch.object(attention_prefill, "NUM_WARPS", num_warps):
             got = paged_attention_triton(*inputs)
-            require(f"paged_attention prefill, tile {num_rows}x{num_keys}",
+            require(f"paged_attention prefill, tile {name}",
                     torch.allclose(got, want, atol=tolerance, rtol=tolerance), failures)
             ms = bench(lambda got=got: paged_attention_triton(*inputs, out=got))
-        rows.append(Row(f"tiled prefill, {num_rows} rows x {num_keys} keys", ms,
-                        kv_bytes / ms / 1e6, f"tiled, {default[0]} x {default[1]}", tiled_ms))
+        rows.append(Row(f"tiled prefill, {name}", ms, kv_bytes / ms / 1e6,
+                        "tiled, {} rows x {} keys, {} warps".format(*default), tiled_ms))
     return rows
 
 

@@ -54,6 +54,7 @@ __all__ = ["decode_splits", "launch_tiled", "query_tiles", "tile_shape"]
 # rows for prefill too); the gpu_check benchmark times it against SDPA and FlashAttention
 ROWS_PER_TILE = 64
 KEYS_PER_TILE = 64  # a [64, D] K and V tile in flight per step, as the per-token kernel
+NUM_WARPS = 4  # Triton's default; 64 x 128 float32 accumulators are 64 registers a thread
 # flash-decoding: split a decode batch's keys until about this many programs run per
 # multiprocessor (2: one waiting on memory while the other computes), in runs of at least
 # MIN_KEYS_PER_SPLIT keys (4 steps of 64, so a split's fixed cost, a partial written and read
@@ -429,7 +430,7 @@ def launch_tiled(kernel_args: dict, query_start_loc: torch.Tensor, num_tokens: i
     _prefill_attention_kernel[(tile_seqs.shape[0], num_kv_heads, num_splits)](
         **args, tile_seqs_ptr=tile_seqs, tile_queries_ptr=tile_queries, num_tokens=num_tokens,
         **partials, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=KEYS_PER_TILE,
-        NUM_SPLITS=num_splits)
+        NUM_SPLITS=num_splits, num_warps=NUM_WARPS)
     if num_splits > 1:
         # a program per (token, query head): D + 2 floats of each split, a few KiB at most
         _combine_splits_kernel[(num_tokens, out.shape[1])](
