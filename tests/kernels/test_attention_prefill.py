@@ -142,14 +142,40 @@ def test_cases_cross_tiles_blocks_and_chunks() -> None:
     """The case list does what the module says: prompts over several query tiles with a
     partial last one, every group size in 1, 2, 3 (padded), 4, and each layer kind."""
     cases = [param.values for param in CASES]
-    groups = {q // kv for _, q, kv, *_ in cases}
-    assert groups == {1, 2, 3, 4}
-    assert any(n % (TILES[0] // (1 << (q // kv - 1).bit_length())) and
-               n > TILES[0] // (1 << (q // kv - 1).bit_length())
-               for _, q, kv, _, _, _, query_lens, _ in cases for n in query_lens)
+    assert {q // kv for _, q, kv, *_ in cases} == {1, 2, 3, 4}
+    partial_tiles = [n for _, q, kv, _, _, _, query_lens, _ in cases for n in query_lens
+                     if n > (block_m := attention_prefill.tile_shape(q // kv)[0])
+                     and n % block_m]
+    assert len(partial_tiles) >= 5, f"prompts over several tiles, the last partial: {partial_tiles}"
     assert {4, 16} <= {case[0] for case in cases}
     assert {"window", "chunk", "sinks", "softcap"} <= {k for case in cases for k in case[7]}
     assert {torch.float32, torch.float16, torch.bfloat16} == {case[4] for case in cases}
+
+
+@pytest.mark.parametrize("kind", [{"window": 7}, {"chunk": 12, "sinks": torch.float32}],
+                         ids=["window7", "chunk12-sinks"])
+def test_blocks_before_the_first_visible_key_are_never_read(kind: dict) -> None:
+    """NaN pages in every block wholly before a sequence's first visible key change nothing:
+    a tile's key loop starts at its first query's first visible key (a masked read would
+    still spread the NaN through ``p @ V``)."""
+    torch.manual_seed(9)
+    block_size, seq_lens, query_lens = 4, [45, 38], [30, 20]
+    inputs, _ = paged_inputs(block_size, 4, 2, 16, torch.float32, seq_lens, query_lens)
+    kind = make_kind(kind, 4)
+    expected = attention.paged_attention_triton(*inputs, **kind)
+    query, key_cache, value_cache, block_tables, *rest = inputs
+    poisoned = (key_cache.clone(), value_cache.clone())
+    num_poisoned = 0
+    for row, (seq_len, num_queries) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        position = seq_len - num_queries
+        first = max(position - kind.get("window", position + 1) + 1, 0)
+        first = max(first, position // kind.get("chunk", position + 1) * kind.get("chunk", 1))
+        for page in poisoned:
+            page[block_tables[row, : first // block_size].long()] = float("nan")
+        num_poisoned += first // block_size
+    assert num_poisoned >= 4, "the case must have blocks before the first visible key"
+    actual = attention.paged_attention_triton(query, *poisoned, block_tables, *rest, **kind)
+    assert torch.equal(actual, expected), "a block before the first visible key was read"
 
 
 @pytest.mark.parametrize(("page_format", "dtype", "kind"), QUANTISED)
