@@ -46,8 +46,13 @@ class Fetch:
     """One prompt's missing blocks being fetched; the engine's thread polls `done`."""
 
     def __init__(self, keys: list[bytes], token_ids: np.ndarray, deadline: float,
-                 parent: bytes) -> None:
+                 parent: bytes, checkpoints: list[list[bytes]] | None = None,
+                 num_lead: int = 0) -> None:
         self.keys, self.token_ids, self.deadline = keys, token_ids, deadline
+        # a model with recurrent layers: the state checkpoint after each of the first
+        # `num_lead` keys (the leading group's blocks), as chunk keys, deepest first; the
+        # deepest one a tier holds within the fetched blocks joins the run
+        self.checkpoints, self.num_lead = checkpoints or [], num_lead
         self.parent = parent  # the key the first block chains from (its BlockStored parent)
         self.started = time.monotonic()
         self.done = False  # set last, by the fetcher
@@ -144,11 +149,15 @@ class TierFetcher:
                 self.fetches += 1
                 fetch.done = True
 
-    def _fetch(self, fetch: Fetch) -> None:
+    def _names(self, fetch: Fetch, stores: list[Store]) -> list[list[str]]:
+        """Each store's names of the fetch's keys (a store that names tenants: prefixed)."""
         plain = [codec.store_key(self._namespace, key) for key in fetch.keys]
         prefixed = [fetch.prefix + name for name in plain] if fetch.prefix else plain
+        return [prefixed if store.tenant_keys else plain for store in stores]
+
+    def _fetch(self, fetch: Fetch) -> None:
         stores = self.stores if fetch.peer is None else [fetch.peer]
-        names = [prefixed if store.tenant_keys else plain for store in stores]
+        names = self._names(fetch, stores)
         held = []
         # one lookup per tier for the whole run
         for store, store_names in zip(stores, names, strict=True):
@@ -160,7 +169,7 @@ class TierFetcher:
             held.append(found)
         fetch.found = held
         sources = []
-        for i in range(len(plain)):  # each block from the first tier that holds it
+        for i in range(len(fetch.keys)):  # each block from the first tier that holds it
             tier = next((t for t, found in enumerate(held) if found[i]), None)
             if tier is None:
                 break
@@ -168,6 +177,8 @@ class TierFetcher:
         if not sources or (fetch.peer is None and not self._worth_it(sources)):
             self.skipped_fetches += bool(sources)
             return
+        if fetch.checkpoints and self._add_checkpoint(fetch, stores, sources):
+            names = self._names(fetch, stores)
         rows: list[torch.Tensor] = []
         for start in range(0, len(sources), FETCH_BATCH):
             if fetch.cancelled or fetch.expired:  # the tier asked last was the slow one
@@ -182,6 +193,36 @@ class TierFetcher:
         if rows:
             fetch.payload = torch.stack(rows)
             fetch.sources = [stores[t].name for t in sources[:len(rows)]]
+
+    def _add_checkpoint(self, fetch: Fetch, stores: list[Store], sources: list[int]) -> bool:
+        """Append to the run the chunks of the deepest state checkpoint a tier holds after
+        one of the run's fetched leading blocks (looked up by its first chunk, one call per
+        tier), read from that tier; none: the blocks come alone (served from a checkpoint
+        the device holds, or recomputed)."""
+        usable = min(len(sources), fetch.num_lead)
+        # candidates deepest first: the one after leading block i is at num_lead - 1 - i
+        wanted = [(fetch.num_lead - 1 - j, chunks) for j, chunks in enumerate(fetch.checkpoints)
+                  if fetch.num_lead - 1 - j < usable]
+        if not wanted:
+            return False
+        firsts = [codec.store_key(self._namespace, chunks[0]) for _, chunks in wanted]
+        for tier, store in enumerate(stores):
+            names = [fetch.prefix + n for n in firsts] if store.tenant_keys and fetch.prefix \
+                else firsts
+            found = store.contains(names)
+            hit = next((k for k, held in enumerate(found) if held), None)
+            if hit is None:
+                continue
+            chunks = wanted[hit][1]
+            del fetch.keys[len(sources):]  # the run ends where its blocks did
+            for held in fetch.found:
+                del held[len(sources):]
+            fetch.keys += chunks
+            sources += [tier] * len(chunks)
+            for t, held in enumerate(fetch.found):
+                held += [t == tier] * len(chunks)
+            return True
+        return False
 
     def _get_batch(self, fetch: Fetch, names: list[list[str]], sources: list[int],
                    start: int, stores: list[Store]) -> list[torch.Tensor]:

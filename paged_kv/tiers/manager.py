@@ -197,12 +197,27 @@ class TierManager(EnginePart):
         if deadline_s is None:
             estimate = self.recompute_seconds(len(token_ids))
             deadline_s = 1.0 if estimate is None else max(0.02, 0.75 * estimate)
-        fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s, parent)
+        keys, checkpoints, num_lead = self._checkpoint_candidates(keys)
+        fetch = Fetch(keys, token_ids, time.monotonic() + deadline_s, parent, checkpoints,
+                      num_lead)
         if self.shares is not None:
             tenant = self._roots.get(parent, self._key_tenant.get(parent, 0))
             fetch.prefix = tenant_prefix(self._names[tenant])
         self._fetcher.submit(fetch)
         return fetch
+
+    def _checkpoint_candidates(self, keys: list[bytes],
+                               ) -> tuple[list[bytes], list[list[bytes]], int]:
+        """A run that ends with a state checkpoint's chunks (`HybridAdmission.missing`): the
+        run without them, the checkpoint after each of its leading blocks (chunk keys,
+        deepest first: a tier may hold an earlier one, a previous turn's last), and the
+        number of leading blocks; else the run as it is."""
+        states = self.cache.state_group
+        if states is None or not keys or not states.owns_value(keys[-1]):
+            return keys, [], 0
+        run = [key for key in keys if not states.owns_value(key)]
+        lead = [key for key in run if len(key) == codec.CHAIN_BYTES]
+        return run, [states.tier_keys(key) for key in reversed(lead)], len(lead)
 
     def start_peer_fetch(self, keys: list[bytes], token_ids: np.ndarray, parent: bytes,
                          peer: Store, deadline: float) -> Fetch:
@@ -218,9 +233,9 @@ class TierManager(EnginePart):
         returns how many, counted as hits of the tiers they came from."""
         loaded = 0
         if fetch.payload is not None and len(fetch.sources):
-            n = self._within(fetch.keys[:len(fetch.sources)], max(0, spare_blocks))
+            n, blocks = self._within(fetch.keys[:len(fetch.sources)], max(0, spare_blocks))
             size = self.cache.config.block_size
-            loaded = self.cache.load_cached(fetch.keys[:n], fetch.token_ids[:n * size],
+            loaded = self.cache.load_cached(fetch.keys[:n], fetch.token_ids[:blocks * size],
                                             fetch.payload[:n], fetch.parent)
             for key, source in zip(fetch.keys[:loaded], fetch.sources[:loaded], strict=True):
                 if len(key) == codec.CHAIN_BYTES:  # another layer group's block: same tokens
@@ -237,16 +252,17 @@ class TierManager(EnginePart):
         self._observed(fetch, loaded)
         return loaded
 
-    def _within(self, keys: list[bytes], spare_blocks: int) -> int:
-        """How many of `keys` to load with `spare_blocks` blocks: up to the first block
-        past them (a state checkpoint's chunks take no block)."""
-        states = self.cache.state_group
+    def _within(self, keys: list[bytes], spare_blocks: int) -> tuple[int, int]:
+        """How many of `keys` to load with `spare_blocks` blocks (up to the first block
+        past them: a state checkpoint's chunks take no block), and how many of those are
+        blocks (the tokens loaded are theirs)."""
+        states, blocks = self.cache.state_group, 0
         for i, key in enumerate(keys):
             if states is None or not states.owns_value(key):
-                if spare_blocks == 0:
-                    return i
-                spare_blocks -= 1
-        return len(keys)
+                if blocks == spare_blocks:
+                    return i, blocks
+                blocks += 1
+        return len(keys), blocks
 
     def _observed(self, fetch: Fetch, loaded: int) -> None:
         """What a fetch saw of the tiers: its loaded blocks are held where the lookups

@@ -92,6 +92,32 @@ def test_a_restart_serves_a_hybrid_prefix_from_disk(family, checkpoints, engines
 
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
+def test_a_restart_serves_a_next_turn_from_the_deepest_checkpoint_on_disk(
+        family, checkpoints, engines, tmp_path):
+    """A second turn (the first turn's prompt, its answer and 20 new tokens) after a
+    restart: the disk holds the first turn's blocks and checkpoints up to block 9, none at
+    the second turn's own last full block, so the fetch takes the deepest checkpoint the
+    disk holds within the blocks it found and the turn hits 9 blocks, with the tokens an
+    engine that never restarted gives."""
+    first = engines(checkpoints[family], tmp_path)
+    turn = prompts()["shared"]
+    out = generated_prompt(first, turn)
+    second = turn + out.outputs[0].token_ids + prompts()["len37"][:20]
+    first.close()
+
+    restarted = engines(checkpoints[family], tmp_path)
+    again = generated_prompt(restarted, second)
+    assert again.prefix_hit_tokens == 9 * BLOCK, restarted.stats().tiers
+    fresh = engines(checkpoints[family], tmp_path / "fresh")
+    assert again.outputs[0].token_ids == generated_prompt(fresh, second).outputs[0].token_ids
+    restarted.cache.check()
+
+
+def generated_prompt(engine: Engine, tokens: list[int]):
+    return engine.generate([tokens], greedy())[0]
+
+
 def served(engine: Engine, tokens: list[int], salt: str | None = None, limit: int = 2000):
     """`tokens`' output, greedy, under the tenant `salt`, stepping the engine by hand."""
     request_id = engine.add_request(tokens, greedy(), salt=salt)
