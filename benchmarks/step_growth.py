@@ -24,9 +24,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps a repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-gc", action="store_true",
-                        help="freeze the setup's objects out of the cyclic GC before timing "
-                             "(an engine's long-lived state; the collector's passes over "
-                             "it are a cost of their own)")
+                        help="disable the cyclic GC for the whole run: its passes over the "
+                             "running sequences' objects are a cost of their own, and "
+                             "land on whichever step allocates when they fall due")
     args = parser.parse_args()
     sizes = tuple(int(n) for n in args.seqs.split(","))
     if args.no_gc:

@@ -180,11 +180,13 @@ class LayerGroup:
         leading group's blocks that filled in the step (see `add_row`)."""
         return self.committer.commit(plan)
 
-    def commit_leading(self, plan: StepPlan) -> tuple[StepBatch, list[Filled] | None]:
-        """Commit a checked plan as the leading group; its batch, and the blocks that filled
-        (as `filled_blocks` finds them) when its commit found them itself (a decode step
-        without copies indexes them in one pass), else None."""
-        filled: list[Filled] = []
+    def commit_leading(self, plan: StepPlan, report: bool = True,
+                       ) -> tuple[StepBatch, list[Filled] | None]:
+        """Commit a checked plan as the leading group; its batch, and (with `report`: other
+        groups mirror its blocks) the blocks that filled, as `filled_blocks` finds them,
+        when its commit found them itself (a decode step without copies indexes them in
+        one pass), else None."""
+        filled: list[Filled] | None = [] if report else None
         batch = self.committer.commit(plan, filled)
         return batch, (filled if plan.new_blocks is None else None)
 

@@ -82,7 +82,7 @@ class GroupLayout:
         for group, (moving, upto) in zip(self.groups, releases, strict=True):
             if moving.size:
                 self.given_back += group.release(allocator, moving, upto)
-        first, filled = self.leader.commit_leading(plans[0])
+        first, filled = self.leader.commit_leading(plans[0], mirrored)
         if not mirrored:
             filled = []
         elif found:
