@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import zmq
 
-from ..keys import BlockEvent
+from ..core.groups.state_values import CHUNK_BYTES
+from ..keys import KEY_BYTES, BlockEvent
 from ..parts import EnginePart
 from .config import KVEventsConfig
 from .replay import ReplayLimiter
@@ -122,13 +123,36 @@ class EventPublisher(EnginePart):
 
     def publish_tier(self, medium: str, stored: list[bytes], removed: list[bytes]) -> None:
         """A tier's change (`TierManager.watch`): blocks written to it, blocks it dropped.
-        Their parents and tokens are not known there: each is its own chain."""
+        Their parents and tokens are not known there: each is its own chain. A state
+        checkpoint's chunks (`paged_kv.core.groups.state_values`) are published as the
+        checkpoint of its state group, by its first chunk (the one a fetch looks up);
+        the other chunks not at all."""
+        stored, stored_states = self._split_chunks(stored)
+        removed, removed_states = self._split_chunks(removed)
         events = []
         if stored:
             events.append(BlockEvent("stored", (), tuple(stored), (b"",) * len(stored)))
         if removed:
             events.append(BlockEvent("removed", (), tuple(removed)))
+        if stored_states:
+            events.append(BlockEvent("state_stored", (), tuple(stored_states),
+                                     tuple(key[:KEY_BYTES] for key in stored_states)))
+        if removed_states:
+            events.append(BlockEvent("state_removed", (), tuple(removed_states)))
         self.publish(events, medium)
+
+    def _split_chunks(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """`keys` as blocks, and the checkpoints whose first chunk is among them."""
+        if not self.state_groups:
+            return keys, []
+        blocks, checkpoints = [], []
+        for key in keys:
+            if len(key) == KEY_BYTES + 1 + CHUNK_BYTES and key[KEY_BYTES] in self.state_groups:
+                if not int.from_bytes(key[KEY_BYTES + 1:], "little"):
+                    checkpoints.append(key[:KEY_BYTES + 1])
+            else:
+                blocks.append(key)
+        return blocks, checkpoints
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets."""

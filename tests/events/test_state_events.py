@@ -254,3 +254,30 @@ def test_an_evicted_checkpoint_is_no_longer_claimed(served):
     assert set(keys) <= index.blocks_of("r")  # the blocks are all there
     assert index.match(keys, ["r"]) == {"r": 0.0}
     assert generate(shared) == 0
+
+
+def test_a_tiers_checkpoint_chunks_are_published_as_the_checkpoint(monkeypatch):
+    """A tier's write of a checkpoint's chunks (`TierManager.watch`) is the checkpoint of
+    its state group in that medium, by its first chunk; the other chunks are not blocks
+    to a router; a removed first chunk removes it."""
+    publisher = EventPublisher(KVEventsConfig(ANY, ANY), block_size=BLOCK, state_groups=(STATE,))
+    sent: list[tuple[list[BlockEvent], str]] = []
+    monkeypatch.setattr(publisher, "publish", lambda events, medium=None: sent.append(
+        (events, medium)))
+    try:
+        chunks = [checkpoint(3) + j.to_bytes(2, "little") for j in range(3)]
+        publisher.publish_tier("DISK", [KEYS[0], *chunks], [])
+        publisher.publish_tier("DISK", [], chunks[1:])
+        publisher.publish_tier("DISK", [], chunks[:1])
+    finally:
+        publisher.close()
+    (first, medium), (second, _), (third, _) = sent
+    assert medium == "DISK"
+    assert [(e.kind, e.keys) for e in first] == [("stored", (KEYS[0],)),
+                                                 ("state_stored", (checkpoint(3),))]
+    assert first[1].parents == (KEYS[3],)
+    assert second == []
+    assert [(e.kind, e.keys) for e in third] == [("state_removed", (checkpoint(3),))]
+    wire = to_wire(first, block_size=BLOCK, medium="DISK", state_groups=(STATE,))
+    assert ["BlockStored", [checkpoint(3)], None, [], BLOCK, None, "DISK", None, None, STATE,
+            "mamba"] in wire
