@@ -470,10 +470,11 @@ class PagedKvGroupsAdapter(PagedKvArraysAdapter):
     and offers a state checkpoint at every filled block; the pool is twice the trace's (sized
     for full attention alone: a window row holds its whole prompt until its first decode
     step gives the window's leftovers back) plus a window per request, and state slots for 64 per
-    running request: an admission offers a checkpoint at each block its prompt fills, and
-    they stay pending (unevictable) until the request's next step, so the first burst of
-    admissions (~33 blocks a prompt) must fit beside the live states; past that the
-    checkpoints evict one another."""
+    running request: an admission offers a checkpoint at each block its prompt fills (~33 a
+    prompt), pending until the request's next step confirms them, and the first burst of
+    256+ admissions comes before any step (with 2 slots a request, as the adapter was
+    written, an admission in that burst found no live slot: 2026-12-06's state.py); past
+    that the checkpoints evict one another."""
 
     name = "paged_kv_groups"
 
