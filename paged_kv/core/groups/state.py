@@ -101,6 +101,8 @@ class StateSlots:
         self.policy = CheckpointPolicy() if policy is None else policy
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, ...
         self._live: dict[int, int] = {}                  # row -> its live slot
+        # the same by row as an array (-1: none), so a step reads every row's at once
+        self._live_by_row = np.full(64, -1, dtype=np.int64)
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
@@ -117,6 +119,8 @@ class StateSlots:
     # -- queries --------------------------------------------------------------------------
     def live_of(self, rows: Sequence[int]) -> np.ndarray:
         """``[len(rows)]`` int64 live slot of each row."""
+        if isinstance(rows, np.ndarray):
+            return self._live_by_row[rows]
         return np.fromiter(map(self._live.__getitem__, rows), dtype=np.int64, count=len(rows))
 
     @property
@@ -166,12 +170,18 @@ class StateSlots:
             ensure(slot is not None, "no state slot to take (obtainable() was not checked)")
             self._evict(slot)
         self._live[row] = slot
+        if row >= len(self._live_by_row):
+            grown = np.full(max(2 * len(self._live_by_row), row + 1), -1, dtype=np.int64)
+            grown[:len(self._live_by_row)] = self._live_by_row
+            self._live_by_row = grown
+        self._live_by_row[row] = slot
         return slot
 
     def release_live(self, row: int) -> None:
         """`row` is gone (or swapped out): its live slot is free; its newest checkpoint
         keeps the `LATEST` tier (a finished request's next turn starts there)."""
         self._free.append(self._live.pop(row))
+        self._live_by_row[row] = -1
         self._latest_of.pop(self._latest.pop(row, -1), None)
 
     def served(self, slot: int) -> None:
@@ -214,8 +224,16 @@ class StateSlots:
     def confirm(self, rows: Sequence[int]) -> None:
         """The checkpoints these rows' last commit took were written (their forward ran):
         servable and evictable from now on."""
+        pending = self._pending
+        if not pending:
+            return
+        if len(pending) < len(rows):  # a decode step: few rows took any
+            stepped = np.zeros(max(pending) + 1, dtype=bool)
+            rows = np.asarray(rows, dtype=np.int64)
+            stepped[rows[rows < stepped.size]] = True
+            rows = [row for row in pending if stepped[row]]
         for row in rows:
-            for key in self._pending.pop(row, ()):
+            for key in pending.pop(row, ()):
                 self._servable(self._slot_of[key])
 
     def _servable(self, slot: int) -> None:
@@ -308,6 +326,8 @@ class StateSlots:
         """Live slots are exactly `rows`' (the resident rows), one each; the checkpoint
         index and its slots agree; free, live and checkpoints partition the slots."""
         ensure(sorted(self._live) == sorted(rows), "live state slots are not the rows'")
+        by_row = {row: int(slot) for row, slot in enumerate(self._live_by_row) if slot >= 0}
+        ensure(by_row == self._live, "the live slots by row are out of step")
         live = list(self._live.values())
         ensure(len(set(live)) == len(live), "two rows share a live state slot")
         ensure(all(self._key_of.get(slot, (None,))[0] == key

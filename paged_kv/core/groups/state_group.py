@@ -177,7 +177,7 @@ class StateGroup(LayerGroup):
         rows = step.rows
         old = self.tables.num_tokens[rows].copy()
         self.tables.set_num_tokens(rows, old + step.counts)
-        self.slots.confirm(rows.tolist())
+        self.slots.confirm(rows)
         return self._batch(rows, old, step.counts, filled)
 
     def needed_per_row(self, step: Step) -> np.ndarray:
@@ -190,12 +190,14 @@ class StateGroup(LayerGroup):
                filled: list[Filled]) -> StateBatch:
         """The `StateBatch` of `rows` (their tokens packed in order, ``counts`` each after
         ``old``), offering a checkpoint after each block in `filled`."""
-        block_size, position_of = self.tables.block_size, {r: i for i, r in
-                                                          enumerate(rows.tolist())}
+        block_size = self.tables.block_size
+        # each row's place in the step, looked up only for rows that filled a block
+        position_of = np.zeros(int(rows.max()) + 1 if rows.size else 0, dtype=np.int64)
+        position_of[rows] = np.arange(rows.size)
         starts = np.cumsum(counts) - counts
         tokens, slots = [], []
         for row, column, key, _, _ in filled:
-            i, position = position_of[row], (column + 1) * block_size
+            i, position = int(position_of[row]), (column + 1) * block_size
             slot = self.slots.offer(group_key(key, self.index), position, row,
                                     shared=self.junction.get(row) == position,
                                     tenant=self.tenant.get(row, 0))
@@ -203,7 +205,7 @@ class StateGroup(LayerGroup):
                 tokens.append(int(starts[i] + position - 1 - old[i]))
                 slots.append(slot)
         device = self.slab.device
-        return StateBatch(torch.from_numpy(self.slots.live_of(rows.tolist())).to(device),
+        return StateBatch(torch.from_numpy(self.slots.live_of(rows)).to(device),
                           torch.tensor(tokens, dtype=torch.int64, device=device),
                           torch.tensor(slots, dtype=torch.int64, device=device))
 
