@@ -22,7 +22,6 @@ it cost O(blocks moved), paid for by at least as many blocks of split work.
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -97,6 +96,12 @@ class TenantEviction:
         # whether a tenant's defaults retain blocks (its budget is whole while riding)
         self._keeps = [ledger.retains(t, None, None) for t in range(len(self.names))]
         self._reserved = sum(self._reserve)
+        # what `held` is then, by salted root (None: every reservation; a root not named:
+        # all but the unnamed's), one lookup per call
+        self._held: dict[bytes | None, int] = {
+            None: self._reserved, **{root: self._reserved - self._reserve[tenant]
+                                     for root, tenant in self._ids.items()}}
+        self._held_unnamed = self._reserved - self._reserve[0]
 
     # -- what readers see -------------------------------------------------------------------
     @property
@@ -144,8 +149,7 @@ class TenantEviction:
             if self._floor < 0:
                 self._renew()
             if self._floor >= 0:  # every reserving tenant holds its reservation whole
-                return self._reserved - (0 if root is None else
-                                         self._reserve[self._ids.get(root, 0)])
+                return self._held.get(root, self._held_unnamed)
         return self.ledger.protected - self.reserved_for(root)
 
     # -- the allocator's calls -----------------------------------------------------------
@@ -164,33 +168,25 @@ class TenantEviction:
         fell back to the unnamed for a parent found nowhere (`TenantTags.misses`): then,
         as without it, each block's tag is read."""
         if root is not None and not self._tags.misses:  # every tag is its chain's root's
-            tenants = (self._ids.get(root, 0),) * len(block_ids)
+            tenant, tenants = self._ids.get(root, 0), None
         else:
             tenants = self._tags.of(block_ids)
-        tenant, ledger = tenants[0], self.ledger
+            tenant = tenants[0]
+            if tenants.count(tenant) == len(tenants):
+                tenants = None  # one tenant's, as a sequence's blocks are
         if self._riding:
-            if tenants.count(tenant) == len(tenants) and not (
+            if tenants is None and not (
                     self._keeps[tenant] if priority is None and seconds is None
-                    else ledger.retains(tenant, priority, seconds)):
+                    else self.ledger.retains(tenant, priority, seconds)):
                 self.cached.update(dict.fromkeys(block_ids))
-                ledger.add(tenant, len(tenants))
-                if ledger.room(tenant) >= 0:  # (counts not yet settled only over-count)
+                # room left after them? (counts not yet settled only over-count)
+                if self.ledger.gain(tenant, len(block_ids)) >= 0:
                     return []
-                self._settle()
-                if ledger.room(tenant) >= 0:
-                    return []
-                over = self._oldest_of(tenant, -ledger.room(tenant))
-                if over is not None:
-                    self._floor -= len(over)
-                    ledger.add(tenant, -len(over))
-                    return self._evicted(over, forget, "own_quota")
-                self._split()
-                over = ledger.over_quota(tenant)
-                self._drop(over)
-                return self._evicted(over, forget, "own_quota")
+                return self._ride_quota(tenant, forget)
             self._split()
         self.cached.update(dict.fromkeys(block_ids))
-        over = ledger.cached(block_ids, tenants, priority, seconds)
+        over = self.ledger.cached(block_ids, (tenant,) * len(block_ids) if tenants is None
+                                  else tenants, priority, seconds)
         self._drop(over)
         self._worked(len(block_ids))
         return self._evicted(over, forget, "own_quota")
@@ -270,6 +266,24 @@ class TenantEviction:
             self._blame(keys, tenants, asking)
         return evicted
 
+    def _ride_quota(self, tenant: int, forget: Forget) -> list[int]:
+        """Riding, `tenant` may have passed its quota by the blocks that just joined the
+        order: settle the counts and, past it, evict its oldest blocks (``own_quota``) from
+        near the front of the order, else from its list once split; returns them."""
+        ledger = self.ledger
+        self._settle()
+        if ledger.room(tenant) >= 0:
+            return []
+        over = self._oldest_of(tenant, -ledger.room(tenant))
+        if over is not None:
+            self._floor -= len(over)
+            ledger.add(tenant, -len(over))
+            return self._evicted(over, forget, "own_quota")
+        self._split()
+        over = ledger.over_quota(tenant)
+        self._drop(over)
+        return self._evicted(over, forget, "own_quota")
+
     def _spares(self, tenants: Sequence[int], asking: int | None) -> bool:
         """Whether every tenant but `asking` keeps its reservation after losing the blocks
         of `tenants`; renews the lower bound of what they hold above it."""
@@ -312,12 +326,12 @@ class TenantEviction:
         """Take `tenant`'s `count` oldest blocks out of the one order when they are near
         its front (the oldest blocks of the pool are a few tenants' as a rule); else
         None, nothing done."""
-        head = list(itertools.islice(self.cached, 64 + 8 * count * len(self.names)))
-        mine = [b for b, t in zip(head, self._tags.of(head), strict=True) if t == tenant]
+        mine = self._tags.first_of(tenant, self.cached, count,
+                                   64 + 8 * count * len(self.names))
         if len(mine) < count:
             return None
-        self._drop(mine[:count])
-        return mine[:count]
+        self._drop(mine)
+        return mine
 
     def _evicted(self, block_ids: list[int], forget: Forget, pressure: str) -> list[int]:
         """`block_ids` (out of the policy) out of the index, remembered as evicted under
@@ -350,9 +364,10 @@ class TenantEviction:
         if asking is None:
             self.ghost.evicted(keys, "device", "global")
             return
-        own, other = ("device", "own", None), ("device", "tenant", self.names[asking])
-        self.ghost.evicted_each(dict(zip(keys, [own if tenant == asking else other
-                                                for tenant in tenants], strict=True)))
+        entries = [("device", "tenant", self.names[asking])] * len(self.names)
+        entries[asking] = ("device", "own", None)  # by tenant: each key's entry in C
+        self.ghost.evicted_each(dict(zip(keys, map(entries.__getitem__, tenants),
+                                         strict=True)))
 
     def _blame_runs(self, runs: list[tuple[int, list[int]]], keys: list[bytes],
                     asking: int | None) -> None:

@@ -163,6 +163,12 @@ class TenantLedger:
                                 - (count if count < reserve else reserve))
         self._count[tenant] = after
 
+    def gain(self, tenant: int, count: int) -> int:
+        """`add` `count` blocks to `tenant` and return its `room` after: a riding release's
+        one call (its count and its quota check together)."""
+        self.add(tenant, count)
+        return self._quota[tenant] - self._count[tenant]
+
     def cached(self, block_ids: list[int], tenants: Sequence[int], priority: int | None = None,
                seconds: float | None = None) -> list[int]:
         """`block_ids` (tail first, of `tenants`) just became cached; retain their head

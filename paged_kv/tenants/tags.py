@@ -12,8 +12,9 @@ when a parent is neither a root nor indexed, which is rare, so tagging appends i
 
 from __future__ import annotations
 
+import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..keys import root_hash
 from .ghost import KeyMemory, default_capacity
@@ -41,11 +42,12 @@ class TenantTags:
         self.names = names
         self.ids = {root_hash(name): i for i, name in enumerate(names) if name}  # root -> tenant
         # per block, its tenant: set when it is indexed (stale elsewhere), read a run of
-        # blocks at a time by one C call; a byte each while the tenants fit one (the pool's
-        # tenants in a few cache lines, not a pointer each)
-        self._tenant: bytearray | list[int] = (bytearray(num_blocks) if len(names) <= 256
-                                               else [0] * num_blocks)
-        self._key_tenants = LazyKeyMemory(default_capacity(num_blocks))
+        # blocks at a time by one C call. A list, not a byte each: tagging stores one
+        # tenant per block in a Python loop, and a list's store (the interpreter's
+        # specialised list-int store) takes half the instructions of a bytearray's, which
+        # converts each value to a byte; reads by `itemgetter` cost the same either way
+        self._tenant: list[int] = [0] * num_blocks
+        self._key_tenants = LazyKeyMemory(default_capacity(num_blocks), narrow=len(names) <= 256)
         # parents found nowhere (not a root, not indexed, forgotten): their blocks were
         # tagged unnamed though their chain's root may name a tenant; while none was, every
         # tag is the tenant of the root its chain starts from
@@ -60,6 +62,16 @@ class TenantTags:
         if len(block_ids) > 1:  # one C call: twice as fast as a map
             return operator.itemgetter(*block_ids)(self._tenant)
         return tuple(map(self._tenant.__getitem__, block_ids))
+
+    def first_of(self, tenant: int, order: Iterable[int], count: int, limit: int) -> list[int]:
+        """The first `count` blocks of `order` (indexed blocks; an iterable read twice, in
+        step) that are `tenant`'s, looking at its first `limit` only (fewer when those hold
+        fewer). Lazily and in C (compress over the tags): it reads the order only as far as
+        the `count`-th, not `limit` blocks and a tuple of their tags."""
+        is_tenant = map(tenant.__eq__, map(self._tenant.__getitem__,
+                                            itertools.islice(order, limit)))
+        return list(itertools.islice(itertools.compress(itertools.islice(order, limit),
+                                                        is_tenant), count))
 
     def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
@@ -108,9 +120,18 @@ class TenantTags:
 
 class LazyKeyMemory:
     """`KeyMemory` of keys to tenants that takes a batch in O(1): batches wait in two flat
-    lists (at most `capacity` keys: the oldest half goes when they pass it; no object per
+    arrays (at most `capacity` keys: the oldest half goes when they pass it; no object per
     batch, so nothing for the garbage collector to trace) and go into the map when it is
     asked, oldest first, so it remembers what a `KeyMemory` given every batch would.
+
+    Parameters
+    ----------
+    capacity : int
+        Keys remembered at most (0: none).
+    narrow : bool
+        Every tenant fits a byte (256 tenants at most): the waiting tenants are a
+        bytearray, which takes a batch of one tenant as one C-level fill and drops its
+        oldest half by moving its start, not a list of ints (a reference each).
 
     Examples
     --------
@@ -121,18 +142,23 @@ class LazyKeyMemory:
     (1, 2, 0)
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, narrow: bool = True) -> None:
         self.capacity = capacity
         self._memory = KeyMemory(capacity)
         self._keys: list[bytes] = []
-        self._tenants: list[int] = []
+        self._narrow = narrow
+        self._tenants: bytearray | list[int] = bytearray() if narrow else []
 
     def remember(self, keys: list[bytes], tenants: int | Sequence[int]) -> None:
         """Remember `keys` as of `tenants` (one for all, or one each)."""
         if not self.capacity:
             return
         self._keys += keys
-        self._tenants += [tenants] * len(keys) if isinstance(tenants, int) else tenants
+        if isinstance(tenants, int):
+            self._tenants += (_FILLS[tenants] * len(keys) if self._narrow
+                              else [tenants] * len(keys))
+        else:
+            self._tenants.extend(tenants)
         if len(self._keys) > self.capacity:  # the memory would have dropped these
             del self._keys[:len(self._keys) - self.capacity // 2]
             del self._tenants[:len(self._tenants) - self.capacity // 2]
@@ -141,5 +167,8 @@ class LazyKeyMemory:
         """The tenant remembered for `key`, else `default`."""
         if self._keys:
             self._memory.update(dict(zip(self._keys, self._tenants, strict=True)))
-            self._keys, self._tenants = [], []
+            self._keys, self._tenants = [], bytearray() if self._narrow else []
         return self._memory.get(key, default)
+
+
+_FILLS = [bytes((tenant,)) for tenant in range(256)]  # a batch of one tenant: fill * n
