@@ -46,6 +46,7 @@ from ..pool import KVPool
 from ..step.parse import Step
 from ..step.plan import Admission, StepPlan
 from . import state_values
+from .checkpoints import DENSE
 from .groups import Filled, LayerGroup
 from .rules import group_key
 from .state import OutOfStateSlotsError, StateBatch, StateSlab, StateSlots
@@ -396,13 +397,17 @@ class StateGroup(LayerGroup):
     def stored_values(self, events: list[BlockEvent]) -> tuple[list[bytes], torch.Tensor]:
         """The checkpoints `events` stored that the slab still holds, as a lower tier
         keeps them: chunk keys and ``[len(keys), block_nbytes]`` uint8 values (a slot
-        evicted and taken again since is skipped: its bytes are another's now)."""
+        evicted and taken again since is skipped: its bytes are another's now). Only
+        those the policy ranks above `DENSE` now — a row's newest, the sparse interval, a
+        junction: a state is the K/V of hundreds of tokens, and copying one out at every
+        block boundary a long prompt passes would cost the tiers that much per 16 tokens."""
         keys, values = [], []
         for event in events:
             if event.kind != "state_stored":
                 continue
             for slot, key in zip(event.block_ids, event.keys, strict=True):
-                if self.slots.written_key(slot) != key:
+                if self.slots.written_key(slot) != key \
+                        or self.slots.policy.tier_of(slot) == DENSE:
                     continue
                 rows = state_values.encode(self.slots.position_of(slot),
                                            self.slab.read_bytes(slot), self.block_nbytes)
