@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_prefill, quant, quant4
+from . import attention_prefill, attention_tile, quant, quant4
 from ._triton import tl, triton
 from .attention_reference import AttentionKind, check_kind, paged_attention_reference
 from .backend import use_triton
@@ -105,43 +105,14 @@ if triton is not None:
             positions = start + keys
             is_key = positions < num_keys
             blocks = tl.load(table_row + positions // block_size, mask=is_key, other=0)
-            rows = (blocks.to(tl.int64) * cache_stride_block
-                    + (positions % block_size) * cache_stride_offset + kv_head * cache_stride_head)
-            kv_mask = is_key[:, None] & is_dim[None, :]
-            scale_rows = (blocks.to(tl.int64) * scale_stride_block
-                          + (positions % block_size) * scale_stride_offset
-                          + kv_head * scale_stride_head)
-            if FORMAT >= 4:  # 4-bit: two codes a byte, a scale per 16 dims
-                k = quant4.load_dequantized(key_cache_ptr, key_scales_ptr, rows[:, None],
-                                            scale_rows[:, None], dims[None, :],
-                                            cache_stride_dim, kv_mask, FORMAT)
-                v = quant4.load_dequantized(value_cache_ptr, value_scales_ptr, rows[:, None],
-                                            scale_rows[:, None], dims[None, :],
-                                            cache_stride_dim, kv_mask, FORMAT)
-                k = k.to(query_ptr.dtype.element_ty)
-                v = v.to(query_ptr.dtype.element_ty)
-            else:
-                kv_offsets = rows[:, None] + dims[None, :] * cache_stride_dim
-                k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [N, D]
-                v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-                if FORMAT != 0:
-                    k_scale = tl.load(key_scales_ptr + scale_rows, mask=is_key, other=0.0)
-                    v_scale = tl.load(value_scales_ptr + scale_rows, mask=is_key, other=0.0)
-                    k = quant.decode(k, FORMAT) * k_scale.to(tl.float32)[:, None]
-                    v = quant.decode(v, FORMAT) * v_scale.to(tl.float32)[:, None]
-                    k = k.to(query_ptr.dtype.element_ty)
-                    v = v.to(query_ptr.dtype.element_ty)
-            if UPCAST_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = attention_tile.load_kv_tile(
+                key_cache_ptr, value_cache_ptr, key_scales_ptr, value_scales_ptr, query_ptr,
+                blocks, positions, is_key, dims, is_dim, kv_head, block_size,
+                cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+                scale_stride_block, scale_stride_offset, scale_stride_head, FORMAT, UPCAST_DOT)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
             if SOFTCAP:
-                # tanh from exp (no tl.tanh; libdevice's is not in the interpreter), odd and
-                # saturating: (1 - e) / (1 + e) with e = exp(-2|x|) never overflows
-                capped = scores / softcap
-                e = tl.exp(-2.0 * tl.abs(capped))
-                tanh = (1.0 - e) / (1.0 + e)
-                scores = softcap * tl.where(capped < 0, -tanh, tanh)
+                scores = attention_tile.soft_cap(scores, softcap)
             scores = tl.where(is_key[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)

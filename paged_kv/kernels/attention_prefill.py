@@ -44,7 +44,7 @@ import functools
 
 import torch
 
-from . import quant, quant4
+from . import attention_tile
 from ._triton import tl, triton
 
 __all__ = ["decode_splits", "launch_tiled", "query_tiles", "tile_shape"]
@@ -186,44 +186,14 @@ if triton is not None:
             positions = start + keys
             is_key = positions < end
             blocks = tl.load(table_row + positions // block_size, mask=is_key, other=0)
-            page_rows = (blocks.to(tl.int64) * cache_stride_block
-                         + (positions % block_size) * cache_stride_offset
-                         + kv_head * cache_stride_head)
-            kv_mask = is_key[:, None] & is_dim[None, :]
-            scale_rows = (blocks.to(tl.int64) * scale_stride_block
-                          + (positions % block_size) * scale_stride_offset
-                          + kv_head * scale_stride_head)
-            if FORMAT >= 4:  # 4-bit: two codes a byte, a scale per 16 dims
-                k = quant4.load_dequantized(key_cache_ptr, key_scales_ptr, page_rows[:, None],
-                                            scale_rows[:, None], dims[None, :],
-                                            cache_stride_dim, kv_mask, FORMAT)
-                v = quant4.load_dequantized(value_cache_ptr, value_scales_ptr,
-                                            page_rows[:, None], scale_rows[:, None],
-                                            dims[None, :], cache_stride_dim, kv_mask, FORMAT)
-                k = k.to(query_ptr.dtype.element_ty)
-                v = v.to(query_ptr.dtype.element_ty)
-            else:
-                kv_offsets = page_rows[:, None] + dims[None, :] * cache_stride_dim
-                k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [N, D]
-                v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-                if FORMAT != 0:
-                    k_scale = tl.load(key_scales_ptr + scale_rows, mask=is_key, other=0.0)
-                    v_scale = tl.load(value_scales_ptr + scale_rows, mask=is_key, other=0.0)
-                    k = quant.decode(k, FORMAT) * k_scale.to(tl.float32)[:, None]
-                    v = quant.decode(v, FORMAT) * v_scale.to(tl.float32)[:, None]
-                    k = k.to(query_ptr.dtype.element_ty)
-                    v = v.to(query_ptr.dtype.element_ty)
-            if UPCAST_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = attention_tile.load_kv_tile(
+                key_cache_ptr, value_cache_ptr, key_scales_ptr, value_scales_ptr, query_ptr,
+                blocks, positions, is_key, dims, is_dim, kv_head, block_size,
+                cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+                scale_stride_block, scale_stride_offset, scale_stride_head, FORMAT, UPCAST_DOT)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, BLOCK_N]
             if SOFTCAP:
-                # tanh from exp (no tl.tanh; libdevice's is not in the interpreter), odd and
-                # saturating: (1 - e) / (1 + e) with e = exp(-2|x|) never overflows
-                capped = scores / softcap
-                e = tl.exp(-2.0 * tl.abs(capped))
-                tanh = (1.0 - e) / (1.0 + e)
-                scores = softcap * tl.where(capped < 0, -tanh, tanh)
+                scores = attention_tile.soft_cap(scores, softcap)
             # per row: causal (bottom-right), and the window / chunk's first visible key
             visible = is_key[None, :] & (positions[None, :] <= row_pos[:, None])
             if LOCAL:

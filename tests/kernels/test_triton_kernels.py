@@ -24,6 +24,7 @@ interpreter = pytest.importorskip("triton.runtime.interpreter")
 from paged_kv.kernels import (  # noqa: E402
     attention,
     attention_prefill,
+    attention_tile,
     backend,
     copy,
     gather,
@@ -34,7 +35,9 @@ from .conftest import TOLERANCES, cdiv  # noqa: E402
 
 KERNELS = [(write, "_write_kv_kernel"), (gather, "_gather_kv_kernel"),
            (copy, "_copy_blocks_kernel"), (attention, "_paged_attention_kernel"),
-           (attention_prefill, "_prefill_attention_kernel")]
+           (attention_prefill, "_prefill_attention_kernel"),
+           # the tile parts both attention kernels call
+           (attention_tile, "load_kv_tile"), (attention_tile, "soft_cap")]
 
 # (block_size, num_kv_heads, head_dim, dtype) for the data-movement kernels
 LAYOUTS = [
