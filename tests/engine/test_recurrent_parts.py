@@ -19,6 +19,7 @@ from paged_kv.engine.config import EngineConfig  # noqa: E402
 from paged_kv.engine.hf import HFCausalLM  # noqa: E402
 from paged_kv.tiers import TierConfig  # noqa: E402
 
+from .conftest import save_random_checkpoints  # noqa: E402
 from .test_recurrent_models import (  # noqa: E402
     BLOCK,
     greedy,
@@ -31,13 +32,8 @@ FAMILIES = ["qwen3_next", "bamba", "jamba", "lfm2", "mamba2"]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, object]:
-    paths, configs = {}, recurrent_configs()
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        paths[family] = tmp_path_factory.mktemp(family)
-        transformers.AutoModelForCausalLM.from_config(configs[family][0]).save_pretrained(
-            paths[family])
-    return paths
+    configs = recurrent_configs()
+    return save_random_checkpoints(tmp_path_factory, {f: configs[f][0] for f in FAMILIES})
 
 
 @pytest.fixture(autouse=True)

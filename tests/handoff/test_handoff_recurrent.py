@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
@@ -26,7 +25,7 @@ from paged_kv.handoff import HandoffConfig  # noqa: E402
 from paged_kv.handoff.params import parse_params  # noqa: E402
 
 from ..conftest import prometheus_value  # noqa: E402
-from ..engine.conftest import prompt  # noqa: E402
+from ..engine.conftest import prompt, save_random_checkpoints  # noqa: E402
 from ..engine.test_recurrent_models import BLOCK, recurrent_configs  # noqa: E402
 from .test_handoff_hybrid import fallbacks, prefill, run  # noqa: E402
 
@@ -44,13 +43,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, object]:
-    paths, configs = {}, recurrent_configs()
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        paths[family] = tmp_path_factory.mktemp(family)
-        transformers.AutoModelForCausalLM.from_config(configs[family][0]).save_pretrained(
-            paths[family])
-    return paths
+    configs = recurrent_configs()
+    return save_random_checkpoints(tmp_path_factory, {f: configs[f][0] for f in FAMILIES})
 
 
 def engines(path) -> dict[str, Engine]:
