@@ -113,20 +113,11 @@ if triton is not None:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
             if SOFTCAP:
                 scores = attention_tile.soft_cap(scores, softcap)
+            # every step holds a key every row sees: the online step's guard never fires
             scores = tl.where(is_key[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            # p rounds to the cache dtype, as flash attention does, so the dot runs on tensor cores
-            if FORMAT == 0:
-                p = p.to(value_cache_ptr.dtype.element_ty)
-            else:
-                p = p.to(query_ptr.dtype.element_ty)
-            if UPCAST_DOT:
-                p = p.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = attention_tile.online_step(m_i, l_i, acc, scores, v,
+                                                       value_cache_ptr, query_ptr, FORMAT,
+                                                       UPCAST_DOT)
 
         out = acc / l_i[:, None]
         out_offsets = (token.to(tl.int64) * out_stride_token

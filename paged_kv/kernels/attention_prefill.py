@@ -199,22 +199,9 @@ if triton is not None:
             if LOCAL:
                 visible = visible & (positions[None, :] >= row_first[:, None])
             scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # a row may see none of this step's keys yet (the tile's later rows of a window
-            # start after its first row's keys): subtract 0 there, so exp(-inf) = 0, not NaN
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            # p rounds to the cache dtype, as flash attention does, so the dot runs on tensor cores
-            if FORMAT == 0:
-                p = p.to(value_cache_ptr.dtype.element_ty)
-            else:
-                p = p.to(query_ptr.dtype.element_ty)
-            if UPCAST_DOT:
-                p = p.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = attention_tile.online_step(m_i, l_i, acc, scores, v,
+                                                       value_cache_ptr, query_ptr, FORMAT,
+                                                       UPCAST_DOT)
 
         if NUM_SPLITS > 1:
             # [split, token, head] of contiguous partials: the combine reads them back

@@ -1,6 +1,7 @@
 """The parts both paged attention kernels run on each K/V tile (`attention`'s per-token one
-and `attention_prefill`'s tiled one): reading the tile from the pages, dequantized, and
-the soft-cap of its scores. Triton inlines them into each kernel."""
+and `attention_prefill`'s tiled one): reading the tile from the pages, dequantized, the
+soft-cap of its scores, and the online-softmax step. Triton inlines them into each
+kernel."""
 
 from __future__ import annotations
 
@@ -58,3 +59,28 @@ if triton is not None:
         e = tl.exp(-2.0 * tl.abs(capped))
         tanh = (1.0 - e) / (1.0 + e)
         return softcap * tl.where(capped < 0, -tanh, tanh)
+
+    @triton.jit
+    def online_step(m_i, l_i, acc, scores, v, value_cache_ptr, query_ptr,
+                    FORMAT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        """One K/V tile into the online softmax: the running max ``m_i`` and denominator
+        ``l_i`` ``[R]``, and the unnormalised output ``acc`` ``[R, D]``, from the tile's
+        masked ``scores`` ``[R, N]`` (-inf where not visible) and ``v`` ``[N, D]``; returns
+        the three updated."""
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # a row may see none of this tile's keys yet (the tiled kernel's later rows of a
+        # window start after its first row's keys): subtract 0 there, so exp(-inf) = 0,
+        # not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p rounds to the cache dtype, as flash attention does, so the dot runs on tensor cores
+        if FORMAT == 0:
+            p = p.to(value_cache_ptr.dtype.element_ty)
+        else:
+            p = p.to(query_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        return m_new, l_i, acc

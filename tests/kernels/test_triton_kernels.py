@@ -37,7 +37,8 @@ KERNELS = [(write, "_write_kv_kernel"), (gather, "_gather_kv_kernel"),
            (copy, "_copy_blocks_kernel"), (attention, "_paged_attention_kernel"),
            (attention_prefill, "_prefill_attention_kernel"),
            # the tile parts both attention kernels call
-           (attention_tile, "load_kv_tile"), (attention_tile, "soft_cap")]
+           (attention_tile, "load_kv_tile"), (attention_tile, "soft_cap"),
+           (attention_tile, "online_step")]
 
 # (block_size, num_kv_heads, head_dim, dtype) for the data-movement kernels
 LAYOUTS = [
