@@ -19,7 +19,14 @@ transformers = pytest.importorskip("transformers")
 from paged_kv.integrations.mixers import mixer_of  # noqa: E402
 from paged_kv.integrations.mixers.falcon_h1 import run_falcon_h1  # noqa: E402
 
-from .test_mixer_mamba2 import _forward, _generate, _inputs, _zeros, redraw  # noqa: E402
+from .test_mixer_mamba2 import (  # noqa: E402
+    _forward,
+    _generate,
+    _inputs,
+    _zeros,
+    assert_emitted_states_resume,
+    redraw,
+)
 from .test_mixer_mamba2 import _packed as packed  # noqa: E402
 
 HIDDEN, INNER, HEADS, STATE, KERNEL, CHUNK = 64, 96, 4, 8, 4, 8  # mamba_d_ssm 96 != 2 * 64
@@ -111,23 +118,7 @@ def test_emitted_states_resume(rms_norm: bool, before_gate: bool, groups: int) -
     follow, give the outputs the single call gave them; one emitted at a sequence's last
     token is its final state."""
     module, config = _mixer(rms_norm, before_gate, groups)
-    seqs = _inputs([17, 33, 5])
-    starts = [0, 17, 50]
-    points = [(0, 7), (1, 15), (1, 8), (2, 0), (0, 16), (1, 30)]  # (sequence, position)
-    emit_at = [starts[b] + p for b, p in points]
-    outs, final, emitted = _packed(module, seqs, _zeros(config, len(seqs), torch.float32),
-                                   emit_at)
-    assert emitted[0].shape == (len(points), *final[0].shape[1:])
-    assert emitted[1].shape == (len(points), *final[1].shape[1:])
-    for e, (b, p) in enumerate(points):
-        if p == len(seqs[b]) - 1:  # nothing follows: the state is the final one
-            torch.testing.assert_close(emitted[0][e], final[0][b], **TOL)
-            torch.testing.assert_close(emitted[1][e], final[1][b], **TOL)
-            continue
-        start = (emitted[0][e:e + 1], emitted[1][e:e + 1])
-        rest, rest_final, _ = _packed(module, [seqs[b][p + 1:]], start)
-        torch.testing.assert_close(rest[0], outs[b][p + 1:], **TOL)
-        torch.testing.assert_close(rest_final[1][0], final[1][b], **TOL)
+    assert_emitted_states_resume(module, config, _packed)
 
 
 def test_bfloat16() -> None:

@@ -97,6 +97,30 @@ def _packed(module: torch.nn.Module, seqs: list[torch.Tensor], states: tuple[tor
     return list(out.split(lengths.tolist())), final, emitted
 
 
+def assert_emitted_states_resume(module: torch.nn.Module, config: object, packed) -> None:
+    """States `packed` (a mixer run over packed sequences, as `_packed`) emits after given
+    tokens, used as the initial states of the tokens that follow, give the outputs the
+    single call gave them; one emitted at a sequence's last token is its final state."""
+    seqs = _inputs([17, 33, 5])
+    starts = [0, 17, 50]
+    # (sequence, position in it): mid-chunk, chunk boundaries, the first and last tokens
+    points = [(0, 7), (1, 15), (1, 8), (2, 0), (0, 16), (1, 30)]
+    emit_at = [starts[b] + p for b, p in points]
+    outs, final, emitted = packed(module, seqs, _zeros(config, len(seqs), torch.float32),
+                                   emit_at)
+    assert emitted[0].shape == (len(points), *final[0].shape[1:])
+    assert emitted[1].shape == (len(points), *final[1].shape[1:])
+    for e, (b, p) in enumerate(points):
+        if p == len(seqs[b]) - 1:  # nothing follows: the state is the final one
+            torch.testing.assert_close(emitted[0][e], final[0][b], **TOL)
+            torch.testing.assert_close(emitted[1][e], final[1][b], **TOL)
+            continue
+        start = (emitted[0][e:e + 1], emitted[1][e:e + 1])
+        rest, rest_final, _ = packed(module, [seqs[b][p + 1:]], start)
+        torch.testing.assert_close(rest[0], outs[b][p + 1:], **TOL)
+        torch.testing.assert_close(rest_final[1][0], final[1][b], **TOL)
+
+
 def _forward(module: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
     """The module's forward on one sequence, batch 1, no cache (transformers' prefill)."""
     with torch.no_grad():
@@ -192,24 +216,7 @@ def test_emitted_states_resume(family: str, groups: int) -> None:
     follow, give the outputs the single call gave them; one emitted at a sequence's last
     token is its final state."""
     module, config = _mixer(family, groups)
-    seqs = _inputs([17, 33, 5])
-    starts = [0, 17, 50]
-    # (sequence, position in it): mid-chunk, chunk boundaries, the first and last tokens
-    points = [(0, 7), (1, 15), (1, 8), (2, 0), (0, 16), (1, 30)]
-    emit_at = [starts[b] + p for b, p in points]
-    outs, final, emitted = _packed(module, seqs, _zeros(config, len(seqs), torch.float32),
-                                   emit_at)
-    assert emitted[0].shape == (len(points), *final[0].shape[1:])
-    assert emitted[1].shape == (len(points), *final[1].shape[1:])
-    for e, (b, p) in enumerate(points):
-        if p == len(seqs[b]) - 1:  # nothing follows: the state is the final one
-            torch.testing.assert_close(emitted[0][e], final[0][b], **TOL)
-            torch.testing.assert_close(emitted[1][e], final[1][b], **TOL)
-            continue
-        start = (emitted[0][e:e + 1], emitted[1][e:e + 1])
-        rest, rest_final, _ = _packed(module, [seqs[b][p + 1:]], start)
-        torch.testing.assert_close(rest[0], outs[b][p + 1:], **TOL)
-        torch.testing.assert_close(rest_final[1][0], final[1][b], **TOL)
+    assert_emitted_states_resume(module, config, _packed)
 
 
 def test_bfloat16() -> None:
