@@ -493,10 +493,11 @@ def load_values(allocator: BlockAllocator, pool: KVPool, states: StateGroup | No
     own; returns the blocks loaded plus the chunks of the checkpoints loaded. A checkpoint
     is indexed whatever became of the blocks: its key names the prefix it follows, and an
     admission serves it only where every group's blocks hit too."""
-    if states is None or not any(map(states.owns_value, keys)):
+    owned = [states is not None and states.owns_value(key) for key in keys]
+    if not any(owned):
         return load_blocks(allocator, pool, keys, token_ids, payload, parent_key)
-    mine = [i for i, key in enumerate(keys) if states.owns_value(key)]
-    blocks = [i for i, key in enumerate(keys) if not states.owns_value(key)]
+    mine = [i for i, own in enumerate(owned) if own]
+    blocks = [i for i, own in enumerate(owned) if not own]
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
             or tuple(payload.shape) != (len(keys), pool.block_nbytes):
         raise ValueError(f"load_cached(): expected uint8 payload [{len(keys)}, "

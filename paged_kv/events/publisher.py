@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from ..core.groups.state_values import CHUNK_BYTES
+from ..core.groups.state_values import checkpoint_key, chunk_of
 from ..keys import KEY_BYTES, BlockEvent
 from ..parts import EnginePart
 from .config import KVEventsConfig
@@ -147,11 +147,11 @@ class EventPublisher(EnginePart):
             return keys, []
         blocks, checkpoints = [], []
         for key in keys:
-            if len(key) == KEY_BYTES + 1 + CHUNK_BYTES and key[KEY_BYTES] in self.state_groups:
-                if not int.from_bytes(key[KEY_BYTES + 1:], "little"):
-                    checkpoints.append(key[:KEY_BYTES + 1])
-            else:
+            chunk = chunk_of(key, self.state_groups)
+            if chunk is None:
                 blocks.append(key)
+            elif chunk == 0:
+                checkpoints.append(checkpoint_key(key))
         return blocks, checkpoints
 
     def close(self) -> None:

@@ -149,9 +149,12 @@ class TierFetcher:
                 self.fetches += 1
                 fetch.done = True
 
-    def _names(self, fetch: Fetch, stores: list[Store]) -> list[list[str]]:
-        """Each store's names of the fetch's keys (a store that names tenants: prefixed)."""
-        plain = [codec.store_key(self._namespace, key) for key in fetch.keys]
+    def _names(self, fetch: Fetch, stores: list[Store],
+               keys: list[bytes] | None = None) -> list[list[str]]:
+        """Each store's names of `keys` (default the fetch's; a store that names tenants:
+        prefixed)."""
+        plain = [codec.store_key(self._namespace, key) for key in
+                 (fetch.keys if keys is None else keys)]
         prefixed = [fetch.prefix + name for name in plain] if fetch.prefix else plain
         return [prefixed if store.tenant_keys else plain for store in stores]
 
@@ -205,10 +208,8 @@ class TierFetcher:
                   if fetch.num_lead - 1 - j < usable]
         if not wanted:
             return False
-        firsts = [codec.store_key(self._namespace, chunks[0]) for _, chunks in wanted]
-        for tier, store in enumerate(stores):
-            names = [fetch.prefix + n for n in firsts] if store.tenant_keys and fetch.prefix \
-                else firsts
+        firsts = self._names(fetch, stores, [chunks[0] for _, chunks in wanted])
+        for tier, (store, names) in enumerate(zip(stores, firsts, strict=True)):
             found = store.contains(names)
             hit = next((k for k, held in enumerate(found) if held), None)
             if hit is None:

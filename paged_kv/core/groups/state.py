@@ -257,11 +257,11 @@ class StateSlots:
         """A slot for a new checkpoint of `tier` and `tenant`: a free one, else the
         policy's victim ranking below it (a tenant at its quota: its own; see
         `CheckpointShares`), evicted; or None."""
-        shares, allowed = self.shares, None
+        shares, allowed, full = self.shares, None, False
         if shares is not None:
-            allowed = (shares.own(tenant) if shares.at_quota(tenant)
-                       else shares.evictable_by(tenant))
-        if self._free and (shares is None or not shares.at_quota(tenant)):
+            full = shares.at_quota(tenant)
+            allowed = shares.own(tenant) if full else shares.evictable_by(tenant)
+        if self._free and not full:
             return self._free.pop()
         slot = self.policy.victim(allowed=allowed)
         if slot is None or not self.policy.admits(tier, slot):
@@ -350,8 +350,8 @@ class StateSlots:
         every = self._free + live + list(self._key_of)
         ensure(len(every) == len(set(every)) == self.num_slots,
                "free, live and checkpoint slots do not partition the slab")
-        for problem in [] if self.shares is None else self.shares.check(set(self._key_of)):
-            ensure(False, problem)
+        ensure(self.shares is None or self.shares.matches(set(self._key_of)),
+               "checkpoint tenants out of step with the checkpoints")
 
     def snapshot(self) -> tuple:
         """Comparable copy of the bookkeeping (for tests of rejected calls)."""

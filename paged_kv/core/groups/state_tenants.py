@@ -77,13 +77,12 @@ class CheckpointShares:
     def remove(self, slot: int) -> None:
         self.held[self._owner.pop(slot)] -= 1
 
-    def check(self, slots: set[int]) -> list[str]:
-        """What is out of step with the checkpoints in `slots` (empty: nothing)."""
+    def matches(self, slots: set[int]) -> bool:
+        """Whether the owners are exactly the checkpoints in `slots`, counted right."""
         counts = [0] * len(self.names)
         for tenant in self._owner.values():
             counts[tenant] += 1
-        return ([] if set(self._owner) == slots and counts == self.held
-                else ["checkpoint tenants out of step with the checkpoints"])
+        return set(self._owner) == slots and counts == self.held
 
     def snapshot(self) -> tuple:
         return tuple(sorted(self._owner.items())), tuple(self.held)

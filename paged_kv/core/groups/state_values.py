@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ...keys import KEY_BYTES
+
 POSITION_BYTES = 8  # the checkpoint's position, int64 little-endian, before its states
 CHUNK_BYTES = 2  # a chunk key's suffix: the chunk's number
 
@@ -33,6 +35,14 @@ def chunk_keys(key: bytes, count: int) -> list[bytes]:
 def checkpoint_key(chunk_key: bytes) -> bytes:
     """The checkpoint's key a chunk key belongs to."""
     return chunk_key[:-CHUNK_BYTES]
+
+
+def chunk_of(key: bytes, groups) -> int | None:
+    """`key`'s chunk number when it is a chunk key of a checkpoint of one of `groups`
+    (state group numbers), else None (a block's key)."""
+    if len(key) != KEY_BYTES + 1 + CHUNK_BYTES or key[KEY_BYTES] not in groups:
+        return None
+    return int.from_bytes(key[KEY_BYTES + 1:], "little")
 
 
 def encode(position: int, states: torch.Tensor, block_nbytes: int) -> torch.Tensor:
