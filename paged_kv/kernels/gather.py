@@ -7,7 +7,7 @@ import torch
 from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
-from .rows import gather_packed_blocks
+from .rows import gather_packed_by_blocks
 
 
 def _slots(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
@@ -319,13 +319,7 @@ def gather_kv_packed_reference(
     if out is None:
         shape = (total, *key_cache.shape[2:])
         out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    lens = seq_lens.tolist()
-    # long sequences: whole blocks as block rows, a loop over sequences that pays for itself
-    if lens and sum(lens) >= 2 * key_cache.shape[1] * len(lens) and all(
-            o.is_contiguous() for o in out) and max(lens) <= block_tables.shape[1] * \
-            key_cache.shape[1]:
-        for cache, dst in zip((key_cache, value_cache), out, strict=True):
-            gather_packed_blocks(cache, block_tables, lens, cu_seqlens[:-1].tolist(), dst)
+    if gather_packed_by_blocks(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, out):
         return out
     device = key_cache.device
     seq_index = torch.repeat_interleave(

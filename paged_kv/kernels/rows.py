@@ -73,3 +73,21 @@ def gather_packed_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
             slots = table[full].long() * block_size + torch.arange(tail, device=cache.device)
             torch.index_select(tokens, 0, slots, out=rows[start + full * block_size:
                                                           start + length])
+
+
+def gather_packed_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            cu_seqlens: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor],
+                            ) -> bool:
+    """`gather_packed_blocks` of K and V into `out` when it pays: sequences of two blocks
+    or more on average (the loop over sequences costs less than the token rows it saves),
+    contiguous outputs, every length within its table; returns whether it ran."""
+    lens, block_size = seq_lens.tolist(), key_cache.shape[1]
+    if not lens or sum(lens) < 2 * block_size * len(lens) \
+            or not all(o.is_contiguous() for o in out) \
+            or max(lens) > block_tables.shape[1] * block_size:
+        return False
+    starts = cu_seqlens[:-1].tolist()
+    for cache, dst in zip((key_cache, value_cache), out, strict=True):
+        gather_packed_blocks(cache, block_tables, lens, starts, dst)
+    return True
