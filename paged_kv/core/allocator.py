@@ -301,6 +301,20 @@ class BlockAllocator:
         self._insert([key], [block_id], [token_ids], [parent_key], token_ids)
         return True
 
+    def register_keyed(self, block_ids: list[int], keys: list[bytes], pieces: list[bytes],
+                       parent_keys: list[bytes]) -> None:
+        """`register` of several live, full blocks in one index update: ``block_ids[i]``
+        holds ``pieces[i]`` (its token bytes) and is indexed under ``keys[i]``, chained
+        from ``parent_keys[i]``. A key indexed already, or met earlier in the list, keeps
+        its block, as calling `register` on each in order would; the blocks that join make
+        one stored event, not one each.
+
+        Another layer group mirrors a step's filled blocks under the leader's keys this
+        way: one index update a step instead of ~5 us a block (~64 a step at 1,024 rows).
+        """
+        if self.enable_prefix_caching and keys:
+            self._insert(keys, block_ids, pieces, parent_keys, b"".join(pieces))
+
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
                         token_ids: bytes) -> list[bytes]:
         """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds

@@ -346,11 +346,14 @@ class LayerGroup:
     def mirror(self, allocator: BlockAllocator, filled: list[Filled]) -> None:
         """Index this group's blocks at the columns `filled_blocks` found under the keys
         the leading group gave its blocks there (`group_key`): one hash per block of the
-        prompt, for every group."""
-        for row, column, key, parent, tokens in filled:
-            allocator.register(int(self.tables.block_ids[row, column]),
-                               group_key(key, self.index), tokens,
-                               group_key(parent, self.index))
+        prompt, for every group. One bulk register (`BlockAllocator.register_keyed`)."""
+        if not filled:
+            return
+        rows, columns, keys, parents, pieces = zip(*filled, strict=True)
+        index = self.index
+        allocator.register_keyed(self.tables.block_ids[list(rows), list(columns)].tolist(),
+                                 [group_key(key, index) for key in keys], list(pieces),
+                                 [group_key(parent, index) for parent in parents])
 
 
 def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,
