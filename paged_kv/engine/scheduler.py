@@ -48,6 +48,10 @@ class Scheduler:
                                     else None)
         self.num_preemptions = 0
         self._reserved = 0  # blocks this step's scheduled sequences will take
+        # the last batch of sequences resolved to rows and their ids: a decode step repeats
+        # the same batch, whose ids tuple is then reused (no per-sequence rebuild, and the
+        # cache's `rows_of` compares it by identity)
+        self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
 
     @property
     def has_work(self) -> bool:
@@ -73,13 +77,18 @@ class Scheduler:
         until their blocks fit. One block count for the whole set per try."""
         preempted = False
         while True:
-            plan, left = [], self.max_num_batched_tokens
-            for seq in self.running:
-                if left <= 0:
-                    break
-                plan.append((seq, min(self._step_tokens(seq), left)))
-                left -= plan[-1][1]
-            needs = self._blocks_needed(plan)
+            running, left = self.running, self.max_num_batched_tokens
+            if self._all_decode():  # the steady state: no per-sequence plan to build
+                plan, left = dict.fromkeys(running, 1), left - len(running)
+                needs = self.cache.num_blocks_needed(self._rows_of(tuple(running)))
+            else:
+                plan = []
+                for seq in running:
+                    if left <= 0:
+                        break
+                    plan.append((seq, min(self._step_tokens(seq), left)))
+                    left -= plan[-1][1]
+                needs = self._blocks_needed(plan)
             if needs <= self._available(0):
                 break
             self._preempt(self.running[-1])
@@ -88,6 +97,22 @@ class Scheduler:
         self._reserved = needs
         return preempted, left
 
+    def _all_decode(self) -> bool:
+        """Whether every running sequence takes one token this step, all within the
+        budget (each has exactly one token not computed): the plan is then 1 for each."""
+        running = self.running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return False
+        return [len(seq.token_ids) - seq.num_computed for seq in running].count(1) == len(
+            running)
+
+    def _rows_of(self, seqs: tuple[Sequence, ...]) -> np.ndarray:
+        """The cache's row handles of `seqs` (resident), their ids tuple reused while the
+        batch is the last one (compared by identity, at C speed)."""
+        if seqs != self._last_batch[0]:
+            self._last_batch = (seqs, tuple(seq.seq_id for seq in seqs))
+        return self.cache.rows_of(self._last_batch[1])
+
     def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
         """Blocks `plan` takes. A decode step (one token each, the steady state) is counted
         on the rows the array step will use, with no mapping parsed; one that must copy a
@@ -95,7 +120,7 @@ class Scheduler:
         if not plan:
             return 0
         if all(n == 1 for _, n in plan):
-            return self.cache.num_blocks_needed(self.cache.rows_of([seq.seq_id for seq, _ in plan]))
+            return self.cache.num_blocks_needed(self._rows_of(tuple(seq for seq, _ in plan)))
         return self.cache.num_blocks_needed({seq.seq_id: n for seq, n in plan})
 
     def _schedule_swapped(self, step: dict[Sequence, int], budget: int) -> int:
@@ -263,8 +288,8 @@ class Scheduler:
         """The cache's batch for `plan`: one token per sequence (the steady decode state)
         through the array API, its rows resolved once per running set (`rows_of` returns
         the same handle while the set is unchanged); any other step through `prepare`."""
-        if all(n == 1 for n in plan.values()):
-            rows = self.cache.rows_of([seq.seq_id for seq in plan])
+        if list(plan.values()).count(1) == len(plan):  # every count is 1
+            rows = self._rows_of(tuple(plan))
             tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in plan),
                                  dtype=np.int32, count=len(plan))
             return self.cache.prepare_decode(rows, tokens)
@@ -292,25 +317,26 @@ class Scheduler:
         last sample this finished."""
         now, finished = time.perf_counter(), []
         for seq, token, logprobs in samples:
-            seq.token_ids.append(token)
+            tokens, request = seq.token_ids, seq.request  # read once: this runs every token
+            tokens.append(token)
             seq.token_times.append(now)
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
+            if request.first_token_time is None:
+                request.first_token_time = now
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
                 seq.cumulative_logprob += logprobs[token]
-            params = seq.request.params
+            params = request.params
             if token in params.stop_token_ids or (token in eos_token_ids
                                                   and not params.ignore_eos):
                 self.finish(seq, "stop")
-            # the output's length, not sliced out (output_token_ids): this runs every token
-            elif len(seq.token_ids) - len(seq.request.prompt_token_ids) >= params.max_tokens:
+            # the output's length, not sliced out (output_token_ids)
+            elif len(tokens) - len(request.prompt_token_ids) >= params.max_tokens:
                 self.finish(seq, "length")
             else:
                 continue
-            if seq.request.is_finished:
-                seq.request.finish_time = now
-                finished.append(seq.request)
+            if request.is_finished:
+                request.finish_time = now
+                finished.append(request)
         return finished
 
     def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
