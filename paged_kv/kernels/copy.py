@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ._triton import tl, triton
 from .backend import use_triton
-from .rows import index_copy_rows
+from .rows import INTEGERS, index_copy_rows, wide
 
 _CHUNK_BYTES = 2 << 20
 
@@ -17,6 +18,12 @@ def copy_blocks_reference(
     dst_block_ids: torch.Tensor,  # [num_copies] int64, disjoint from src
 ) -> None:
     """Torch implementation of `copy_blocks` (the CPU path)."""
+    if src_block_ids.numel() == 0:
+        return
+    runs = _runs(src_block_ids, dst_block_ids)
+    if runs is not None:
+        _copy_runs(kv_cache, runs)
+        return
     # one row per (layer, K/V, block): whole blocks move as contiguous rows
     num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
     rows = kv_cache.view(num_planes * num_blocks, -1)
@@ -31,6 +38,41 @@ def copy_blocks_reference(
         part = buffer[: min(chunk, src_rows.numel() - start)]
         torch.index_select(rows, 0, src_rows[start:start + chunk], out=part)
         index_copy_rows(rows, dst_rows[start:start + chunk], part)
+
+
+# runs of consecutive blocks are copied one slice each (every layer, K and V in one copy_)
+# when there are at most this many, or on average two blocks or more a run: a slice copy
+# costs a few µs of dispatch, where the row path moves every block twice (select, then
+# scatter out of a buffer)
+_MAX_SHORT_RUNS = 16
+
+
+def _runs(src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor,
+          ) -> list[tuple[int, int, int]] | None:
+    """``(src start, dst start, length)`` of each run in which both ids step by one (block
+    ids are often consecutive: fresh blocks come off the free list in order), or None when
+    the runs are too many and too short to pay for a copy each."""
+    # in numpy: a few µs, where the same in torch ops costs more than a short copy itself
+    src, dst = src_block_ids.cpu().numpy(), dst_block_ids.cpu().numpy()
+    breaks = (np.flatnonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)) + 1
+              ).tolist()
+    num_runs = len(breaks) + 1
+    if num_runs > _MAX_SHORT_RUNS and 2 * num_runs > len(src):
+        return None
+    starts, ends = [0, *breaks], [*breaks, len(src)]
+    return list(zip(src[starts].tolist(), dst[starts].tolist(),
+                    [end - start for start, end in zip(starts, ends, strict=True)],
+                    strict=True))
+
+
+def _copy_runs(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    """Copy each run of blocks as one slice of every (layer, K/V) plane, bit for bit (the
+    planes viewed as integers, never computed on)."""
+    num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+    planes = wide(kv_cache.view(num_planes * num_blocks, -1), INTEGERS)
+    planes = planes.view(num_planes, num_blocks, -1)
+    for src, dst, length in runs:
+        planes[:, dst:dst + length].copy_(planes[:, src:src + length])
 
 
 if triton is not None:

@@ -7,7 +7,7 @@ import torch
 from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
-from .rows import gather_packed_by_blocks
+from .rows import gather_packed_by_blocks, gather_padded_by_blocks
 
 
 def _slots(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
@@ -55,6 +55,9 @@ def gather_kv_reference(
     if out is None:
         shape = (batch_size, length, *key_cache.shape[2:])
         out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
+    if zero_padding and gather_padded_by_blocks(key_cache, value_cache, block_tables,
+                                                seq_lens, length, out):
+        return out
     rows, row_shape = _source_rows(block_tables, batch_size, length, key_cache.shape)
     for cache, dst in zip((key_cache, value_cache), out, strict=True):
         torch.index_select(cache.view(row_shape), 0, rows, out=dst.view(row_shape))

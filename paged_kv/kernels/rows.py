@@ -15,11 +15,14 @@ import torch
 
 # widest first; the 16-byte one is moved as two doubles, bit for bit (never computed on)
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
+# for copy_, which moves 16-byte elements slower than 8-byte ones (about 0.75x here) while
+# index_copy_ moves each element alone, so wider is faster there
+INTEGERS = _WIDE[1:]
 
 
-def wide(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (``[N, ...]``, each row contiguous) as ``[N, W]`` of the widest element
-    dividing a row's bytes and the view's offset, or as they are when none does."""
+def wide(rows: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _WIDE) -> torch.Tensor:
+    """`rows` (``[N, ...]``, each row contiguous) as ``[N, W]`` of the widest element of
+    `dtypes` dividing a row's bytes and the view's offset, or as they are when none does."""
     if rows.numel() == 0 or rows.dim() == 0:
         return rows
     flat = rows.reshape(rows.shape[0], -1)
@@ -27,7 +30,7 @@ def wide(rows: torch.Tensor) -> torch.Tensor:
         return rows
     nbytes, offset = flat.shape[1] * flat.element_size(), flat.storage_offset() * \
         flat.element_size()
-    for dtype in _WIDE:
+    for dtype in dtypes:
         size = dtype.itemsize
         if size > flat.element_size() and nbytes % size == 0 and offset % size == 0:
             return flat.view(torch.uint8).view(dtype)
@@ -90,4 +93,42 @@ def gather_packed_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
     starts = cu_seqlens[:-1].tolist()
     for cache, dst in zip((key_cache, value_cache), out, strict=True):
         gather_packed_blocks(cache, block_tables, lens, starts, dst)
+    return True
+
+
+# a sequence's own copy calls cost about as much as moving this many bytes: the padded gather
+# goes sequence by sequence when the padding it then skips outweighs them
+_SEQ_CALL_BYTES = 64 << 10
+
+
+def gather_padded_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int,
+                            out: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Gather K and V into zero-padded ``[B, T = length, H, D]`` `out` sequence by sequence
+    when it pays; returns whether it ran.
+
+    Each row's tokens go in as `gather_packed_blocks` copies them (full blocks as block
+    rows), then its padding is zeroed: the padding is never copied from the pages only to be
+    overwritten. It pays when that padding outweighs the calls per sequence, or when ``T``
+    is not a multiple of the block size (the one-call gather then copies token rows) and
+    sequences hold two blocks or more on average. Needs contiguous outputs and every length
+    within its table.
+    """
+    lens, block_size = seq_lens.tolist(), key_cache.shape[1]
+    batch_size = len(lens)
+    if not lens or not all(o.is_contiguous() and o.shape[:2] == (batch_size, length)
+                           for o in out) \
+            or max(lens) > block_tables.shape[1] * block_size:
+        return False
+    token_bytes = out[0][0, 0].numel() * out[0].element_size()
+    padding = (batch_size * length - sum(lens)) * token_bytes
+    by_tokens = length % block_size != 0 and sum(lens) >= 2 * block_size * batch_size
+    if not by_tokens and padding < batch_size * _SEQ_CALL_BYTES:
+        return False
+    starts = [row * length for row in range(batch_size)]
+    for cache, dst in zip((key_cache, value_cache), out, strict=True):
+        gather_packed_blocks(cache, block_tables, lens, starts, dst.view(-1, *dst.shape[2:]))
+        for row, end in enumerate(lens):  # each padding is one contiguous tail: one memset
+            if end < length:
+                dst[row, end:].zero_()
     return True
