@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant4
+from .attention_rows import attend_rows
 from .gather import gather_kv_reference
 
 # scores held at once by the explicit softmax: a long prefill runs in query tiles under this
@@ -191,17 +192,22 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Torch implementation of `paged_attention` (the CPU path): gather, then SDPA in float32.
 
-    Decode rows (one query each) run as one batched SDPA; rows with several queries (prefill
-    chunks) run one sequence at a time, so a long chunk never pads every decode row to its
-    length. 8- and 4-bit pages are dequantized by the gather. A window or chunk gathers only the
-    blocks from the row's first visible key on; sinks or a soft-cap take an explicit float32
-    softmax (`explicit_attention`) instead of SDPA.
+    Decode rows (one query each) over float pages with enough keys attend one by one on their
+    own blocks (`attention_rows`); the others run as batched SDPA; rows with several queries
+    (prefill chunks) run one sequence at a time, so a long chunk never pads every decode row
+    to its length. 8- and 4-bit pages are dequantized by the gather. A window or chunk
+    gathers only the blocks from the row's first visible key on; sinks or a soft-cap take an
+    explicit float32 softmax (`explicit_attention`) instead of SDPA.
     """
     kind = check_kind(query, window, chunk, sinks, softcap)
     out = torch.empty_like(query) if out is None else out
     scales = (key_scales, value_scales)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     decode = (query_lens == 1).nonzero().flatten()
+    if key_scales is None and (kind is None or not kind.needs_explicit_softmax):
+        decode = attend_rows(query, key_cache, value_cache, block_tables, seq_lens,
+                             query_start_loc, decode, scale, out, workspace,
+                             None if kind is None else kind.first_visible)
     for rows in _length_buckets(decode, seq_lens, key_cache.shape[1]):
         starts = query_start_loc[rows].long()
         out[starts] = _attend(query[starts, :, None], key_cache, value_cache,
