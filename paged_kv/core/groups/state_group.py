@@ -46,8 +46,9 @@ from ..step.parse import Step
 from ..step.plan import Admission, StepPlan
 from .groups import Filled, LayerGroup
 from .rules import group_key
-from .state import OutOfStateSlotsError, StateBatch, StateSlab, StateSlots
+from .state import OutOfStateSlotsError, StateBatch, StateSlots
 from .state_export import CheckpointExport
+from .state_slab import StateSlab
 from .state_tenants import CheckpointShares
 
 
