@@ -55,6 +55,17 @@ class CheckpointPolicy:
             self._heap = [(*rank, s) for s, rank in self._rank.items()]
             heapq.heapify(self._heap)
 
+    def add_all(self, slots: list[int], tiers: list[int]) -> None:
+        """`add` of each of `slots` (distinct) at its tier in `tiers`, in order: the same
+        ranks (and so the same victims) in one call."""
+        clock, rank, heap = self._clock, self._rank, self._heap
+        for slot, tier in zip(slots, tiers, strict=True):
+            rank[slot] = entry = (tier, next(clock))
+            heapq.heappush(heap, (*entry, slot))
+        if len(heap) > 2 * len(rank) + 64:  # drop the stale entries
+            self._heap = [(*entry, s) for s, entry in rank.items()]
+            heapq.heapify(self._heap)
+
     def tier_of(self, slot: int) -> int:
         """`slot`'s tier."""
         return self._rank[slot][0]
