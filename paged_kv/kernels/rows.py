@@ -5,8 +5,9 @@ half-precision K/V eight times slower than a row of 16-byte elements; `wide` vie
 as the widest element that divides them (bit for bit the same bytes: nothing is
 converted). ``index_select`` copies whole rows, and whole blocks (``block_size`` tokens)
 run at ``copy_``'s speed where token rows do not: `gather_packed_blocks` copies each
-sequence's full blocks as block rows straight into its span of a packed output, and only
-its last partial block token by token.
+sequence's blocks as block rows straight into its span of a packed output, its last
+partial block whole too where what spills past the sequence is overwritten later, and
+token by token only where it is not.
 """
 
 from __future__ import annotations
@@ -47,35 +48,58 @@ def index_copy_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Ten
         target.index_copy_(0, index, source)
 
 
-def gather_packed_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: list[int], starts: list[int], out: torch.Tensor) -> None:
-    """Copy each sequence's tokens from the pages into its span of a packed output.
+def gather_packed_blocks(caches: tuple[torch.Tensor, ...], block_tables: torch.Tensor,
+                         seq_lens: list[int], starts: list[int],
+                         outs: tuple[torch.Tensor, ...]) -> None:
+    """Copy each sequence's tokens from the pages into its span of a packed output, for
+    each (cache, out) pair (K and V share the block ids).
+
+    A sequence's blocks move as block rows, its last partial one whole as well: the rows
+    past its length land in the spans of the sequences after it, which are copied later and
+    overwrite them (one call a sequence instead of two, and no token rows). Only where that
+    spill would pass the output's end (the last sequences), or spans are out of order, is
+    the partial block copied token by token.
 
     Parameters
     ----------
-    cache : torch.Tensor
+    caches : tuple of torch.Tensor
         ``[num_blocks, block_size, H, D]`` pages.
     block_tables : torch.Tensor
         ``[B, max_blocks]`` int32 (every length within its row's blocks).
     seq_lens, starts : list of int
-        ``[B]`` each sequence's length and first row in `out`.
-    out : torch.Tensor
-        ``[total_tokens, H, D]`` contiguous.
+        ``[B]`` each sequence's length and first row in each out; spans in order and
+        disjoint for the spill to be taken.
+    outs : tuple of torch.Tensor
+        ``[total_rows, H, D]`` contiguous, one per cache.
     """
-    block_size = cache.shape[1]
-    blocks, tokens = cache.view(cache.shape[0], -1), cache.view(-1, cache[0, 0].numel())
-    rows = out.view(out.shape[0], -1)
+    block_size, num_rows = caches[0].shape[1], outs[0].shape[0]
+    ids = block_tables.long()
+    ordered = all(a + n <= b for a, n, b in zip(starts, seq_lens, starts[1:], strict=False))
+    # views made once: a few µs each, against a sequence's copy of tens of µs
+    pairs = [(cache.view(cache.shape[0], -1), out.view(num_rows, -1))
+             for cache, out in zip(caches, outs, strict=True)]
     for b, (length, start) in enumerate(zip(seq_lens, starts, strict=True)):
-        full = length // block_size
-        table = block_tables[b]
-        if full:
-            span = rows[start:start + full * block_size].view(full, -1)
-            torch.index_select(blocks, 0, table[:full].long(), out=span)
-        tail = length - full * block_size
-        if tail:
-            slots = table[full].long() * block_size + torch.arange(tail, device=cache.device)
-            torch.index_select(tokens, 0, slots, out=rows[start + full * block_size:
-                                                          start + length])
+        whole = -(-length // block_size)
+        if not ordered or start + whole * block_size > num_rows:
+            whole = length // block_size
+        if whole:
+            table = ids[b, :whole]
+            for blocks, rows in pairs:
+                torch.index_select(blocks, 0, table,
+                                   out=rows[start:start + whole * block_size].view(whole, -1))
+        if length > whole * block_size:
+            _copy_tail(caches, ids[b, whole], length - whole * block_size, pairs,
+                       start + whole * block_size)
+
+
+def _copy_tail(caches: tuple[torch.Tensor, ...], block: torch.Tensor, tail: int,
+               pairs: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+    """``rows[start:start + tail]`` <- the first `tail` tokens of `block`, token by token."""
+    block_size = caches[0].shape[1]
+    slots = block * block_size + torch.arange(tail, device=block.device)
+    for cache, (_, rows) in zip(caches, pairs, strict=True):
+        torch.index_select(cache.view(-1, rows.shape[1]), 0, slots,
+                           out=rows[start:start + tail])
 
 
 def gather_packed_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -90,9 +114,8 @@ def gather_packed_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
             or not all(o.is_contiguous() for o in out) \
             or max(lens) > block_tables.shape[1] * block_size:
         return False
-    starts = cu_seqlens[:-1].tolist()
-    for cache, dst in zip((key_cache, value_cache), out, strict=True):
-        gather_packed_blocks(cache, block_tables, lens, starts, dst)
+    gather_packed_blocks((key_cache, value_cache), block_tables, lens,
+                         cu_seqlens[:-1].tolist(), out)
     return True
 
 
@@ -126,8 +149,9 @@ def gather_padded_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
     if not by_tokens and padding < batch_size * _SEQ_CALL_BYTES:
         return False
     starts = [row * length for row in range(batch_size)]
-    for cache, dst in zip((key_cache, value_cache), out, strict=True):
-        gather_packed_blocks(cache, block_tables, lens, starts, dst.view(-1, *dst.shape[2:]))
+    gather_packed_blocks((key_cache, value_cache), block_tables, lens, starts,
+                         tuple(dst.view(-1, *dst.shape[2:]) for dst in out))
+    for dst in out:
         for row, end in enumerate(lens):  # each padding is one contiguous tail: one memset
             if end < length:
                 dst[row, end:].zero_()

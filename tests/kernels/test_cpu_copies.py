@@ -136,3 +136,24 @@ def test_when_the_padded_gather_goes_sequence_by_sequence(monkeypatch):
     assert not rows_module.gather_padded_by_blocks(key, value, tables[:, :2], seq_lens, 208,
                                                    out)
     assert not rows_module.gather_padded_by_blocks(key, value, tables, seq_lens, 200, out)
+
+
+@pytest.mark.parametrize("order", ["in-order", "reversed"])
+@pytest.mark.parametrize("lens", [[37, 16, 64, 5], [3, 2, 1], [90, 0, 33]])
+def test_the_packed_copy_spills_only_into_spans_copied_later(order, lens):
+    """A sequence's last block copied whole lands partly in the next spans, which are copied
+    after it; spans out of order (or a spill past the end) take the token rows instead."""
+    key, value, tables, _ = _pages(lens, 4, torch.float16, 5, consecutive=False)
+    starts, position = [], 0
+    for n in lens:
+        starts.append(position)
+        position += n
+    if order == "reversed":  # the same spans, the last sequence first in the output
+        starts = [sum(lens) - start - n for start, n in zip(starts, lens, strict=True)]
+    outs = tuple(torch.full((sum(lens), 2, 8), 7.0, dtype=torch.float16) for _ in "kv")
+    rows_module.gather_packed_blocks((key, value), tables, lens, starts, outs)
+    for cache, out in zip((key, value), outs, strict=True):
+        expected = _padded_loop(cache, tables, lens, max(lens))
+        for b, (start, n) in enumerate(zip(starts, lens, strict=True)):
+            assert torch.equal(out[start:start + n].view(torch.uint8),
+                               expected[b, :n].view(torch.uint8)), (b, order)
