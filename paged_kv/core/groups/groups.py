@@ -29,7 +29,7 @@ from ..step.parse import Step
 from ..step.plan import Admission, StepPlan, StepPlanner
 from ..step.prefix import forget_unwritten
 from ..swap import SwapSpace
-from .rules import group_key
+from .rules import group_key, group_suffix
 
 # a leading group's block that filled in a step: (row, column, key, parent key, token bytes)
 Filled = tuple[int, int, bytes, bytes, bytes]
@@ -357,10 +357,10 @@ class LayerGroup:
         if not filled:
             return
         rows, columns, keys, parents, pieces = zip(*filled, strict=True)
-        index = self.index
+        suffix = group_suffix(self.index)
         allocator.register_keyed(self.tables.block_ids[list(rows), list(columns)].tolist(),
-                                 [group_key(key, index) for key in keys], list(pieces),
-                                 [group_key(parent, index) for parent in parents])
+                                 [key + suffix for key in keys], list(pieces),
+                                 [parent + suffix for parent in parents])
 
 
 def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,

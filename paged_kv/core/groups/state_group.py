@@ -45,7 +45,7 @@ from ..pool import KVPool
 from ..step.parse import Step
 from ..step.plan import Admission, StepPlan
 from .groups import Filled, LayerGroup
-from .rules import group_key
+from .rules import group_key, group_suffix
 from .state import OutOfStateSlotsError, StateBatch, StateSlots
 from .state_export import CheckpointExport
 from .state_slab import StateSlab
@@ -190,13 +190,14 @@ class StateGroup(CheckpointExport, LayerGroup):
                filled: list[Filled]) -> StateBatch:
         """The `StateBatch` of `rows` (their tokens packed in order, ``counts`` each after
         ``old``), offering a checkpoint after each block in `filled`."""
-        block_size, index, offer = self.tables.block_size, self.index, self.slots.offer
+        block_size, suffix, offer = self.tables.block_size, group_suffix(self.index), \
+            self.slots.offer
         junction, tenant = self.junction, self.tenant
         taken, slots = [], []
         for row, column, key, _, _ in filled:
             position = (column + 1) * block_size
-            slot = offer(group_key(key, index), position, row,
-                         shared=junction.get(row) == position, tenant=tenant.get(row, 0))
+            slot = offer(key + suffix, position, row, junction.get(row) == position,
+                         tenant.get(row, 0))
             if slot is not None:
                 taken.append((row, column))
                 slots.append(slot)
