@@ -37,8 +37,10 @@ def gather_kv_reference(
     When ``T`` is a multiple of the block size whole blocks are copied as rows of
     ``block_size * H * D`` elements, which runs at memcpy speed; otherwise it copies
     token rows of ``H * D`` (about 0.6x as fast here). Pass `pad_to` rounded up to the block
-    size for the fast path. ``zero_padding=False`` leaves positions past each length as
-    whatever the pages hold there (attention masks them anyway).
+    size for the fast path. With zero padding, sequences long enough (or much padding) are
+    copied one by one as block rows and only their padding zeroed, whatever ``T``
+    (`rows.gather_padded_by_blocks`). ``zero_padding=False`` leaves positions past each
+    length as whatever the pages hold there (attention masks them anyway).
     8-bit pages are gathered as codes and scales, then dequantized into `out` (padding gets
     zero scales, hence zeros).
     """
