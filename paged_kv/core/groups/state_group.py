@@ -193,34 +193,33 @@ class StateGroup(CheckpointExport, LayerGroup):
         block_size, suffix, offer = self.tables.block_size, group_suffix(self.index), \
             self.slots.offer
         junction, tenant = self.junction, self.tenant
-        taken, slots = [], []
+        taken, ends, slots = [], [], []  # the rows that took one, its position, its slot
         for row, column, key, _, _ in filled:
             position = (column + 1) * block_size
             slot = offer(key + suffix, position, row, junction.get(row) == position,
                          tenant.get(row, 0))
             if slot is not None:
-                taken.append((row, column))
+                taken.append(row)
+                ends.append(position)
                 slots.append(slot)
         device = self.slab.device
         return StateBatch(torch.from_numpy(self.slots.live_of(rows)).to(device),
-                          torch.from_numpy(self._emit_tokens(rows, old, counts, taken)
+                          torch.from_numpy(self._emit_tokens(rows, old, counts, taken, ends)
                                            ).to(device),
                           torch.tensor(slots, dtype=torch.int64, device=device))
 
     def _emit_tokens(self, rows: np.ndarray, old: np.ndarray, counts: np.ndarray,
-                     taken: list[tuple[int, int]]) -> np.ndarray:
+                     taken: list[int], ends: list[int]) -> np.ndarray:
         """``[E]`` int64 index in the step's packed tokens (``counts`` per row of `rows`,
-        after ``old``) of the last token of each ``(row, column)`` block in `taken`: in
+        after ``old``) of the token before position ``ends[i]`` of row ``taken[i]``: in
         arrays, once a step (numpy scalars per block cost ~2 us each)."""
         if not taken:
             return np.zeros(0, dtype=np.int64)
         # each row's place in the step, looked up only for rows that filled a block
         position_of = np.zeros(int(rows.max()) + 1, dtype=np.int64)
         position_of[rows] = np.arange(rows.size)
-        starts = np.cumsum(counts) - counts
-        where = np.array(taken, dtype=np.int64)
-        i = position_of[where[:, 0]]
-        return starts[i] + (where[:, 1] + 1) * self.tables.block_size - 1 - old[i]
+        i = position_of[taken]
+        return (np.cumsum(counts) - counts)[i] + np.array(ends, dtype=np.int64) - 1 - old[i]
 
     # -- the lifecycle ---------------------------------------------------------------------
     def check_fork(self, parent: SeqId, what: str) -> None:
