@@ -58,11 +58,14 @@ def attend_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         ``[R']`` the rows not attended here (few keys, or past their table).
     """
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    token_bytes = num_kv_heads * head_dim * key_cache.element_size()
+    # no row long enough (short decode batches): one read, not the dozen ops below
+    if not rows.numel() or int(seq_lens.max()) * token_bytes < OWN_ROW_BYTES:
+        return rows
     lens = seq_lens[rows].long()
     first = torch.zeros_like(lens) if first_visible is None else first_visible(lens - 1)
     first_column = torch.div(first, block_size, rounding_mode="floor")
     num_columns = torch.div(lens - 1, block_size, rounding_mode="floor") - first_column + 1
-    token_bytes = num_kv_heads * head_dim * key_cache.element_size()
     own = ((lens - first) * token_bytes >= OWN_ROW_BYTES) \
         & (first_column + num_columns <= block_tables.shape[1])
     if not bool(own.any()):

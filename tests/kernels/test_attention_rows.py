@@ -135,6 +135,13 @@ def test_which_rows_go_on_their_own(monkeypatch):
                                       torch.arange(4), None, out, None)
     assert left.tolist() == [1, 3]  # 7 tokens: too few; 30: past the table
     assert out[1].eq(0).all() and out[3].eq(0).all() and out[0].ne(0).any()
+    monkeypatch.setattr(attention_rows, "OWN_ROW_BYTES", 31 * token_bytes)
+    untouched = torch.zeros_like(query)  # no row reads 31 keys: all left, nothing written
+    rows = torch.arange(4)
+    assert attention_rows.attend_rows(query, key_cache, value_cache, tables, seq_lens, starts,
+                                      rows, None, untouched, None) is rows
+    assert untouched.eq(0).all()
+    monkeypatch.setattr(attention_rows, "OWN_ROW_BYTES", 8 * token_bytes)
     window = attention_reference.AttentionKind(window=4).first_visible
     left = attention_rows.attend_rows(query, key_cache, value_cache, tables, seq_lens, starts,
                                       torch.arange(4), None, out, None, window)
