@@ -76,9 +76,9 @@ class TenantEviction:
                  margin: int | None = None) -> None:
         self.ledger = ledger = TenantLedger(policy, num_blocks, clock)  # read: `usage`
         self.policy, self.names = policy, ledger.names
-        self._tags = TenantTags(self.names, num_blocks)
-        self._ids = self._tags.ids  # salted root -> tenant
         self.ghost = GhostList(default_capacity(num_blocks))
+        self._tags = TenantTags(self.names, num_blocks, self.ghost)
+        self._ids = self._tags.ids  # salted root -> tenant
         # every cached block; while riding, in eviction order (all ordinary)
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._rides, self._riding = ride, ride
@@ -213,7 +213,7 @@ class TenantEviction:
             self._split()
         evicted, runs = self.ledger.victims(count, asking)
         self._drop(evicted)
-        self._blame_runs(runs, forget(evicted), asking)
+        self._blame(forget(evicted), [tenant for tenant, run in runs for _ in run], asking)
         self._worked(count)
         return evicted
 
@@ -254,16 +254,7 @@ class TenantEviction:
             return None
         self._floor -= count
         self._pending.extend(tenants)
-        keys = forget(evicted)
-        mine = 0 if asking is None else tenants.count(asking)
-        if asking is None:
-            self.ghost.evicted(keys, "device", "global")
-        elif mine == count:
-            self.ghost.evicted(keys, "device", "own")
-        elif not mine:
-            self.ghost.evicted(keys, "device", "tenant", self.names[asking])
-        else:
-            self._blame(keys, tenants, asking)
+        self._blame(forget(evicted), tenants, asking)
         return evicted
 
     def _ride_quota(self, tenant: int, forget: Forget) -> list[int]:
@@ -337,7 +328,7 @@ class TenantEviction:
         """`block_ids` (out of the policy) out of the index, remembered as evicted under
         `pressure` by their own tenant; returns them."""
         if block_ids:
-            self.ghost.evicted(forget(block_ids), "device", pressure)
+            self._blame(forget(block_ids), self._tags.of(block_ids), None, pressure)
         return block_ids
 
     def _worked(self, blocks: int) -> None:
@@ -357,23 +348,30 @@ class TenantEviction:
             del cached[block_id]
 
     # -- blame: whose pressure evicted a key ---------------------------------------------
-    def _blame(self, keys: list[bytes], tenants: Sequence[int], asking: int | None) -> None:
-        """Remember `keys` (of blocks of `tenants`) as evicted from the device by `asking`'s
-        pressure: ``own`` for its blocks, ``tenant`` for others' (``global`` for a step
-        mixing tenants)."""
-        if asking is None:
-            self.ghost.evicted(keys, "device", "global")
+    def _blame(self, keys: list[bytes], tenants: Sequence[int], asking: int | None,
+               pressure: str | None = None) -> None:
+        """Remember `keys` (of blocks of `tenants`, in order) as evicted from the device,
+        each with the tenant that owned it (`GhostList.owner`): under `pressure` when
+        given (``own_quota``, ``flush``: by their own tenant), else by `asking`'s pressure,
+        ``own`` for its blocks and ``tenant`` for others' (``global`` for a step mixing
+        tenants). One entry for all when one tenant owned them all, as a run of victims
+        as a rule; else each key's, by owner, in C."""
+        first = tenants[0]
+        if tenants.count(first) == len(tenants):
+            self.ghost.evicted_each(dict.fromkeys(keys, self._entry(first, asking, pressure)))
             return
-        entries = [("device", "tenant", self.names[asking])] * len(self.names)
-        entries[asking] = ("device", "own", None)  # by tenant: each key's entry in C
+        entries = [self._entry(owner, asking, pressure) for owner in range(len(self.names))]
         self.ghost.evicted_each(dict(zip(keys, map(entries.__getitem__, tenants),
                                          strict=True)))
 
-    def _blame_runs(self, runs: list[tuple[int, list[int]]], keys: list[bytes],
-                    asking: int | None) -> None:
-        """`_blame` of victims in `runs` of one tenant each, as the ledger gives them
-        (`keys` in their order)."""
-        self._blame(keys, [tenant for tenant, run in runs for _ in run], asking)
+    def _entry(self, owner: int, asking: int | None, pressure: str | None) -> tuple:
+        """The ghost entry of a block of `owner` evicted under `pressure` or, without one,
+        by `asking`'s pressure: ``(tier, pressure, by, owner)``."""
+        if pressure is None:
+            if asking is not None and owner != asking:
+                return "device", "tenant", self.names[asking], owner
+            pressure = "global" if asking is None else "own"
+        return "device", pressure, None, owner
 
     # -- checking -------------------------------------------------------------------------
     def snapshot(self) -> tuple:

@@ -10,6 +10,8 @@ least the newest half of its capacity and never more than all of it:
 - evicted key -> (tier, pressure, by): where it was last evicted from and whose pressure
   did it (``own_quota``, ``own``, ``tenant`` with `by` naming that tenant, ``global`` for a
   step mixing tenants or a pool without a policy, ``flush`` for an admin flush or reset);
+  a tenant policy adds a fourth field, the tenant that owned the block (`owner`), so a
+  block chaining from an evicted key finds its tenant in the one map the ghost keeps;
 - parent key of a block indexed once: a prompt whose block chains from such a parent but
   was never indexed differs from an earlier prompt *inside* that block (``diverged``).
 
@@ -122,7 +124,8 @@ class GhostList:
 
     def evicted_each(self, entries: dict[bytes, tuple]) -> None:
         """Remember each key of `entries` as evicted, with its own ``(tier, pressure, by)``
-        (one eviction whose blocks were under different pressures)."""
+        (one eviction whose blocks were under different pressures), or ``(tier, pressure,
+        by, owner)`` naming the tenant that owned it."""
         if self.capacity and entries:
             self._evicted.update(entries)
 
@@ -144,7 +147,14 @@ class GhostList:
 
     def entry(self, key: bytes) -> tuple | None:
         """``(tier, pressure, by)`` of `key` if remembered as evicted."""
-        return self._evicted.get(key)
+        entry = self._evicted.get(key)
+        return entry if entry is None or len(entry) == 3 else entry[:3]
+
+    def owner(self, key: bytes) -> int | None:
+        """The tenant that owned `key`'s block when it was evicted, if remembered (an entry
+        of `evicted_each` that names one)."""
+        entry = self._evicted.get(key)
+        return entry[3] if entry is not None and len(entry) > 3 else None
 
 
 def _stored(generations: tuple[dict, dict], entries: dict, capacity: int,

@@ -3,21 +3,23 @@
 A block's parent is its tenant's salted root (the first block of a prompt) or the key of a
 block indexed before it, of the same tenant: the salt is in the chain. That block may be
 gone: a sequence whose copy of it was not indexed (another sequence had indexed the same
-key first) goes on after the indexed one was evicted. So the tags also remember the tenant
-of each key tagged (the newest half of `ghost.default_capacity` keys at least); a parent
-older than that, found nowhere, counts as unnamed (tenant 0). That memory is asked only
-when a parent is neither a root nor indexed, which is rare, so tagging appends its batch
-(`LazyKeyMemory`) and the keys go into a map only when the memory is asked.
+key first) goes on after the indexed one was evicted. So a tenant policy's ghost list
+(`GhostList.owner`) remembers the tenant that owned each key it evicted, the newest half of
+`ghost.default_capacity` keys at least; a parent older than that, or taken out of the index
+without an eviction (a rolled-back block), found nowhere, counts as unnamed (tenant 0).
+The owner rides in the ghost's own entry, so the tags hold no key the ghost list does not
+(they kept a memory of every key tagged before: up to four times the pool's blocks in a
+list and two maps, beside the ghost's own) and an eviction stores each key once.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 from ..keys import root_hash
-from .ghost import KeyMemory, default_capacity
+from .ghost import GhostList
 
 
 class TenantTags:
@@ -29,6 +31,9 @@ class TenantTags:
         The tenants, the unnamed (None) first: a tenant is its index here.
     num_blocks : int
         The pool's blocks, the null block included.
+    ghost : GhostList, optional
+        The policy's ghost list, whose entries name the owner of each key it evicted (None:
+        a parent found neither as a root nor indexed is the unnamed tenant's).
 
     Examples
     --------
@@ -38,7 +43,8 @@ class TenantTags:
     ((1, 1), 1, 0)
     """
 
-    def __init__(self, names: list[str | None], num_blocks: int) -> None:
+    def __init__(self, names: list[str | None], num_blocks: int,
+                 ghost: GhostList | None = None) -> None:
         self.names = names
         self.ids = {root_hash(name): i for i, name in enumerate(names) if name}  # root -> tenant
         # per block, its tenant: set when it is indexed (stale elsewhere), read a run of
@@ -47,7 +53,7 @@ class TenantTags:
         # specialised list-int store) takes half the instructions of a bytearray's, which
         # converts each value to a byte; reads by `itemgetter` cost the same either way
         self._tenant: list[int] = [0] * num_blocks
-        self._key_tenants = LazyKeyMemory(default_capacity(num_blocks), narrow=len(names) <= 256)
+        self._ghost = ghost
         # parents found nowhere (not a root, not indexed, forgotten): their blocks were
         # tagged unnamed though their chain's root may name a tenant; while none was, every
         # tag is the tenant of the root its chain starts from
@@ -82,7 +88,6 @@ class TenantTags:
             tenant = self._tenant_of_parent(parents[0], index)  # one chain: one tenant
             for block_id in block_ids:
                 tenant_of[block_id] = tenant
-            self._key_tenants.remember(keys, tenant)
             return
         try:  # a decode step's blocks: each chains from its sequence's block indexed before
             owners = operator.itemgetter(*parents)(index)  # a tuple: two parents or more
@@ -92,7 +97,6 @@ class TenantTags:
             tenants = self.of(owners)
             for block_id, tenant in zip(block_ids, tenants, strict=True):
                 tenant_of[block_id] = tenant
-            self._key_tenants.remember(keys, tenants)
             return
         batch: dict[bytes, int] = {}  # the tenants of this batch's keys, as they are found
         for block_id, key, parent in zip(block_ids, keys, parents, strict=True):
@@ -100,75 +104,20 @@ class TenantTags:
             if tenant is None:
                 tenant = self._tenant_of_parent(parent, index)
             tenant_of[block_id] = batch[key] = tenant
-        self._key_tenants.remember(list(batch), list(batch.values()))  # keys are distinct
 
     def _tenant_of_parent(self, parent: bytes, index: Mapping[bytes, int]) -> int:
         """The tenant of a block chaining from `parent`: a salted root's, an indexed
-        block's, else a key's remembered by `tag` (0, the unnamed, when forgotten)."""
+        block's, else the owner the ghost list remembers for an evicted key (0, the
+        unnamed, when found nowhere)."""
         tenant = self.ids.get(parent)
         if tenant is not None:
             return tenant
         owner = index.get(parent)
         if owner is not None:
             return self._tenant[owner]
-        tenant = self._key_tenants.get(parent, -1)
-        if tenant < 0:
+        tenant = None if self._ghost is None else self._ghost.owner(parent)
+        if tenant is None:
             self.misses += 1
             return 0
         return tenant
 
-
-class LazyKeyMemory:
-    """`KeyMemory` of keys to tenants that takes a batch in O(1): batches wait in two flat
-    arrays (at most `capacity` keys: the oldest half goes when they pass it; no object per
-    batch, so nothing for the garbage collector to trace) and go into the map when it is
-    asked, oldest first, so it remembers what a `KeyMemory` given every batch would.
-
-    Parameters
-    ----------
-    capacity : int
-        Keys remembered at most (0: none).
-    narrow : bool
-        Every tenant fits a byte (256 tenants at most): the waiting tenants are a
-        bytearray, which takes a batch of one tenant as one C-level fill and drops its
-        oldest half by moving its start, not a list of ints (a reference each).
-
-    Examples
-    --------
-    >>> memory = LazyKeyMemory(4)
-    >>> memory.remember([b"a", b"b"], 1)
-    >>> memory.remember([b"c"], [2])
-    >>> memory.get(b"a"), memory.get(b"c"), memory.get(b"z", 0)
-    (1, 2, 0)
-    """
-
-    def __init__(self, capacity: int, *, narrow: bool = True) -> None:
-        self.capacity = capacity
-        self._memory = KeyMemory(capacity)
-        self._keys: list[bytes] = []
-        self._narrow = narrow
-        self._tenants: bytearray | list[int] = bytearray() if narrow else []
-
-    def remember(self, keys: list[bytes], tenants: int | Sequence[int]) -> None:
-        """Remember `keys` as of `tenants` (one for all, or one each)."""
-        if not self.capacity:
-            return
-        self._keys += keys
-        if isinstance(tenants, int):
-            self._tenants += (_FILLS[tenants] * len(keys) if self._narrow
-                              else [tenants] * len(keys))
-        else:
-            self._tenants.extend(tenants)
-        if len(self._keys) > self.capacity:  # the memory would have dropped these
-            del self._keys[:len(self._keys) - self.capacity // 2]
-            del self._tenants[:len(self._tenants) - self.capacity // 2]
-
-    def get(self, key: bytes, default: int = 0) -> int:
-        """The tenant remembered for `key`, else `default`."""
-        if self._keys:
-            self._memory.update(dict(zip(self._keys, self._tenants, strict=True)))
-            self._keys, self._tenants = [], bytearray() if self._narrow else []
-        return self._memory.get(key, default)
-
-
-_FILLS = [bytes((tenant,)) for tenant in range(256)]  # a batch of one tenant: fill * n

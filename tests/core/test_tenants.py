@@ -193,6 +193,21 @@ def test_a_key_evicted_again_is_remembered_as_the_newest():
     assert ghost.entry(keys[1]) == ("disk", "flush", None)
 
 
+def test_an_evicted_keys_owner_rides_in_its_entry_and_stays_out_of_the_reason():
+    """Fault: the owner a tenant policy stores with an evicted key leaks into the miss
+    reason's fields, or a key without one (a pool without tenants, a tier) claims an
+    owner."""
+    ghost = GhostList(8)
+    keys = [i.to_bytes(32, "little") for i in range(3)]
+    ghost.evicted_each({keys[0]: ("device", "tenant", "B", 1), keys[1]: ("device", "own",
+                                                                        None, 2)})
+    ghost.evicted(keys[2:], "host", "global")
+    assert ghost.entry(keys[0]) == ("device", "tenant", "B")
+    assert ghost.miss(keys[1], b"", 3) == Miss("evicted", 3, "device", "own")
+    assert [ghost.owner(key) for key in keys] == [1, 2, None]
+    assert ghost.owner(b"\xff" * 32) is None
+
+
 @pytest.mark.parametrize("policy, field", [
     (TenantPolicy({"A": TenantLimits(quota=-1)}), "tenants.A.quota"),
     (TenantPolicy({"A": TenantLimits(quota=3, reservation=4)}), "tenants.A.reservation"),
