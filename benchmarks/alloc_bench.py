@@ -667,6 +667,18 @@ def trace_stats(tr):
     }
 
 
+def print_paired(results, scen, impls):
+    """Each impl's wall time over the first impl's in the same repeat: median [min-max]."""
+    base = impls[0]
+    print(f"\nwall time over {base}, paired by repeat: median [min-max]")
+    for s in scen:
+        for impl in impls[1:]:
+            ratios = sorted(r["wall_s"] / b["wall_s"]
+                            for r, b in zip(results[s][impl], results[s][base], strict=True))
+            print(f"{s:8} {impl:16} {statistics.median(ratios):.3f} "
+                  f"[{ratios[0]:.3f}-{ratios[-1]:.3f}] over {len(ratios)} repeats")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--anchors", default=os.environ.get("ALLOC_ANCHORS_DIR"),
@@ -682,6 +694,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up replays per (impl, scenario)")
     ap.add_argument("--no-gc", action="store_true", help="disable the cyclic GC during replays")
     ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--paired", action="store_true",
+                    help="also print each impl's wall time over the first impl's, paired by repeat "
+                         "(adjacent replays: drift and a neighbour's load cancel more than in a "
+                         "ratio of medians)")
     args = ap.parse_args()
 
     impls = [s for s in args.impls.split(",") if s]
@@ -760,6 +776,8 @@ def main():
             print(f"{s:8} {impl:16} {w[0]:8.3f}/{w[1]:8.3f} {o[0]:13.3e}/{o[1]:13.3e} "
                   f"{st[0]:9.1f}/{st[1]:9.1f} ({p90:7.1f}) {ad[0]:8.1f}/{ad[1]:8.1f} "
                   f"{r0['fresh_allocs']:8d} {r0['refs_released']:8d} {r0['hit_blocks']:7d}")
+    if args.paired:
+        print_paired(results, scen, impls)
     print(f"\nfull-batch ({args.concurrency}) decode steps per replay: "
           + ", ".join(f"{s}={results[s][impls[0]][0]['full_steps']}" for s in scen))
 
