@@ -241,7 +241,8 @@ class StateSlots:
             stepped = np.zeros(max(pending) + 1, dtype=bool)
             rows = np.asarray(rows, dtype=np.int64)
             stepped[rows[rows < stepped.size]] = True
-            rows = [row for row in pending if stepped[row]]
+            held = np.fromiter(pending, dtype=np.int64, count=len(pending))
+            rows = held[stepped[held]].tolist()  # in the pending order, one array read
         slot_of, pop = self._slot_of, pending.pop
         keys = [key for row in rows for key in pop(row, ())]
         if keys:
