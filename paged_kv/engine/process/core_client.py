@@ -12,7 +12,6 @@ import signal
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from .. import EngineDeadError, SamplingParams, StepOutput
@@ -26,6 +25,7 @@ logger = logging.getLogger("paged_kv.server")
 _LAST_WORDS_S = 0.2  # after the core exits, how long its last messages may take to arrive
 _DEAD_EXIT_S = 1.0  # a dead core: answer 503 this long, then exit non-zero for a supervisor
 _REAP_S = 5.0  # at most this long for an exited peer to become reapable
+_FULL_RETRY_S = 0.001  # a send to a full queue (the core not reading) tries again this often
 
 
 class CoreClient:
@@ -66,20 +66,26 @@ class CoreClient:
         # the core's queue as it last told (an idle engine until it does: minus its slots),
         # and the `Add`s sent to it, of which it had taken `_received` by then
         self._waiting, self._sent, self._received = -limits.max_num_seqs, 0, 0
-        self._socket: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        # a plain socket read from the event loop's own reader, not zmq.asyncio's: its
+        # futures cost an extra turn of the loop and some 20 µs a message on the way of
+        # every first token (and every step's outputs)
+        self._socket: zmq.Socket | None = None
+        self._fd: int | None = None
+        self._backlog: set[asyncio.Task] = set()  # aborts waiting for room in a full queue
         self._peers = list(peers or ())
 
     def start(self) -> None:
         """Connect and listen (on the running event loop)."""
         loop = asyncio.get_running_loop()
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, self._identity)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self._address)
-        self._socket.send(messages.encode(messages.Hello()))
-        self._reader = loop.create_task(self._read())
+        self._fd = self._socket.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._read)
+        self._socket.send(messages.encode(messages.Hello()))  # (the queue is empty: no wait)
+        loop.call_soon(self._read)  # whatever came before the reader (the FD is edge-triggered)
         loop.add_reader(self._sentinel, self._core_gone)
         for peer in self._peers:
             loop.add_reader(peer.sentinel, self._peer_gone, peer)
@@ -88,10 +94,11 @@ class CoreClient:
         """Stop listening and close the socket."""
         with contextlib.suppress(Exception):
             loop = asyncio.get_running_loop()
-            for fd in (self._sentinel, *(peer.sentinel for peer in self._peers)):
-                loop.remove_reader(fd)
-        if self._reader is not None:
-            self._reader.cancel()
+            for fd in (self._sentinel, *(peer.sentinel for peer in self._peers), self._fd):
+                if fd is not None:
+                    loop.remove_reader(fd)
+        for task in self._backlog:
+            task.cancel()
         if self._socket is not None:
             self._socket.close()
             self._context.term()
@@ -129,7 +136,7 @@ class CoreClient:
         self._fresh.add(request_id)
         self._sent += 1
         try:
-            await self._socket.send(frame)
+            await self._send(frame)
         except BaseException:
             self._requests.pop(request_id, None)
             self._fresh.discard(request_id)
@@ -140,7 +147,11 @@ class CoreClient:
     def abort(self, request_id: int) -> None:
         """Ask the core to stop a request (does not wait)."""
         if request_id in self._requests and self._connected:
-            self._socket.send(messages.encode(messages.Abort(request_id)))
+            frame = messages.encode(messages.Abort(request_id))
+            if not self._post(frame):  # a full queue: it leaves once there is room
+                task = asyncio.get_running_loop().create_task(self._send(frame))
+                self._backlog.add(task)
+                task.add_done_callback(self._backlog.discard)
 
     async def metrics_text(self) -> str:
         """The engine's exposition (from the core) followed by this server's counters."""
@@ -148,7 +159,7 @@ class CoreClient:
             raise EngineDeadError(self.dead or "the engine core has stopped")
         token = next(self._ids)
         future = self._metrics[token] = asyncio.get_running_loop().create_future()
-        await self._socket.send(messages.encode(messages.MetricsQuery(token)))
+        await self._send(messages.encode(messages.MetricsQuery(token)))
         try:
             text = await asyncio.wait_for(future, timeout=30)
         finally:
@@ -170,7 +181,7 @@ class CoreClient:
             raise EngineDeadError(self.dead or "the engine core has stopped")
         token = next(self._ids)
         future = self._metrics[token] = asyncio.get_running_loop().create_future()
-        await self._socket.send(messages.encode(make(token)))
+        await self._send(messages.encode(make(token)))
         try:
             reply = await asyncio.wait_for(future, timeout=30)
         finally:
@@ -179,9 +190,37 @@ class CoreClient:
             raise ValueError(reply.error)
         return reply.value
 
-    async def _read(self) -> None:
-        while True:
-            self._dispatch(messages.decode_from_core(await self._socket.recv()))
+    def _post(self, frame: bytes) -> bool:
+        """Send `frame` now; False when the socket's queue is full (its high-water mark)."""
+        try:
+            self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        # zmq's FD is edge-triggered, and a send may take in the edge of a message that
+        # arrived meanwhile: read it on the loop's next turn, or it would wait for the next
+        if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._read)
+        return True
+
+    async def _send(self, frame: bytes) -> None:
+        """Send `frame`, waiting while the queue to the core is full; without a wait (no
+        turn of the event loop) when it is not, as nearly always."""
+        while not self._post(frame):
+            await asyncio.sleep(_FULL_RETRY_S)
+
+    def _read(self) -> None:
+        """Dispatch every message waiting on the socket (the event loop calls this when its
+        FD turns readable; an edge-triggered FD, so until none is left)."""
+        socket = self._socket
+        while socket is not None and not socket.closed:
+            try:
+                frame = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(messages.decode_from_core(frame))
+            except Exception:  # one bad message must not stop the reading of the rest
+                logger.exception("a message from the engine core could not be handled")
 
     def _dispatch(self, message: messages.FromCore) -> None:
         if isinstance(message, messages.Outputs):
