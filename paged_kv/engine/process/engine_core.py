@@ -242,6 +242,7 @@ class EngineCoreProc(EngineCore):
         self._fronts: set[bytes] = set()
         self._received: dict[bytes, int] = {}  # API server -> the `Add`s taken from it
         self._told: dict[bytes, tuple[int, int]] = {}  # API server -> (waiting, received)
+        self._unstarted: set[tuple[bytes, int]] = set()  # requests with no output yet
         self._draining = self._announced = False
 
     def drain(self, *_: object) -> None:
@@ -314,6 +315,7 @@ class EngineCoreProc(EngineCore):
                     message.request_id, message.params.n, str(exc)))
             return
         self._ids[front, message.request_id] = engine_id
+        self._unstarted.add((front, message.request_id))
 
     def _reply(self, front: bytes, message: messages.Flush | messages.CachedQuery) -> None:
         try:
@@ -327,9 +329,20 @@ class EngineCoreProc(EngineCore):
         self._socket.send_multipart([front, messages.encode(reply)])
 
     def _collect(self, front: bytes, request_id: int, out: StepOutput) -> None:
-        self._pending.setdefault(front, []).append((request_id, out))
+        key = (front, request_id)
         if out.output is not None:  # the request's last output
-            self._ids.pop((front, request_id), None)
+            self._ids.pop(key, None)
+        if key in self._unstarted:
+            self._unstarted.discard(key)
+            told = self._told.get(front)
+            if told is not None:
+                # a first token leaves the moment the engine hands it over, alone, with the
+                # counts the API server has already (unchanged): not behind the rest of the
+                # step, the flush, and the other requests' tokens in one bigger message
+                self._socket.send_multipart(
+                    [front, messages.encode(messages.Outputs([(request_id, out)], *told))])
+                return
+        self._pending.setdefault(front, []).append((request_id, out))
 
     def _flush(self) -> None:
         """One `Outputs` message to each API server that has outputs from this step, or
