@@ -139,7 +139,7 @@ def gather_padded_by_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
     """
     lens, block_size = seq_lens.tolist(), key_cache.shape[1]
     batch_size = len(lens)
-    if not lens or not all(o.is_contiguous() and o.shape[:2] == (batch_size, length)
+    if not lens or not length or not all(o.is_contiguous() and o.shape[:2] == (batch_size, length)
                            for o in out) \
             or max(lens) > block_tables.shape[1] * block_size:
         return False

@@ -100,13 +100,15 @@ def _padded_loop(cache, tables, lens, length):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.uint8])
-@pytest.mark.parametrize("lens", [[37, 16, 64, 5], [48, 48], [1, 90, 33, 0], [130, 7]])
+@pytest.mark.parametrize("lens", [[37, 16, 64, 5], [48, 48], [1, 90, 33, 0], [130, 7], [0],
+                                  [0, 0]])
 @pytest.mark.parametrize("pad_extra", [0, 3, 16])
 @pytest.mark.parametrize("consecutive", [False, True])
 def test_the_padded_gather_by_sequences_equals_a_token_loop(monkeypatch, dtype, lens,
                                                             pad_extra, consecutive):
     """Zero padding, T a multiple of the block size or not, the by-sequence path forced
-    (and, with the default threshold, whichever path the sizes choose)."""
+    (and, with the default threshold, whichever path the sizes choose); empty sequences, and
+    T = 0 (an empty prompt's batch: the by-sequence path declines it)."""
     block_size = 16
     key, value, tables, seq_lens = _pages(lens, block_size, dtype, len(lens),
                                           consecutive=consecutive)
