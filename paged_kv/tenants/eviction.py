@@ -102,6 +102,8 @@ class TenantEviction:
             None: self._reserved, **{root: self._reserved - self._reserve[tenant]
                                      for root, tenant in self._ids.items()}}
         self._held_unnamed = self._reserved - self._reserve[0]
+        # the ghost entries by owner for each (asking tenant, pressure) met: `_blame`
+        self._entries: dict[tuple[int | None, str | None], list[tuple]] = {}
 
     # -- what readers see -------------------------------------------------------------------
     @property
@@ -356,11 +358,14 @@ class TenantEviction:
         ``own`` for its blocks and ``tenant`` for others' (``global`` for a step mixing
         tenants). One entry for all when one tenant owned them all, as a run of victims
         as a rule; else each key's, by owner, in C."""
+        entries = self._entries.get((asking, pressure))
+        if entries is None:  # made once per (asking, pressure): a handful in all
+            entries = self._entries[asking, pressure] = [
+                self._entry(owner, asking, pressure) for owner in range(len(self.names))]
         first = tenants[0]
         if tenants.count(first) == len(tenants):
-            self.ghost.evicted_each(dict.fromkeys(keys, self._entry(first, asking, pressure)))
+            self.ghost.evicted_each(dict.fromkeys(keys, entries[first]))
             return
-        entries = [self._entry(owner, asking, pressure) for owner in range(len(self.names))]
         self.ghost.evicted_each(dict(zip(keys, map(entries.__getitem__, tenants),
                                          strict=True)))
 
