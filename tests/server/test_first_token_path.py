@@ -5,44 +5,30 @@ standing in for an API server, the core on a thread of this process."""
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 
 import pytest
 import zmq
 
-from paged_kv.engine import Engine, SamplingParams, TinyLlama
-from paged_kv.engine.config import EngineConfig
+from paged_kv.engine import SamplingParams
 from paged_kv.engine.process import messages
-from paged_kv.engine.process.engine_core import EngineCoreProc
 
-from .test_openai_semantics import CONFIG
+from .test_queue_count import core_on_thread
 
 
 @pytest.fixture
 def front(tmp_path):
     """A DEALER connected to an `EngineCoreProc` (two running slots) on a thread."""
-    model = TinyLlama(CONFIG, seed=1)
-    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=128, block_size=8),
-                                        max_num_seqs=2))
-    address = f"ipc://{tmp_path}/core"
-    core = EngineCoreProc(engine, address, os.getppid())
-    thread = threading.Thread(target=core.run, daemon=True)
-    thread.start()
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
-    try:
-        yield socket
-    finally:
-        socket.close()
-        context.term()
-        core.drain()
-        thread.join(60)
-        engine.close()
-        assert not thread.is_alive()
+    with core_on_thread(tmp_path, max_num_seqs=2) as (address, _):
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        try:
+            yield socket
+        finally:
+            socket.close()
+            context.term()
 
 
 def _next(socket, timeout: float = 30.0) -> messages.Outputs:

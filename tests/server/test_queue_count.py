@@ -173,23 +173,32 @@ def test_every_api_server_serves_after_a_burst(tmp_path):
 
 # -- the engine core and two API servers' clients, in this process --------------------------
 
-@pytest.fixture
-def core(tmp_path):
-    """An `EngineCoreProc` with one running slot on a thread; yields (address, limits)."""
+@contextlib.contextmanager
+def core_on_thread(tmp_path: Path, max_num_seqs: int):
+    """An `EngineCoreProc` (TinyLlama, `max_num_seqs` running slots) on a thread of this
+    process, bound to an ipc address under `tmp_path`; yields (address, engine). On exit it
+    drains (finishes what it has, says Bye, returns) and must have stopped."""
     model = TinyLlama(CONFIG, seed=1)
     engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=128, block_size=8),
-                                        max_num_seqs=1))
+                                        max_num_seqs=max_num_seqs))
     address = f"ipc://{tmp_path}/core"
     engine_core = EngineCoreProc(engine, address, os.getppid())
     thread = threading.Thread(target=engine_core.run, daemon=True)
     thread.start()
     try:
-        yield address, EngineLimits.of(engine)
+        yield address, engine
     finally:
-        engine_core.drain()  # finishes what it has, says Bye, returns
+        engine_core.drain()
         thread.join(60)
         engine.close()
         assert not thread.is_alive()
+
+
+@pytest.fixture
+def core(tmp_path):
+    """An `EngineCoreProc` with one running slot on a thread; yields (address, limits)."""
+    with core_on_thread(tmp_path, max_num_seqs=1) as (address, engine):
+        yield address, EngineLimits.of(engine)
 
 
 async def _clients(address: str, limits: EngineLimits, count: int) -> list[CoreClient]:
