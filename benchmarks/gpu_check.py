@@ -42,11 +42,10 @@ from paged_kv.kernels.attention import (  # noqa: E402
     paged_attention_triton,
 )
 from paged_kv.kernels.copy import copy_blocks_reference, copy_blocks_triton  # noqa: E402
-from paged_kv.kernels.gather import (  # noqa: E402
+from paged_kv.kernels.gather import gather_kv_reference, gather_kv_triton  # noqa: E402
+from paged_kv.kernels.gather_packed import (  # noqa: E402
     gather_kv_packed_reference,
     gather_kv_packed_triton,
-    gather_kv_reference,
-    gather_kv_triton,
 )
 from paged_kv.kernels.write import write_kv_reference, write_kv_triton  # noqa: E402
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from .attention import paged_attention, paged_attention_reference
 from .backend import use_triton
 from .copy import copy_blocks, copy_blocks_reference, swap_blocks
-from .gather import gather_kv, gather_kv_packed, gather_kv_packed_reference, gather_kv_reference
+from .gather import gather_kv, gather_kv_reference
+from .gather_packed import gather_kv_packed, gather_kv_packed_reference
 from .write import write_kv, write_kv_reference
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""gather_kv: rebuild contiguous K/V from the pages, padded ``[B, T, H, D]`` or packed varlen."""
+"""gather_kv: rebuild contiguous K/V from the pages, padded ``[B, T, H, D]``; the kernel and
+helpers the packed varlen form (`gather_packed`) shares."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import torch
 from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
-from .rows import gather_packed_by_blocks, gather_padded_by_blocks
+from .rows import gather_padded_by_blocks
 
 
-def _slots(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
+def gather_slots(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
            block_size: int) -> torch.Tensor:
     """Slot of each (sequence row, token position) pair; positions past the table read block 0."""
     columns = torch.div(positions, block_size, rounding_mode="floor")
@@ -79,10 +80,10 @@ def _source_rows(block_tables: torch.Tensor, batch_size: int, length: int,
     seq_index = torch.arange(batch_size, device=device)[:, None]
     if length % block_size == 0:
         columns = torch.arange(length // block_size, device=device)
-        rows = _slots(block_tables, seq_index, columns[None, :] * block_size, block_size)
+        rows = gather_slots(block_tables, seq_index, columns[None, :] * block_size, block_size)
         return rows.flatten() // block_size, (-1, block_size, *page_shape[2:])
     positions = torch.arange(length, device=device)
-    rows = _slots(block_tables, seq_index, positions[None, :], block_size).flatten()
+    rows = gather_slots(block_tables, seq_index, positions[None, :], block_size).flatten()
     return rows, (-1, *page_shape[2:])
 
 
@@ -170,7 +171,7 @@ if triton is not None:
         tl.store(value_out_ptr + dst, value, mask=store_mask)
 
 
-def _launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
+def launch_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    cu_seqlens: torch.Tensor | None, longest: int,
                    out: tuple[torch.Tensor, torch.Tensor],
@@ -231,14 +232,14 @@ def gather_kv_triton(
     if length < longest:
         raise ValueError(f"pad_to: expected >= the longest sequence ({longest}), got {pad_to}")
     if out is None:
-        out = _new_out((batch_size, length, *key_cache.shape[2:]), key_cache, key_scales,
+        out = new_gather_out((batch_size, length, *key_cache.shape[2:]), key_cache, key_scales,
                        out_dtype)
-    _launch_gather(key_cache, value_cache, block_tables, seq_lens, None, longest, out,
+    launch_gather(key_cache, value_cache, block_tables, seq_lens, None, longest, out,
                    (key_scales, value_scales))
     return out
 
 
-def _new_out(shape: tuple[int, ...], key_cache: torch.Tensor, key_scales: torch.Tensor | None,
+def new_gather_out(shape: tuple[int, ...], key_cache: torch.Tensor, key_scales: torch.Tensor | None,
              out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh K and V outputs: the pages' dtype, or `out_dtype` (default float32) for 8-bit
     (and 4-bit pages, whose heads are twice their bytes)."""
@@ -300,102 +301,3 @@ def gather_kv(
                                 **scales)
     return gather_kv_reference(key_cache, value_cache, block_tables, seq_lens, pad_to, out,
                                **scales)
-
-
-def gather_kv_packed_reference(
-    key_cache: torch.Tensor,     # [num_blocks, block_size, H, D]
-    value_cache: torch.Tensor,   # [num_blocks, block_size, H, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,      # [B] int32
-    cu_seqlens: torch.Tensor,    # [B + 1] int32
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    *,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch implementation of `gather_kv_packed` (the CPU path)."""
-    if key_scales is not None:
-        return quant.gather_dequantized(
-            lambda k, v, o, _: gather_kv_packed_reference(k, v, block_tables, seq_lens,
-                                                          cu_seqlens, o),
-            key_cache, value_cache, key_scales, value_scales, out, out_dtype)
-    total = int(cu_seqlens[-1]) if out is None else out[0].shape[0]
-    if out is None:
-        shape = (total, *key_cache.shape[2:])
-        out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    if gather_packed_by_blocks(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, out):
-        return out
-    device = key_cache.device
-    seq_index = torch.repeat_interleave(
-        torch.arange(seq_lens.shape[0], device=device), seq_lens.long(), output_size=total)
-    positions = torch.arange(total, device=device) - cu_seqlens.long()[seq_index]
-    slots = _slots(block_tables, seq_index, positions, key_cache.shape[1])
-    for cache, dst in zip((key_cache, value_cache), out, strict=True):
-        torch.index_select(cache.view(-1, *cache.shape[2:]), 0, slots, out=dst)
-    return out
-
-
-def gather_kv_packed_triton(
-    key_cache: torch.Tensor,     # [num_blocks, block_size, H, D]
-    value_cache: torch.Tensor,   # [num_blocks, block_size, H, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,      # [B] int32
-    cu_seqlens: torch.Tensor,    # [B + 1] int32
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    *,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton implementation of `gather_kv_packed` (the CUDA path); same contract."""
-    longest = int(seq_lens.max()) if seq_lens.shape[0] else 0
-    if out is None:
-        out = _new_out((int(cu_seqlens[-1]), *key_cache.shape[2:]), key_cache, key_scales,
-                       out_dtype)
-    _launch_gather(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, longest, out,
-                   (key_scales, value_scales))
-    return out
-
-
-def gather_kv_packed(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    *,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rebuild K/V of a batch in the packed varlen form (FlashAttention's ``cu_seqlens``).
-
-    Parameters
-    ----------
-    key_cache, value_cache : torch.Tensor
-        ``[num_blocks, block_size, H, D]``, contiguous.
-    block_tables : torch.Tensor
-        ``[B, max_blocks]`` int32.
-    seq_lens : torch.Tensor
-        ``[B]`` int32.
-    cu_seqlens : torch.Tensor
-        ``[B + 1]`` int32, ``cu_seqlens[b + 1] - cu_seqlens[b] == seq_lens[b]``.
-    out : (torch.Tensor, torch.Tensor), optional
-        Preallocated ``[total_tokens, H, D]`` outputs.
-    key_scales, value_scales, out_dtype
-        As for `gather_kv` (8-bit pages).
-
-    Returns
-    -------
-    (torch.Tensor, torch.Tensor)
-        K and V ``[total_tokens, H, D]``; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
-    """
-    quant.check_scales("gather_kv_packed", key_cache, key_scales, value_scales)
-    scales = quant.scale_kwargs(key_scales, value_scales, out_dtype=out_dtype)
-    if use_triton(key_cache):
-        return gather_kv_packed_triton(key_cache, value_cache, block_tables, seq_lens,
-                                       cu_seqlens, out, **scales)
-    return gather_kv_packed_reference(key_cache, value_cache, block_tables, seq_lens,
-                                      cu_seqlens, out, **scales)

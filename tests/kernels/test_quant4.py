@@ -20,6 +20,7 @@ from paged_kv.kernels import (  # noqa: E402
     attention,
     copy_blocks,
     gather,
+    gather_packed,
     quant4,
     swap_blocks,
     write,
@@ -152,9 +153,9 @@ def test_gather_kv4_matches_reference(fmt: str, block_size: int, num_heads: int,
     kw = dict(key_scales=scales[0], value_scales=scales[1], out_dtype=dtype)
     if packed:
         cu_seqlens = offsets(seq_lens)
-        want = gather.gather_kv_packed_reference(*pages, block_tables, seq_lens_t, cu_seqlens,
-                                                 **kw)
-        got = gather.gather_kv_packed_triton(*pages, block_tables, seq_lens_t, cu_seqlens, **kw)
+        args = (*pages, block_tables, seq_lens_t, cu_seqlens)
+        want = gather_packed.gather_kv_packed_reference(*args, **kw)
+        got = gather_packed.gather_kv_packed_triton(*args, **kw)
         assert want[0].shape == (sum(seq_lens), num_heads, head_dim)
     else:
         want = gather.gather_kv_reference(*pages, block_tables, seq_lens_t, 20, **kw)

@@ -28,6 +28,7 @@ from paged_kv.kernels import (  # noqa: E402
     backend,
     copy,
     gather,
+    gather_packed,
     write,
 )
 
@@ -161,10 +162,10 @@ def test_gather_kv_packed_matches_reference(block_size: int, num_heads: int, hea
     block_tables, num_blocks = make_block_tables(seq_lens, block_size)
     caches = random_pages(num_blocks, block_size, num_heads, head_dim, dtype)
     args = (block_tables, torch.tensor(seq_lens, dtype=torch.int32), offsets(seq_lens))
-    expected = gather.gather_kv_packed_reference(*caches, *args)
+    expected = gather_packed.gather_kv_packed_reference(*caches, *args)
     shape = (sum(seq_lens), num_heads, head_dim)
     out = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
-    actual = gather.gather_kv_packed_triton(*caches, *args, out=out)
+    actual = gather_packed.gather_kv_packed_triton(*caches, *args, out=out)
     for name, got, want in zip("kv", actual, expected, strict=True):
         assert torch.equal(got, want), f"packed {name} differs from the reference"
 
@@ -243,7 +244,7 @@ def public_calls() -> list[tuple[str, object, object, tuple]]:
          (key, -key, key_cache, value_cache, torch.tensor([5, -1]))),
         ("gather_kv_triton", gather, gather.gather_kv,
          (key_cache, value_cache, block_tables, seq_lens_t)),
-        ("gather_kv_packed_triton", gather, gather.gather_kv_packed,
+        ("gather_kv_packed_triton", gather_packed, gather_packed.gather_kv_packed,
          (key_cache, value_cache, block_tables, seq_lens_t, offsets(seq_lens))),
         ("copy_blocks_triton", copy, copy.copy_blocks,
          (pool, torch.tensor([0]), torch.tensor([2]))),

@@ -20,7 +20,7 @@ import pytest
 triton = pytest.importorskip("triton")
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 
-from paged_kv.kernels import attention, gather, quant, write  # noqa: E402
+from paged_kv.kernels import attention, gather, gather_packed, quant, write  # noqa: E402
 
 from ..core.test_quantised import PAGE_DTYPES, error_bound  # noqa: E402
 from .conftest import tolerances  # noqa: E402
@@ -110,9 +110,9 @@ def test_gather_kv_quantised_matches_reference(kv_cache_dtype: str, block_size: 
     kw = dict(key_scales=scales[0], value_scales=scales[1], out_dtype=dtype)
     if packed:
         cu_seqlens = offsets(seq_lens)
-        want = gather.gather_kv_packed_reference(*pages, block_tables, seq_lens_t, cu_seqlens,
-                                                 **kw)
-        got = gather.gather_kv_packed_triton(*pages, block_tables, seq_lens_t, cu_seqlens, **kw)
+        args = (*pages, block_tables, seq_lens_t, cu_seqlens)
+        want = gather_packed.gather_kv_packed_reference(*args, **kw)
+        got = gather_packed.gather_kv_packed_triton(*args, **kw)
     else:
         want = gather.gather_kv_reference(*pages, block_tables, seq_lens_t, 20, **kw)
         got = gather.gather_kv_triton(*pages, block_tables, seq_lens_t, 20, **kw)
