@@ -15,7 +15,8 @@ from starlette.requests import ClientDisconnect
 
 from ..server.http.graceful import GracefulServer
 from ..server.http.protocol import error_response, status_error
-from .proxy import Router, RouterError, forward_headers
+from .proxy import Router, RouterError
+from .relay import forward_headers
 
 logger = logging.getLogger("paged_kv.router")
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ..server.http.protocol import (
     ChatCompletionRequest,
@@ -23,13 +23,12 @@ from ..server.http.protocol import (
 from ..server.http.tokenizer import ChatTemplateRefused
 from .index import prompt_keys
 from .policy import Choice, choose
+from .relay import RelayEnd, RelayResponse, RetryElsewhere, no_more, response_headers, retry_after
 from .replicas import Replica, ReplicaSet
 
 logger = logging.getLogger("paged_kv.router")
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})  # the replica cannot take it: try another
-_HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "date",
-                          "server"})
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -208,7 +207,7 @@ class Router:
             replica.in_flight += 1
             try:
                 upstream, chunks, first = await self._open(replica, path, body, headers)
-            except _Retry as exc:
+            except RetryElsewhere as exc:
                 replica.in_flight -= 1
                 self.retries.labels(reason=exc.reason).inc()
                 if exc.retry_after is not None:
@@ -218,9 +217,9 @@ class Router:
                 replica.in_flight -= 1
                 raise
             chosen()
-            return _RelayResponse(first, chunks, _Done(replica, upstream),
+            return RelayResponse(first, chunks, RelayEnd(replica, upstream),
                                   status_code=upstream.status_code,
-                                  headers=_response_headers(upstream))
+                                  headers=response_headers(upstream))
         if busy:
             raise RouterError(429, f"every replica that could take the request is busy "
                                    f"({len(busy)} answered 429); retry later",
@@ -239,12 +238,12 @@ class Router:
             if upstream.status_code in RETRY_STATUSES:
                 answer = await self.final_answer(upstream)
                 if answer is not None:  # the request's own answer: relayed, not retried
-                    return upstream, _no_more(), answer
+                    return upstream, no_more(), answer
                 await upstream.aclose()
                 if upstream.status_code != 429:
                     self.replicas.mark_down(replica, f"answered {upstream.status_code}")
-                    raise _Retry(str(upstream.status_code))
-                raise _Retry("429", retry_after(upstream.headers.get("retry-after")))
+                    raise RetryElsewhere(str(upstream.status_code))
+                raise RetryElsewhere("429", retry_after(upstream.headers.get("retry-after")))
             chunks = upstream.aiter_raw()
             first = await anext(chunks, b"")
             return upstream, chunks, first
@@ -256,7 +255,7 @@ class Router:
             if upstream is not None:
                 await upstream.aclose()
             self.replicas.mark_down(replica, f"{type(exc).__name__}: {exc}")
-            raise _Retry("connection") from None
+            raise RetryElsewhere("connection") from None
         except BaseException:
             if upstream is not None:
                 await upstream.aclose()
@@ -351,80 +350,3 @@ def _template_errors() -> tuple[type[Exception], ...]:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def retry_after(value: str | None, default: float = 1.0) -> float:
-    """A ``Retry-After`` header's seconds (`default` when absent, a date, or nonsense)."""
-    try:
-        seconds = float(value) if value is not None else default
-    except ValueError:
-        return default
-    return seconds if math.isfinite(seconds) and seconds >= 0 else default
-
-
-class _Retry(Exception):
-    """The replica cannot take the request now: try another (`retry_after`: it was busy,
-    and said when to come back)."""
-
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.retry_after = reason, retry_after
-
-
-async def _no_more() -> AsyncIterator[bytes]:
-    """No chunk after the first (an answer read whole)."""
-    return
-    yield
-
-
-class _Done:
-    """The end of a relayed answer, whichever way it comes (finished, the client gone,
-    or the response never started): once, one request fewer in flight and the upstream
-    closed."""
-
-    def __init__(self, replica: Replica, upstream: httpx.Response) -> None:
-        self.replica, self.upstream, self.done = replica, upstream, False
-
-    async def __call__(self) -> None:
-        if not self.done:
-            self.done = True
-            self.replica.in_flight -= 1
-            await self.upstream.aclose()
-
-
-class _RelayResponse(StreamingResponse):
-    """The replica's answer streamed through. A generator's ``finally`` runs only once it
-    has started, so the end is also run when the response itself ends: a client that
-    leaves before the first byte is sent does not leave a request counted in flight."""
-
-    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], done: _Done,
-                 **kwargs) -> None:
-        super().__init__(_relay(first, chunks, done), **kwargs)
-        self._done = done
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._done()
-
-
-async def _relay(first: bytes, chunks: AsyncIterator[bytes],
-                 done: _Done) -> AsyncIterator[bytes]:
-    """The answer's bytes; `done` runs however the relay ends (finished, client gone)."""
-    try:
-        if first:
-            yield first
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        await done()
-
-
-def _response_headers(upstream: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-
-
-def forward_headers(headers: dict[str, str]) -> dict[str, str]:
-    """The client's headers a replica should see (not the hop-by-hop ones)."""
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}

@@ -9,7 +9,8 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from paged_kv.router import PrefixIndex, prompt_keys
-from paged_kv.router.proxy import Router, _Done, _RelayResponse
+from paged_kv.router.proxy import Router
+from paged_kv.router.relay import RelayEnd, RelayResponse
 from paged_kv.router.replicas import ReplicaSet
 from paged_kv.server.http.tokenizer import ByteTokenizer
 
@@ -58,7 +59,7 @@ def test_an_answer_never_started_still_leaves_the_in_flight_count():
     router = make_router({"http://a": 16})
     replica, upstream = router.replicas.replicas[0], _Upstream()
     replica.in_flight = 1
-    response = _RelayResponse(b"first", _chunks(), _Done(replica, upstream), status_code=200)
+    response = RelayResponse(b"first", _chunks(), RelayEnd(replica, upstream), status_code=200)
 
     async def gone(message) -> None:
         raise OSError("client disconnected")
@@ -76,7 +77,7 @@ def test_a_relayed_answer_gives_its_count_back_once():
     router = make_router({"http://a": 16})
     replica, upstream = router.replicas.replicas[0], _Upstream()
     replica.in_flight = 1
-    response = _RelayResponse(b"first", _chunks(), _Done(replica, upstream), status_code=200)
+    response = RelayResponse(b"first", _chunks(), RelayEnd(replica, upstream), status_code=200)
     sent: list[bytes] = []
 
     async def send(message) -> None:
