@@ -48,12 +48,7 @@ class CheckpointPolicy:
 
     def add(self, slot: int, tier: int) -> None:
         """Make `slot`, a written checkpoint of `tier`, evictable (the most recent)."""
-        rank = (tier, next(self._clock))
-        self._rank[slot] = rank
-        heapq.heappush(self._heap, (*rank, slot))
-        if len(self._heap) > 2 * len(self._rank) + 64:  # drop the stale entries
-            self._heap = [(*rank, s) for s, rank in self._rank.items()]
-            heapq.heapify(self._heap)
+        self.add_all([slot], [tier])
 
     def add_all(self, slots: list[int], tiers: list[int]) -> None:
         """`add` of each of `slots` (distinct) at its tier in `tiers`, in order: the same

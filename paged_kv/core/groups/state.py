@@ -250,8 +250,7 @@ class StateSlots:
 
     def _servable(self, slot: int) -> None:
         """A pending checkpoint was written: evictable, servable, and announced."""
-        self.policy.add(slot, self._tier[slot])
-        self.events.append(("stored", slot, self._key_of[slot][0]))
+        self._servable_all([slot], [self._key_of[slot][0]])
 
     def _servable_all(self, slots: list[int], keys: list[bytes]) -> None:
         """`_servable` of each of `slots` (under `keys`), in order, in one call each to
