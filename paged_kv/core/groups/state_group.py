@@ -190,14 +190,15 @@ class StateGroup(CheckpointExport, LayerGroup):
                filled: list[Filled]) -> StateBatch:
         """The `StateBatch` of `rows` (their tokens packed in order, ``counts`` each after
         ``old``), offering a checkpoint after each block in `filled`."""
-        block_size, suffix, offer = self.tables.block_size, group_suffix(self.index), \
-            self.slots.offer
+        block_size, suffix = self.tables.block_size, group_suffix(self.index)
         junction, tenant = self.junction, self.tenant
-        taken, ends, slots = [], [], []  # the rows that took one, its position, its slot
-        for row, column, key, _, _ in filled:
-            position = (column + 1) * block_size
-            slot = offer(key + suffix, position, row, junction.get(row) == position,
-                         tenant.get(row, 0))
+        offers = [(key + suffix, (column + 1) * block_size, row,
+                   junction.get(row) == (column + 1) * block_size, tenant.get(row, 0))
+                  for row, column, key, _, _ in filled]
+        # the rows that took one, its position, its slot (one batched offer a step)
+        taken, ends, slots = [], [], []
+        for (_, position, row, _, _), slot in zip(offers, self.slots.offer_all(offers),
+                                                  strict=True):
             if slot is not None:
                 taken.append(row)
                 ends.append(position)
@@ -206,7 +207,7 @@ class StateGroup(CheckpointExport, LayerGroup):
         return StateBatch(torch.from_numpy(self.slots.live_of(rows)).to(device),
                           torch.from_numpy(self._emit_tokens(rows, old, counts, taken, ends)
                                            ).to(device),
-                          torch.tensor(slots, dtype=torch.int64, device=device))
+                          torch.from_numpy(np.array(slots, dtype=np.int64)).to(device))
 
     def _emit_tokens(self, rows: np.ndarray, old: np.ndarray, counts: np.ndarray,
                      taken: list[int], ends: list[int]) -> np.ndarray:
