@@ -339,12 +339,14 @@ class LayerGroup:
         columns = start[owner] + rank
         return owner, columns, self.tables.block_ids[rows[owner], columns].astype(np.int64)
 
-    def release(self, allocator: BlockAllocator, rows: np.ndarray, upto: np.ndarray) -> int:
+    def release(self, allocator: BlockAllocator, rows: np.ndarray, upto: np.ndarray,
+                columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> int:
         """Give back each row's blocks before column `upto` (as `releasable` named them):
         the row points at the null block there, and the blocks are freed — indexed ones
         stay cached (a later prefix hit can still use them), the rest go free. Returns
-        how many blocks left the rows."""
-        owner, columns, ids = self.columns_between(rows, upto)
+        how many blocks left the rows. `columns`: `columns_between` of the same, when the
+        caller found it already."""
+        owner, columns, ids = self.columns_between(rows, upto) if columns is None else columns
         self.tables.replace_blocks(rows[owner], columns, np.zeros(ids.size, dtype=np.int64))
         self.released[rows] = upto
         allocator.free(ids)  # two forked rows may give back one block: one owner each

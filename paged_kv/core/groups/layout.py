@@ -65,9 +65,7 @@ class GroupLayout:
         group's commit is handed them)."""
         rows, allocator, tables = step.rows, self.allocator, self.leader.tables
         plans = [group.plan_step(step, decode) for group in self.groups]
-        releases = [group.releasable(rows) for group in self.groups]
-        credit = sum(int(self.freed(group, *release).sum())
-                     for group, release in zip(self.groups, releases, strict=True))
+        releases, columns, credit = self._releases(rows)
         check_capacity(allocator, StepPlan(step, sum(plan.requested for plan in plans), None),
                        what, credit=credit)
         mirrored = self.config.enable_prefix_caching and len(self.groups) > 1
@@ -79,9 +77,10 @@ class GroupLayout:
         found = mirrored and plans[0].new_blocks is not None
         old_lens = tables.num_tokens[rows].copy() if found else None
         chains = tables.chains(rows.tolist()) if found else None
-        for group, (moving, upto) in zip(self.groups, releases, strict=True):
-            if moving.size:
-                self.given_back += group.release(allocator, moving, upto)
+        for group, (moving, upto), between in zip(self.groups, releases, columns,
+                                                  strict=True):
+            if between:
+                self.given_back += group.release(allocator, moving, upto, between)
         first, filled = self.leader.commit_leading(plans[0], mirrored)
         if not mirrored:
             filled = []
@@ -93,6 +92,15 @@ class GroupLayout:
             group.mirror(allocator, filled)
         return dataclasses.replace(first, groups=batches)
 
+    def _releases(self, rows: np.ndarray) -> tuple[list, list, int]:
+        """What each group gives back before a step of `rows`: `LayerGroup.releasable`,
+        its `columns_between` (None where nothing moves; found once for the credit and
+        the release), and the blocks that become obtainable (every owner gives them back)."""
+        releases = [group.releasable(rows) for group in self.groups]
+        columns = [group.columns_between(*release) if release[0].size else None
+                   for group, release in zip(self.groups, releases, strict=True)]
+        return releases, columns, sum(len(self._gone(found[2])) for found in columns if found)
+
     def freed(self, group: LayerGroup, rows: np.ndarray, upto: np.ndarray) -> np.ndarray:
         """``[len(rows)]`` blocks each row's give-back makes obtainable: those every owner
         gives back in this step (forks decoding together give back shared blocks at once),
@@ -100,9 +108,13 @@ class GroupLayout:
         if not rows.size:  # a full or state group, or no window moved on: nothing to count
             return np.zeros(0, dtype=np.int64)
         owner, _, ids = group.columns_between(rows, upto)
+        return np.bincount(owner[self._gone(ids)], minlength=rows.size).astype(np.int64)
+
+    def _gone(self, ids: np.ndarray) -> np.ndarray:
+        """Indices into `ids` (blocks rows give back, a block once per row giving it
+        back) of the first entry of each block every owner gives back."""
         unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        gone = counts == self.allocator.refcount[unique]
-        return np.bincount(owner[first[gone]], minlength=rows.size).astype(np.int64)
+        return first[counts == self.allocator.refcount[unique]]
 
     def num_blocks_needed(self, step: Step) -> np.ndarray:
         """``[B]`` blocks each row of `step` takes in every group, less what its
