@@ -293,7 +293,7 @@ def test_a_send_that_fails_leaves_no_count(core):
             assert client.num_waiting == -1
         finally:
             client.stop()
-        with pytest.raises(Exception):  # noqa: B017 (the socket is closed: zmq's error)
+        with pytest.raises(Exception):  # noqa: B017 (the connection is closed: EngineDeadError)
             await client.add([5], SamplingParams(max_tokens=2), None, lambda out: None)
         assert client.num_waiting == -1
 

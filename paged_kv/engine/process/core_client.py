@@ -11,12 +11,12 @@ import logging
 import signal
 from collections.abc import Callable
 
-import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from .. import EngineDeadError, SamplingParams, StepOutput
 from ..limits import EngineLimits
 from . import messages
+from .frames import FrameReader, frame, unix_path
 from .processes import describe_exit
 
 # a peer's exit codes when it was asked to stop: drained, Ctrl-C, a signal's default action
@@ -25,18 +25,23 @@ logger = logging.getLogger("paged_kv.server")
 _LAST_WORDS_S = 0.2  # after the core exits, how long its last messages may take to arrive
 _DEAD_EXIT_S = 1.0  # a dead core: answer 503 this long, then exit non-zero for a supervisor
 _REAP_S = 5.0  # at most this long for an exited peer to become reapable
-_FULL_RETRY_S = 0.001  # a send to a full queue (the core not reading) tries again this often
+_CONNECT_RETRY_S = 0.005  # a core not listening yet (still starting): connect again this often
+# what may wait in this side's write buffer before sends wait for room (the core not
+# reading, e.g. inside a long step): any one message fits; a burst of them is held back
+_HIGH_WATER = 4 << 20
 
 
 class CoreClient:
-    """Requests to the engine core over ZMQ; its step outputs back to each request's callback.
+    """Requests to the engine core over its Unix socket (`frames.py`); its step outputs back
+    to each request's callback.
 
     Parameters
     ----------
     address : str
-        The core's ZMQ address.
+        The core's socket path (or ``ipc://PATH``). A core that is not listening yet is
+        connected to once it is; what was sent meanwhile waits for it.
     identity : bytes
-        This API server's name at the core (one per API server process).
+        This API server's name in log lines (one per API server process).
     limits : EngineLimits
         The engine's, as the core sent them at startup.
     core_sentinel : int
@@ -66,42 +71,90 @@ class CoreClient:
         # the core's queue as it last told (an idle engine until it does: minus its slots),
         # and the `Add`s sent to it, of which it had taken `_received` by then
         self._waiting, self._sent, self._received = -limits.max_num_seqs, 0, 0
-        # a plain socket read from the event loop's own reader, not zmq.asyncio's: its
-        # futures cost an extra turn of the loop and some 20 µs a message on the way of
-        # every first token (and every step's outputs)
-        self._socket: zmq.Socket | None = None
-        self._fd: int | None = None
+        # a plain Unix socket under an asyncio protocol: a frame is dispatched from the
+        # loop's own callback for the readable socket, no future and no extra turn of the
+        # loop on the way of every first token (and every step's outputs)
+        self._transport: asyncio.Transport | None = None
+        self._reader = FrameReader()
+        self._early: list[bytes] = []  # frames sent before the connection was made
+        self._room: asyncio.Event | None = None  # cleared while the write buffer is full
+        self._closed = False  # stopped, or the connection was lost: nothing more is sent
+        self._connecting: asyncio.Task | None = None
         self._backlog: set[asyncio.Task] = set()  # aborts waiting for room in a full queue
         self._peers = list(peers or ())
 
     def start(self) -> None:
         """Connect and listen (on the running event loop)."""
         loop = asyncio.get_running_loop()
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, self._identity)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(self._address)
-        self._fd = self._socket.getsockopt(zmq.FD)
-        loop.add_reader(self._fd, self._read)
-        self._socket.send(messages.encode(messages.Hello()))  # (the queue is empty: no wait)
-        loop.call_soon(self._read)  # whatever came before the reader (the FD is edge-triggered)
+        self._room = asyncio.Event()
+        self._room.set()
+        self._connecting = loop.create_task(self._connect())
         loop.add_reader(self._sentinel, self._core_gone)
         for peer in self._peers:
             loop.add_reader(peer.sentinel, self._peer_gone, peer)
 
     def stop(self) -> None:
-        """Stop listening and close the socket."""
+        """Stop listening and close the connection (what was sent leaves first)."""
+        self._closed = True
         with contextlib.suppress(Exception):
             loop = asyncio.get_running_loop()
-            for fd in (self._sentinel, *(peer.sentinel for peer in self._peers), self._fd):
-                if fd is not None:
-                    loop.remove_reader(fd)
-        for task in self._backlog:
+            for fd in (self._sentinel, *(peer.sentinel for peer in self._peers)):
+                loop.remove_reader(fd)
+        for task in (*self._backlog, *(t for t in (self._connecting,) if t is not None)):
             task.cancel()
-        if self._socket is not None:
-            self._socket.close()
-            self._context.term()
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
+
+    async def _connect(self) -> None:
+        """Connect to the core's socket, again every few ms while it is not there yet."""
+        loop, path = asyncio.get_running_loop(), unix_path(self._address)
+        while not self._closed:
+            try:
+                await loop.create_unix_connection(lambda: _Connection(self), path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(_CONNECT_RETRY_S)
+            except OSError as exc:  # not a core still starting: one that cannot be reached
+                logger.error("cannot connect to the engine core at %s: %s", path, exc)
+                self._lost()
+                return
+
+    def _made(self, transport: asyncio.Transport) -> None:
+        """Connected: what was sent before goes out first."""
+        if self._closed:
+            transport.close()
+            return
+        transport.set_write_buffer_limits(high=_HIGH_WATER)
+        self._transport = transport
+        if self._early:
+            transport.write(b"".join(self._early))
+            self._early.clear()
+
+    def _data(self, data: bytes) -> None:
+        """Dispatch every message `data` completes (the loop calls this as bytes arrive)."""
+        try:
+            payloads = self._reader.feed(data)
+        except ValueError:
+            logger.exception("the engine core's stream is out of step; closing it")
+            self._transport.close()
+            return
+        for payload in payloads:
+            try:
+                self._dispatch(messages.decode_from_core(payload))
+            except Exception:  # one bad message must not stop the reading of the rest
+                logger.exception("a message from the engine core could not be handled")
+
+    def _lost(self) -> None:
+        """The connection closed: ours (`stop`), or the core's end (it exited or broke),
+        in which case the core is as good as dead unless it said Bye first."""
+        stopped, self._closed, self._transport = self._closed, True, None
+        self._room.set()  # (a send waiting for room finds the connection closed)
+        if not stopped and self.exit_code is None:
+            asyncio.get_running_loop().call_later(_LAST_WORDS_S, self._core_died)
+
+    def _pause(self, paused: bool) -> None:
+        (self._room.clear if paused else self._room.set)()
 
     @property
     def is_alive(self) -> bool:
@@ -146,10 +199,10 @@ class CoreClient:
 
     def abort(self, request_id: int) -> None:
         """Ask the core to stop a request (does not wait)."""
-        if request_id in self._requests and self._connected:
+        if request_id in self._requests and self._connected and not self._closed:
             frame = messages.encode(messages.Abort(request_id))
             if not self._post(frame):  # a full queue: it leaves once there is room
-                task = asyncio.get_running_loop().create_task(self._send(frame))
+                task = asyncio.get_running_loop().create_task(self._send_later(frame))
                 self._backlog.add(task)
                 task.add_done_callback(self._backlog.discard)
 
@@ -190,37 +243,30 @@ class CoreClient:
             raise ValueError(reply.error)
         return reply.value
 
-    def _post(self, frame: bytes) -> bool:
-        """Send `frame` now; False when the socket's queue is full (its high-water mark)."""
-        try:
-            self._socket.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
+    def _post(self, payload: bytes) -> bool:
+        """Send `payload` now (before the connection is made: as soon as it is); False
+        while the write buffer is full (past `_HIGH_WATER`: the core is not reading)."""
+        if self._closed:
+            raise EngineDeadError(self.dead or "the connection to the engine core is closed")
+        if self._transport is None:
+            self._early.append(frame(payload))
+        elif not self._room.is_set():
             return False
-        # zmq's FD is edge-triggered, and a send may take in the edge of a message that
-        # arrived meanwhile: read it on the loop's next turn, or it would wait for the next
-        if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            asyncio.get_running_loop().call_soon(self._read)
+        else:
+            self._transport.write(frame(payload))
         return True
 
-    async def _send(self, frame: bytes) -> None:
-        """Send `frame`, waiting while the queue to the core is full; without a wait (no
+    async def _send(self, payload: bytes) -> None:
+        """Send `payload`, waiting while the buffer to the core is full; without a wait (no
         turn of the event loop) when it is not, as nearly always."""
-        while not self._post(frame):
-            await asyncio.sleep(_FULL_RETRY_S)
+        while not self._post(payload):
+            await self._room.wait()
 
-    def _read(self) -> None:
-        """Dispatch every message waiting on the socket (the event loop calls this when its
-        FD turns readable; an edge-triggered FD, so until none is left)."""
-        socket = self._socket
-        while socket is not None and not socket.closed:
-            try:
-                frame = socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._dispatch(messages.decode_from_core(frame))
-            except Exception:  # one bad message must not stop the reading of the rest
-                logger.exception("a message from the engine core could not be handled")
+    async def _send_later(self, payload: bytes) -> None:
+        """`_send` for a message no one waits on (an abort): a core gone meanwhile has
+        nothing left to stop."""
+        with contextlib.suppress(EngineDeadError):
+            await self._send(payload)
 
     def _dispatch(self, message: messages.FromCore) -> None:
         if isinstance(message, messages.Outputs):
@@ -278,8 +324,8 @@ class CoreClient:
         loop.call_later(_LAST_WORDS_S, self._core_died)
 
     def _core_died(self) -> None:
-        if self.exit_code is not None:
-            return  # it said Bye
+        if self.exit_code is not None or self.dead is not None:
+            return  # it said Bye (or its socket and its sentinel both told)
         self.dead = "the engine core process died"
         logger.error("%s; failing %d requests, then exiting", self.dead, len(self._requests))
         requests, self._requests = self._requests, {}
@@ -296,3 +342,25 @@ class CoreClient:
         self.exit_code = code
         if self.on_exit is not None:
             self.on_exit(code)
+
+
+class _Connection(asyncio.Protocol):
+    """The event loop's side of a `CoreClient`'s socket: each callback hands over to it."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self._client = client
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._client._made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._client._data(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._client._lost()
+
+    def pause_writing(self) -> None:
+        self._client._pause(True)
+
+    def resume_writing(self) -> None:
+        self._client._pause(False)

@@ -1,7 +1,8 @@
 """The engine core: `EngineCore` steps the `Engine` (model, cache, tiers; tensor-parallel
 workers hang off it) and keeps its failures inside it; `EngineCoreProc` is that core in a
-process of its own (vLLM's names), serving API server processes over ZMQ: they send it
-requests and get back one `Outputs` message per step each (`messages.py`).
+process of its own (vLLM's names), serving API server processes over a Unix socket
+(`core_socket.py`): they send it requests and get back one `Outputs` message per step each
+(`messages.py`).
 
 Single-threaded on purpose: messages are taken in between steps, as `InprocClient` does
 with its calls, so the engine needs no lock, and the process has the GIL to itself.
@@ -20,7 +21,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
-import zmq
 
 from ...events import KVEventsConfig
 from ...handoff import HandoffConfig
@@ -31,9 +31,10 @@ from ..config import EngineConfig
 from ..limits import EngineLimits
 from ..sizing import pool_config
 from . import messages
+from .core_socket import CoreListener, Front
 
 logger = logging.getLogger("paged_kv.server.core")
-_IDLE_POLL_MS = 100  # how often an idle core looks at its parent and at SIGTERM
+_IDLE_POLL_S = 0.1  # how often an idle core looks at its parent and at SIGTERM
 _PROBE = ("paged-kv", "cached-tokens probe")  # a sequence id no request has (never added)
 
 
@@ -148,8 +149,9 @@ class EngineCore:
     """The engine as a server hosts it: one step at a time, a step that fails failing the
     requests it could have touched rather than the host, a dead engine failing every
     request; and the count of waiting requests a server's 429s use. No I/O of its own:
-    `EngineCoreProc` serves it to API server processes over ZMQ, `InprocClient` on a thread
-    of this process, so failure handling and the waiting count exist once for both.
+    `EngineCoreProc` serves it to API server processes over a Unix socket, `InprocClient`
+    on a thread of this process, so failure handling and the waiting count exist once for
+    both.
 
     Parameters
     ----------
@@ -219,13 +221,13 @@ class EngineCore:
 
 class EngineCoreProc(EngineCore):
     """The `EngineCore` of ``paged-kv serve``'s engine-core process: steps it while requests
-    from API servers come and go, over one ZMQ ROUTER socket.
+    from API servers come and go, over one Unix socket (a `Front` per API server).
 
     Parameters
     ----------
     engine : Engine
     address : str
-        The ZMQ address to bind (the API servers connect to it).
+        The socket's path to listen on, or ``ipc://PATH`` (the API servers connect to it).
     parent_pid : int
         The process that started this one: when it is gone, so is this one.
     """
@@ -233,16 +235,13 @@ class EngineCoreProc(EngineCore):
     def __init__(self, engine: Engine, address: str, parent_pid: int) -> None:
         super().__init__(engine)
         self._parent = parent_pid
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 5000)  # the last outputs leave before exit
-        self._socket.bind(address)
-        self._ids: dict[tuple[bytes, int], int] = {}  # (API server, its id) -> engine id
-        self._pending: dict[bytes, list[tuple[int, StepOutput]]] = {}
-        self._fronts: set[bytes] = set()
-        self._received: dict[bytes, int] = {}  # API server -> the `Add`s taken from it
-        self._told: dict[bytes, tuple[int, int]] = {}  # API server -> (waiting, received)
-        self._unstarted: set[tuple[bytes, int]] = set()  # requests with no output yet
+        self._ids: dict[tuple[Front, int], int] = {}  # (API server, its id) -> engine id
+        self._pending: dict[Front, list[tuple[int, StepOutput]]] = {}
+        self._fronts: set[Front] = set()
+        self._received: dict[Front, int] = {}  # API server -> the `Add`s taken from it
+        self._told: dict[Front, tuple[int, int]] = {}  # API server -> (waiting, received)
+        self._unstarted: set[tuple[Front, int]] = set()  # requests with no output yet
+        self._listener = CoreListener(address, self._fronts.add, self._take, self._front_left)
         self._draining = self._announced = False
 
     def drain(self, *_: object) -> None:
@@ -253,53 +252,55 @@ class EngineCoreProc(EngineCore):
         """Serve until drained (0), orphaned or dead (1)."""
         try:
             while True:
-                busy = self.engine.has_unfinished_requests
-                if self._socket.poll(0 if busy else _IDLE_POLL_MS):
-                    self._receive()
+                self._listener.poll(0 if self.engine.has_unfinished_requests else _IDLE_POLL_S)
                 if os.getppid() != self._parent:
                     logger.error("the API server is gone; the engine core stops")
                     return 1
                 if self._draining and not self._announced:  # (not from the signal handler)
                     self._announced = True
-                    for front in self._fronts:
-                        self._socket.send_multipart([front, messages.encode(messages.Draining())])
+                    for front in list(self._fronts):
+                        self._send(front, messages.Draining())
                 if self._draining and not self.engine.has_unfinished_requests:
                     self._flush()
-                    for front in self._fronts:
-                        self._socket.send_multipart([front, messages.encode(messages.Bye())])
+                    for front in list(self._fronts):
+                        self._send(front, messages.Bye())
                     return 0
                 if self.engine.has_unfinished_requests and not self.step():
                     self._flush()  # the failed requests' last outputs
                     return 1
                 self._flush()
         finally:
-            self._socket.close()
-            self._context.term()
+            self._listener.close()  # (the last outputs and Bye leave first)
 
-    def _receive(self) -> None:
-        while True:
-            try:
-                front, frame = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            message = messages.decode_to_core(frame)
-            if isinstance(message, messages.Add):
-                self._add(front, message)
-            elif isinstance(message, messages.Abort):
-                engine_id = self._ids.get((front, message.request_id))
-                if engine_id is not None:
-                    self.engine.abort(engine_id)
-            elif isinstance(message, messages.Flush | messages.CachedQuery):
-                self._reply(front, message)
-            elif isinstance(message, messages.MetricsQuery):
-                text = self.engine.metrics_text()
-                self._socket.send_multipart(
-                    [front, messages.encode(messages.MetricsText(message.token, text))])
-            else:
-                self._fronts.add(front)
+    def _send(self, front: Front, message: messages.FromCore) -> None:
+        self._listener.send(front, messages.encode(message))
 
-    def _add(self, front: bytes, message: messages.Add) -> None:
-        self._fronts.add(front)
+    def _take(self, front: Front, frame: bytes) -> None:
+        """One message from an API server (the listener's callback, between steps)."""
+        message = messages.decode_to_core(frame)
+        if isinstance(message, messages.Add):
+            self._add(front, message)
+        elif isinstance(message, messages.Abort):
+            engine_id = self._ids.get((front, message.request_id))
+            if engine_id is not None:
+                self.engine.abort(engine_id)
+        elif isinstance(message, messages.Flush | messages.CachedQuery):
+            self._reply(front, message)
+        else:  # MetricsQuery
+            self._send(front, messages.MetricsText(message.token, self.engine.metrics_text()))
+
+    def _front_left(self, front: Front) -> None:
+        """An API server closed its connection: its requests have no one to answer, so they
+        stop (their blocks freed) and it is told nothing more."""
+        for key in [key for key in self._ids if key[0] is front]:
+            with contextlib.suppress(Exception):  # (it may finish in the same breath)
+                self.engine.abort(self._ids.pop(key))
+        self._unstarted = {key for key in self._unstarted if key[0] is not front}
+        self._fronts.discard(front)
+        for table in (self._pending, self._received, self._told):
+            table.pop(front, None)
+
+    def _add(self, front: Front, message: messages.Add) -> None:
         self._received[front] = self._received.get(front, 0) + 1
         try:
             if self._draining:
@@ -317,7 +318,7 @@ class EngineCoreProc(EngineCore):
         self._ids[front, message.request_id] = engine_id
         self._unstarted.add((front, message.request_id))
 
-    def _reply(self, front: bytes, message: messages.Flush | messages.CachedQuery) -> None:
+    def _reply(self, front: Front, message: messages.Flush | messages.CachedQuery) -> None:
         try:
             if isinstance(message, messages.Flush):
                 value = self.flush_tenant(message.tenant, message.retention_only)
@@ -326,9 +327,11 @@ class EngineCoreProc(EngineCore):
             reply = messages.Reply(message.token, value)
         except (TypeError, ValueError) as exc:
             reply = messages.Reply(message.token, 0, str(exc))
-        self._socket.send_multipart([front, messages.encode(reply)])
+        self._send(front, reply)
 
-    def _collect(self, front: bytes, request_id: int, out: StepOutput) -> None:
+    def _collect(self, front: Front, request_id: int, out: StepOutput) -> None:
+        if front.closed:  # its API server left (`_front_left` aborts what it had)
+            return
         key = (front, request_id)
         if out.output is not None:  # the request's last output
             self._ids.pop(key, None)
@@ -339,8 +342,7 @@ class EngineCoreProc(EngineCore):
                 # a first token leaves the moment the engine hands it over, alone, with the
                 # counts the API server has already (unchanged): not behind the rest of the
                 # step, the flush, and the other requests' tokens in one bigger message
-                self._socket.send_multipart(
-                    [front, messages.encode(messages.Outputs([(request_id, out)], *told))])
+                self._send(front, messages.Outputs([(request_id, out)], *told))
                 return
         self._pending.setdefault(front, []).append((request_id, out))
 
@@ -357,5 +359,4 @@ class EngineCoreProc(EngineCore):
             counts = (waiting, self._received.get(front, 0))
             if outputs or self._told.get(front) != counts:
                 self._told[front] = counts
-                self._socket.send_multipart(
-                    [front, messages.encode(messages.Outputs(outputs or [], *counts))])
+                self._send(front, messages.Outputs(outputs or [], *counts))

@@ -1,5 +1,6 @@
-"""The messages between API server processes and the engine-core process: msgpack (msgspec)
-over one ZMQ DEALER (each API server, its own identity) / ROUTER (the core) pair.
+"""The messages between API server processes and the engine-core process: msgpack (msgspec),
+each in a length-prefixed frame (`frames.py`) over the core's Unix socket, one connection
+per API server.
 
 An API server sends requests, aborts and metrics queries; the core answers with one
 `Outputs` message per step per API server (every token that step made for that server's
@@ -36,10 +37,6 @@ class MetricsQuery(msgspec.Struct, array_like=True, tag=2):
     """Ask for the engine's prometheus exposition (answered by `MetricsText`)."""
 
     token: int
-
-
-class Hello(msgspec.Struct, array_like=True, tag=3):
-    """An API server announcing itself (so the core can answer it before any request)."""
 
 
 class Flush(msgspec.Struct, array_like=True, tag=4):
@@ -98,7 +95,8 @@ class Draining(msgspec.Struct, array_like=True, tag=13):
     answers new requests (and /health) 503, which routers retry elsewhere, not 500."""
 
 
-ToCore = Add | Abort | MetricsQuery | Hello | Flush | CachedQuery
+# (tag 3 was `Hello`, an API server announcing itself to ZMQ's ROUTER: a connection does now)
+ToCore = Add | Abort | MetricsQuery | Flush | CachedQuery
 FromCore = Outputs | MetricsText | Bye | Draining | Reply
 
 encode = msgspec.msgpack.Encoder().encode

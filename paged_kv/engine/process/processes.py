@@ -1,6 +1,6 @@
 """The processes of ``paged-kv serve``: the engine core (spawned, so it starts with a fresh
 interpreter and its own torch threads) and extra API servers (forked before any event loop
-or ZMQ context exists, sharing the listening socket the first one bound)."""
+or connection to the core exists, sharing the listening socket the first one bound)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class CoreProcess:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self._dir = tempfile.mkdtemp(prefix="paged-kv-")
-        self.address = f"ipc://{self._dir}/core"
+        self.address = f"{self._dir}/core.sock"  # the core's Unix socket (removed on stop)
         self._stop_timeout = args.drain_timeout + 10
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=False)
