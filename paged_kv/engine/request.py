@@ -107,10 +107,14 @@ class Sequence:
     block_keys: list[bytes] = dataclasses.field(default_factory=list)
 
     seq_id: tuple[int, int] = dataclasses.field(init=False)  # the cache's name for it
+    # its tokens (prompt + `max_tokens` outputs) when it finishes for length
+    max_len: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         # read several times a step for every running sample: built once
         self.seq_id = (self.request.request_id, self.index)
+        # read by every sample's update (`Scheduler.update_from_output`): worked out once
+        self.max_len = len(self.request.prompt_token_ids) + self.request.params.max_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -329,8 +329,8 @@ class Scheduler:
             if token in params.stop_token_ids or (token in eos_token_ids
                                                   and not params.ignore_eos):
                 self.finish(seq, "stop")
-            # the output's length, not sliced out (output_token_ids)
-            elif len(tokens) - len(request.prompt_token_ids) >= params.max_tokens:
+            # the output's length (prompt + max_tokens: `Sequence.max_len`), not sliced out
+            elif len(tokens) >= seq.max_len:
                 self.finish(seq, "length")
             else:
                 continue
