@@ -7,8 +7,14 @@ reads them back while they are still in cache, needs no mask (a row sees exactly
 gathered, a window or chunk sliced off in front), and serves grouped-query attention with
 two matmuls batched over the KV heads, reading each KV head once for its query heads
 (``[Hkv, G, D] @ [Hkv, D, n]``, K/V as strided views, never repeated). On the kernels
-workload (16 rows of 512-1,024 tokens) it takes about half the batched path's time. A call
-per row costs tens of µs, so rows with few keys stay batched.
+workload (16 rows of 512-1,024 tokens) it takes about half the batched path's time.
+
+A row costs a few torch calls of a few µs each, so what a row does is kept to them: the
+queries of all rows are scaled and grouped in one op, every row's block ids (K's and V's
+next to each other) are listed in one tensor, and a row then makes one gather (both planes
+at once where V's pages follow K's in memory, as in the pool), two matmuls and a softmax,
+the second matmul writing its result in place; the results reach `out` in one op. Rows
+with few keys stay batched.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ from collections.abc import Callable
 import torch
 
 # a decode row attends on its own when the keys it reads take at least this many bytes (K
-# alone): below it, the row's calls (~40 µs here) cost more than batching it saves
-OWN_ROW_BYTES = 64 << 10
+# alone; 32 tokens of the peers model): below it, the row's calls (~25 µs here) cost more
+# than batching it saves. It was 64 KiB while a row took a dozen calls; on the peers
+# workload's decode steps a length bucket of the few rows between 16 and 64 KiB cost more
+# (~0.2 ms of fixed cost a call) than attending them here
+OWN_ROW_BYTES = 16 << 10
 
 
 def attend_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -70,39 +79,92 @@ def attend_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         & (first_column + num_columns <= block_tables.shape[1])
     if not bool(own.any()):
         return rows
-    buffers = _buffers(key_cache, value_cache, int(num_columns[own].max()), workspace)
-    scale = head_dim ** -0.5 if scale is None else scale
-    tables = block_tables.long()
-    for row, start, end, skip, column, width in zip(
-            *(t[own].tolist() for t in (rows, query_start_loc[rows], lens, first - first_column
-                                        * block_size, first_column, num_columns)),
-            strict=True):
-        ids = tables[row, column:column + width]
-        key, value = (torch.index_select(cache, 0, ids, out=buffer[:width])
-                      .view(-1, num_kv_heads, head_dim)[skip:end - column * block_size]
-                      for cache, buffer in zip((key_cache, value_cache), buffers, strict=True))
-        out[start] = attend_one(query[start], key, value, scale)
+    attended, first_column = rows[own], first_column[own]
+    column_start = first_column * block_size
+    _attend_each(query, key_cache, value_cache, block_tables[attended].long(),
+                 query_start_loc[attended].long(), first_column, num_columns[own],
+                 first[own] - column_start, lens[own] - column_start, scale, out, workspace)
     return rows[~own]
 
 
-def attend_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               ) -> torch.Tensor:
-    """One query over its keys, in float32: ``query [Hq, D]``, ``key / value [n, Hkv, D]``
-    -> ``[Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``, as in repeat_kv."""
-    num_kv_heads, head_dim = key.shape[1:]
-    grouped = query.float().reshape(num_kv_heads, -1, head_dim) * scale  # [Hkv, G, D]
-    scores = torch.bmm(grouped, key.float().permute(1, 2, 0))            # [Hkv, G, n]
-    weights = torch.softmax(scores, dim=-1)
-    return torch.bmm(weights, value.float().transpose(0, 1)).view(-1, head_dim)
+def _attend_each(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 tables: torch.Tensor, starts: torch.Tensor, first_column: torch.Tensor,
+                 num_columns: torch.Tensor, skips: torch.Tensor, ends: torch.Tensor,
+                 scale: float | None, out: torch.Tensor, workspace: torch.Tensor | None,
+                 ) -> None:
+    """`attend_rows`' loop over the rows it keeps, all ``[R]`` int64: ``tables [R,
+    max_blocks]`` their block tables, `starts` their queries; a row reads `num_columns`
+    blocks from `first_column` (the block of its first visible key), its keys ``skips ..
+    ends`` counted from that block's first."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    pages = _both_planes(key_cache, value_cache)
+    ids = _block_ids(tables, first_column, num_columns,
+                     0 if pages is None else key_cache.shape[0])
+    buffer = _buffer(key_cache, int(num_columns.max()), workspace)
+    scale = head_dim ** -0.5 if scale is None else scale
+    # [R, Hkv, G, D] float32: query head h reads KV head h // G, as in repeat_kv
+    grouped = (query[starts].float() * scale).view(len(starts), num_kv_heads, -1, head_dim)
+    results = torch.empty_like(grouped)
+    offset = 0
+    for grouped_row, result, end, skip, width in zip(
+            grouped.unbind(0), results.unbind(0), ends.tolist(), skips.tolist(),
+            num_columns.tolist(), strict=True):
+        both = buffer[:2 * width]
+        row_ids = ids[offset:offset + 2 * width]
+        offset += 2 * width
+        if pages is None:
+            torch.index_select(key_cache, 0, row_ids[:width], out=both[:width])
+            torch.index_select(value_cache, 0, row_ids[width:], out=both[width:])
+        else:
+            torch.index_select(pages, 0, row_ids, out=both)
+        key, value = both.view(2, -1, num_kv_heads, head_dim)[:, skip:end].unbind(0)
+        attend_one(grouped_row, key, value, result)
+    out[starts] = results.view(len(starts), -1, head_dim).to(out.dtype)
 
 
-def _buffers(key_cache: torch.Tensor, value_cache: torch.Tensor, num_blocks: int,
-             workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two ``[num_blocks, block_size, Hkv, D]`` buffers of the pages' dtype, in `workspace`
-    when it fits (a fresh multi-MiB buffer costs page faults on every call)."""
-    shape = (num_blocks, *key_cache.shape[1:])
+def attend_one(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """One query over its keys, in float32, into `out`: ``grouped [Hkv, G, D]`` float32, the
+    query already scaled, query head ``h`` at ``[h // G, h % G]``; ``key / value [n, Hkv,
+    D]`` -> ``out [Hkv, G, D]`` float32 (returned)."""
+    scores = torch.bmm(grouped, key.float().permute(1, 2, 0))  # [Hkv, G, n]
+    return torch.bmm(torch.softmax(scores, dim=-1), value.float().transpose(0, 1), out=out)
+
+
+def _block_ids(tables: torch.Tensor, first_column: torch.Tensor, num_columns: torch.Tensor,
+               value_offset: int) -> torch.Tensor:
+    """Every attended row's block ids, K's then V's (K's plus `value_offset`), row after row:
+    ``[2 * num_columns.sum()]`` int64, so a row's gather reads one slice of it."""
+    widest = int(num_columns.max())
+    steps = torch.arange(widest, device=tables.device)
+    columns = (first_column[:, None] + steps).clamp(max=tables.shape[1] - 1)
+    ids = tables.gather(1, columns)  # [R, widest]
+    kept = (steps < num_columns[:, None])[:, None, :].expand(-1, 2, -1)
+    return torch.stack((ids, ids + value_offset), dim=1)[kept]
+
+
+def _both_planes(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[2 * num_blocks, block_size, Hkv, D]``, K's pages then V's, when V's follow K's in
+    one storage with the same strides (the pool's layer ``[2, num_blocks, ...]``): one gather
+    then copies a row's K and V. None otherwise."""
+    num_blocks = key_cache.shape[0]
+    if (value_cache.dtype != key_cache.dtype or value_cache.stride() != key_cache.stride()
+            or not key_cache.is_contiguous()
+            or value_cache.untyped_storage().data_ptr() != key_cache.untyped_storage().data_ptr()
+            or value_cache.storage_offset() - key_cache.storage_offset()
+            != num_blocks * key_cache.stride(0)):
+        return None
+    return key_cache.as_strided((2 * num_blocks, *key_cache.shape[1:]), key_cache.stride())
+
+
+def _buffer(key_cache: torch.Tensor, num_blocks: int,
+            workspace: torch.Tensor | None) -> torch.Tensor:
+    """``[2 * num_blocks, block_size, Hkv, D]`` of the pages' dtype (a row's K blocks, then
+    its V blocks), in `workspace` when it fits (a fresh multi-MiB buffer costs page faults on
+    every call)."""
+    shape = (2 * num_blocks, *key_cache.shape[1:])
     size = torch.Size(shape).numel()
     if workspace is not None and workspace.dtype == key_cache.dtype \
-            and workspace.numel() >= 2 * size:
-        return workspace[:size].view(shape), workspace[size:2 * size].view(shape)
-    return key_cache.new_empty(shape), value_cache.new_empty(shape)
+            and workspace.numel() >= size:
+        return workspace[:size].view(shape)
+    return key_cache.new_empty(shape)

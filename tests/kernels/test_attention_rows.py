@@ -74,12 +74,17 @@ def _dense(query, rows, scale, window=0, chunk=0):
                           "seq_lens", "kind"), CASES)
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("workspace", ["none", "fits", "too-small"])
+@pytest.mark.parametrize("planes", ["apart", "one-storage"])
 def test_rows_on_their_own_match_dense_attention(monkeypatch, block_size, num_q_heads,
                                                  num_kv_heads, head_dim, dtype, seq_lens, kind,
-                                                 consecutive, workspace):
+                                                 consecutive, workspace, planes):
     monkeypatch.setattr(attention_rows, "OWN_ROW_BYTES", 0)  # every decode row on its own
     inputs, rows = _inputs(block_size, num_q_heads, num_kv_heads, head_dim, dtype, seq_lens,
                            consecutive=consecutive)
+    if planes == "one-storage":  # the pool's layer: V's pages right after K's, one gather
+        layer = torch.stack(inputs[1:3])
+        inputs = (inputs[0], layer[0], layer[1], *inputs[3:])
+        assert attention_rows._both_planes(*inputs[1:3]) is not None
     size = 2 * inputs[3].shape[1] * block_size * num_kv_heads * head_dim
     space = {"none": None, "fits": torch.full((size,), float("nan"), dtype=dtype),
              "too-small": torch.empty(8, dtype=dtype)}[workspace]
@@ -121,6 +126,21 @@ def test_decode_rows_beside_prefill_chunks(monkeypatch):
 
 
 _one = attention_rows.attend_one
+
+
+def test_both_planes_only_when_values_follow_keys():
+    """One gather for K and V reads ``2 * num_blocks`` pages from K's first: only where V's
+    pages are exactly the next ``num_blocks`` of the same storage, with K's strides."""
+    layer = torch.randn(2, 6, 4, 2, 8)
+    both = attention_rows._both_planes(layer[0], layer[1])
+    assert both is not None and torch.equal(both, layer.view(12, 4, 2, 8))
+    assert attention_rows._both_planes(layer[1], layer[0]) is None  # V before K
+    assert attention_rows._both_planes(layer[0], layer[0]) is None
+    assert attention_rows._both_planes(layer[0], layer[1].clone()) is None  # another storage
+    wider = torch.randn(2, 7, 4, 2, 8)
+    assert attention_rows._both_planes(wider[0, :6], wider[1, :6]) is None  # a gap between
+    halves = torch.randn(6, 4, 2, 16)
+    assert attention_rows._both_planes(halves[..., :8], halves[..., 8:]) is None  # strided
 
 
 def test_which_rows_go_on_their_own(monkeypatch):
