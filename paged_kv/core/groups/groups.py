@@ -333,6 +333,9 @@ class LayerGroup:
         """
         start = self.released_of(rows)
         counts = np.maximum(np.minimum(upto, self.tables.block_ids.shape[1]) - start, 0)
+        if (counts == 1).all():  # a decode step's: one block a row (5 array calls fewer)
+            return (np.arange(rows.size), start,
+                    self.tables.block_ids[rows, start].astype(np.int64))
         owner = np.repeat(np.arange(rows.size), counts)
         # each entry's rank within its row: its flat index less its row's first
         rank = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -113,6 +113,8 @@ class GroupLayout:
     def _gone(self, ids: np.ndarray) -> np.ndarray:
         """Indices into `ids` (blocks rows give back, a block once per row giving it
         back) of the first entry of each block every owner gives back."""
+        if (self.allocator.refcount[ids] == 1).all():  # one owner each: all go, no sort
+            return np.arange(ids.size)
         unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
         return first[counts == self.allocator.refcount[unique]]
 
