@@ -105,30 +105,37 @@ def _attend_each(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     # [R, Hkv, G, D] float32: query head h reads KV head h // G, as in repeat_kv
     grouped = (query[starts].float() * scale).view(len(starts), num_kv_heads, -1, head_dim)
     results = torch.empty_like(grouped)
-    offset = 0
-    for grouped_row, result, end, skip, width in zip(
-            grouped.unbind(0), results.unbind(0), ends.tolist(), skips.tolist(),
-            num_columns.tolist(), strict=True):
-        both = buffer[:2 * width]
-        row_ids = ids[offset:offset + 2 * width]
-        offset += 2 * width
+    widths = num_columns.tolist()
+    # per row, views made by one call each: a slice of the ids, K^T and V read in place
+    gathered = {width: buffer[:2 * width] for width in set(widths)}
+    token, first = num_kv_heads * head_dim, buffer.storage_offset()
+    for grouped_row, result, row_ids, skip, end, width in zip(
+            grouped.unbind(0), results.unbind(0), ids.split([2 * w for w in widths]),
+            skips.tolist(), ends.tolist(), widths, strict=True):
+        both = gathered[width]
         if pages is None:
             torch.index_select(key_cache, 0, row_ids[:width], out=both[:width])
             torch.index_select(value_cache, 0, row_ids[width:], out=both[width:])
         else:
             torch.index_select(pages, 0, row_ids, out=both)
-        key, value = both.view(2, -1, num_kv_heads, head_dim)[:, skip:end].unbind(0)
-        attend_one(grouped_row, key, value, result)
+        key = first + skip * token  # both: [2 * width, block_size, Hkv, D], K's then V's
+        value = key + width * key_cache.shape[1] * token
+        attend_one(grouped_row,
+                   buffer.as_strided((num_kv_heads, head_dim, end - skip), (head_dim, 1, token),
+                                     key),
+                   buffer.as_strided((num_kv_heads, end - skip, head_dim), (head_dim, token, 1),
+                                     value), result)
     out[starts] = results.view(len(starts), -1, head_dim).to(out.dtype)
 
 
-def attend_one(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attend_one(grouped: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor,
                out: torch.Tensor) -> torch.Tensor:
     """One query over its keys, in float32, into `out`: ``grouped [Hkv, G, D]`` float32, the
-    query already scaled, query head ``h`` at ``[h // G, h % G]``; ``key / value [n, Hkv,
-    D]`` -> ``out [Hkv, G, D]`` float32 (returned)."""
-    scores = torch.bmm(grouped, key.float().permute(1, 2, 0))  # [Hkv, G, n]
-    return torch.bmm(torch.softmax(scores, dim=-1), value.float().transpose(0, 1), out=out)
+    query already scaled, query head ``h`` at ``[h // G, h % G]``; ``key_t [Hkv, D, n]``
+    and ``value [Hkv, n, D]`` of the pages' dtype (strided views of the gathered rows) ->
+    ``out [Hkv, G, D]`` float32 (returned)."""
+    scores = torch.bmm(grouped, key_t.float())  # [Hkv, G, n]
+    return torch.bmm(torch.softmax(scores, dim=-1), value.float(), out=out)
 
 
 def _block_ids(tables: torch.Tensor, first_column: torch.Tensor, num_columns: torch.Tensor,
