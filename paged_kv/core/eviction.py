@@ -22,6 +22,8 @@ import collections
 from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from ..tenants.ghost import GhostList, default_capacity
 
 Forget = Callable[[list[int]], list[bytes]]  # takes blocks out of the index, returns keys
@@ -55,10 +57,11 @@ class EvictionPolicy(Protocol):
         """Cached blocks a request under salted root `root` may not take (reservations of
         others; None: a step mixing tenants, for which every reservation holds)."""
 
-    def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
+    def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
-        """`block_ids` (live) are being indexed under `keys` (none indexed yet), chaining
-        from `parents` (`index`: the prefix index, key -> block, before they join it)."""
+        """`block_ids` (live; ``[n]`` int64) are being indexed under `keys` (none indexed
+        yet), chaining from `parents` (`index`: the prefix index, key -> block, before they
+        join it)."""
 
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
               forget: Forget, root: bytes | None = None) -> list[int]:
@@ -131,7 +134,7 @@ class LruEviction(EvictionPolicy):
         """Nothing is reserved: 0."""
         return 0
 
-    def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
+    def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
         """Remember the parents, so a later block that chains from one but differs inside
         it misses as ``diverged``."""

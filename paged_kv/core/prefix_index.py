@@ -17,8 +17,8 @@ import numpy as np
 from ..errors import ensure
 
 # called with (block_ids, keys, parents, index) before the index holds them: the eviction
-# policy's ``tag``
-Tag = Callable[[list[int], list[bytes], list[bytes], Mapping[bytes, int]], None]
+# policy's ``tag`` (block_ids an int64 array)
+Tag = Callable[[np.ndarray, list[bytes], list[bytes], Mapping[bytes, int]], None]
 
 
 class PrefixIndex:
@@ -111,8 +111,8 @@ class PrefixIndex:
                ) -> tuple[tuple, tuple, tuple, bytes] | None:
         """Index blocks in bulk (``block_ids[i]`` holds ``pieces[i]``, the slices of
         `token_ids`, and chains from ``parents[i]``); a key indexed before (or twice here)
-        keeps its first block. `tag` is told the blocks that join, before the index holds
-        them.
+        keeps its first block. `tag` is told the blocks that join (an int64 array), before
+        the index holds them.
 
         Returns
         -------
@@ -134,11 +134,12 @@ class PrefixIndex:
             token_ids = b"".join(pieces)
             if not keys:
                 return None
-        tag(block_ids, keys, parents, index)  # before the index holds them
+        ids = np.array(block_ids, dtype=np.int64)
+        tag(ids, keys, parents, index)  # before the index holds them
         index.update(zip(keys, block_ids, strict=True))
         self._key_of.update(zip(block_ids, keys, strict=True))
         self._tokens_of.update(zip(block_ids, pieces, strict=True))
-        self.indexed[np.array(block_ids, dtype=np.int64)] = True
+        self.indexed[ids] = True
         return tuple(block_ids), tuple(keys), tuple(parents), token_ids
 
     def remove(self, block_ids: list[int]) -> list[bytes]:

@@ -14,9 +14,12 @@ list and two maps, beside the ghost's own) and an eviction stores each key once.
 
 from __future__ import annotations
 
+import array
 import itertools
 import operator
 from collections.abc import Iterable, Mapping
+
+import numpy as np
 
 from ..keys import root_hash
 from .ghost import GhostList
@@ -38,7 +41,7 @@ class TenantTags:
     Examples
     --------
     >>> tags = TenantTags([None, "a"], 8)
-    >>> tags.tag([3, 4], [b"k3", b"k4"], [root_hash("a"), b"k3"], {b"k3": 3, b"k4": 4})
+    >>> tags.tag(np.array([3, 4]), [b"k3", b"k4"], [root_hash("a"), b"k3"], {})
     >>> tags.of([3, 4]), tags.tenant_id(root_hash("a")), tags.tenant_id(root_hash("z"))
     ((1, 1), 1, 0)
     """
@@ -48,11 +51,15 @@ class TenantTags:
         self.names = names
         self.ids = {root_hash(name): i for i, name in enumerate(names) if name}  # root -> tenant
         # per block, its tenant: set when it is indexed (stale elsewhere), read a run of
-        # blocks at a time by one C call. A list, not a byte each: tagging stores one
-        # tenant per block in a Python loop, and a list's store (the interpreter's
-        # specialised list-int store) takes half the instructions of a bytearray's, which
-        # converts each value to a byte; reads by `itemgetter` cost the same either way
-        self._tenant: list[int] = [0] * num_blocks
+        # blocks at a time by one C call (`itemgetter`). A byte each (a 32-bit int past 256
+        # tenants), written through a numpy view of the same memory: a step's blocks are
+        # tagged by one scatter over the ids array the index makes anyway, not a Python
+        # store per block, and the tags of a pool fit in a few pages of cache (a list of
+        # ints takes eight bytes a block)
+        self._tenant: bytearray | array.array = (
+            bytearray(num_blocks) if len(names) <= 256 else array.array("I", bytes(4 * num_blocks)))
+        self._view = np.frombuffer(self._tenant, dtype=np.uint8 if len(names) <= 256
+                                   else np.uint32)
         self._ghost = ghost
         # parents found nowhere (not a root, not indexed, forgotten): their blocks were
         # tagged unnamed though their chain's root may name a tenant; while none was, every
@@ -79,27 +86,24 @@ class TenantTags:
         return list(itertools.islice(itertools.compress(itertools.islice(order, limit),
                                                         is_tenant), count))
 
-    def tag(self, block_ids: list[int], keys: list[bytes], parents: list[bytes],
+    def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
-        """Record the tenant of `block_ids`, about to be indexed under `keys` (`index`
-        holds none of them yet) and chaining from `parents`."""
-        tenant_of = self._tenant
+        """Record the tenant of `block_ids` (``[n]`` int64), about to be indexed under
+        `keys` (`index` holds none of them yet) and chaining from `parents`."""
         if len(keys) == 1 or (parents[1] == keys[0] and parents[1:] == keys[:-1]):
-            tenant = self._tenant_of_parent(parents[0], index)  # one chain: one tenant
-            for block_id in block_ids:
-                tenant_of[block_id] = tenant
+            # one chain: one tenant
+            self._view[block_ids] = self._tenant_of_parent(parents[0], index)
             return
         try:  # a decode step's blocks: each chains from its sequence's block indexed before
             owners = operator.itemgetter(*parents)(index)  # a tuple: two parents or more
         except KeyError:  # a parent not indexed: not indexed yet (in this batch), or gone
             owners = None
         if owners is not None:
-            tenants = self.of(owners)
-            for block_id, tenant in zip(block_ids, tenants, strict=True):
-                tenant_of[block_id] = tenant
+            self._view[block_ids] = self.of(owners)
             return
+        tenant_of = self._tenant
         batch: dict[bytes, int] = {}  # the tenants of this batch's keys, as they are found
-        for block_id, key, parent in zip(block_ids, keys, parents, strict=True):
+        for block_id, key, parent in zip(block_ids.tolist(), keys, parents, strict=True):
             tenant = batch.get(parent)
             if tenant is None:
                 tenant = self._tenant_of_parent(parent, index)

@@ -81,6 +81,20 @@ def test_a_tenant_over_its_quota_loses_its_own_oldest_blocks_at_once():
     assert cache.plan_admission("y", b_prompt, salt="B").num_hit == 4 * BLOCK
 
 
+def test_past_256_tenants_each_blocks_tenant_is_kept_whole():
+    """Fault: the tags keep a byte per block past 256 tenants (tenant 300 read back as 44),
+    so a tenant's blocks are counted as another's and its quota misses them."""
+    limits = {f"t{i}": TenantLimits(quota=3 if i in (43, 299) else None) for i in range(300)}
+    cache = _cache(TenantPolicy(limits), 64)
+    rng = random.Random(2)
+    for salt in ("t299", "t43", "t299"):
+        _serve(cache, salt + str(rng.random()), [rng.randrange(1, 9999)
+                                                 for _ in range(4 * BLOCK + 1)], salt)
+    usage = {u.tenant: u.cached for u in cache.allocator.tenants.usage()}
+    assert usage["t299"] == 3 and usage["t43"] == 3, "each at its quota, its own blocks"
+    assert sum(usage.values()) == 6
+
+
 def test_a_reservation_holds_against_another_tenant_but_not_its_own_pressure():
     """Fault: reserved blocks evicted by another tenant's allocation, or never released."""
     cache = _cache(TenantPolicy({"A": TenantLimits(), "B": TenantLimits(reservation=4)}), 17)
