@@ -14,6 +14,7 @@ import json
 import re
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -63,17 +64,9 @@ async def parse_body(request: Request, model: type[_Body],
     if kind == "application/json" or (kind.startswith("application/")
                                       and kind.endswith("+json")):
         try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise RequestValidationError([{
-                "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                "input": {}, "ctx": {"error": exc.msg}}]) from None
-        except ValueError as exc:  # not UTF-8, or an integer literal past 4300 digits
-            raise RequestValidationError([json_value_error(raw, exc)]) from None
-        except RecursionError:  # arrays or objects nested past Python's stack
-            raise RequestValidationError([{
-                "type": "json_invalid", "loc": ("body",), "input": {},
-                "msg": "JSON nested too deeply"}]) from None
+            data = _JSON.decode(raw)
+        except (msgspec.DecodeError, RecursionError):  # json's reading and errors, as before
+            data = _json_loads(raw)
         if ESCAPED_SURROGATE.search(raw):  # (a cheap scan; most bodies have none)
             check_text(data)
     try:
@@ -81,6 +74,29 @@ async def parse_body(request: Request, model: type[_Body],
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])}
                                       for e in exc.errors(include_url=False)]) from None
+
+
+# msgspec's JSON decoder: the body's plain Python values, as json.loads gives them, in a
+# fraction of its time (a 200-id prompt: ~3 us, not ~15). What it refuses (a lone surrogate,
+# NaN, a number past float or 4300 digits, a BOM, malformed JSON, nesting past Python's
+# recursion limit, as json's) json.loads reads or refuses as before.
+_JSON = msgspec.json.Decoder()
+
+
+def _json_loads(raw: bytes) -> Any:
+    """``json.loads(raw)``, its refusals as the 400s `parse_body` names."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{
+            "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+            "input": {}, "ctx": {"error": exc.msg}}]) from None
+    except ValueError as exc:  # not UTF-8, or an integer literal past 4300 digits
+        raise RequestValidationError([json_value_error(raw, exc)]) from None
+    except RecursionError:  # arrays or objects nested past Python's stack
+        raise RequestValidationError([{
+            "type": "json_invalid", "loc": ("body",), "input": {},
+            "msg": "JSON nested too deeply"}]) from None
 
 
 # a JSON escape of a UTF-16 surrogate: a lone one is valid JSON and not text (pairs are fine)
