@@ -64,9 +64,9 @@ def gather_kv_packed_triton(
     longest = int(seq_lens.max()) if seq_lens.shape[0] else 0
     if out is None:
         out = new_gather_out((int(cu_seqlens[-1]), *key_cache.shape[2:]), key_cache, key_scales,
-                       out_dtype)
+                             out_dtype)
     launch_gather(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, longest, out,
-                   (key_scales, value_scales))
+                  (key_scales, value_scales))
     return out
 
 

@@ -56,10 +56,10 @@ class TenantTags:
         # tagged by one scatter over the ids array the index makes anyway, not a Python
         # store per block, and the tags of a pool fit in a few pages of cache (a list of
         # ints takes eight bytes a block)
+        wide = len(names) > 256
         self._tenant: bytearray | array.array = (
-            bytearray(num_blocks) if len(names) <= 256 else array.array("I", bytes(4 * num_blocks)))
-        self._view = np.frombuffer(self._tenant, dtype=np.uint8 if len(names) <= 256
-                                   else np.uint32)
+            array.array("I", bytes(4 * num_blocks)) if wide else bytearray(num_blocks))
+        self._view = np.frombuffer(self._tenant, dtype=np.uint32 if wide else np.uint8)
         self._ghost = ghost
         # parents found nowhere (not a root, not indexed, forgotten): their blocks were
         # tagged unnamed though their chain's root may name a tenant; while none was, every
