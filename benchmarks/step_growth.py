@@ -12,8 +12,9 @@ in brackets), the growth per doubling, and three groups against one. Issue 42's 
 
 ``--parts`` times the three-group scheduler step by part instead, at each size: the
 scheduler's `schedule`, `prepare` (the cache's step and the token array), `advance`, the
-harness's list of sampled tokens (the model's stand-in, timed with the step) and
-`update_from_output` (medians of the steps, ms; the best of the repeats).
+harness's list of sampled tokens (the model and sampler's stand-in, shown but not part of
+the step: see `step_scale`) and `update_from_output` (medians of the steps, ms; the best
+of the repeats).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import gc
 import statistics
 import time
 
-from paged_kv.bench.trace import output_token_id
 from paged_kv.bench.workloads.step_scale import (
     KINDS,
     LAYOUTS,
@@ -31,6 +31,7 @@ from paged_kv.bench.workloads.step_scale import (
     growth,
     label,
     measure,
+    model_samples,
     trace_prompts,
 )
 
@@ -39,7 +40,8 @@ PARTS = ("schedule", "prepare", "advance", "samples", "update", "step")
 
 def time_parts(num_seqs: int, num_steps: int) -> dict[str, float]:
     """Median seconds of each part of `num_steps` three-group scheduler steps of
-    `num_seqs` sequences (after one untimed), as `DecodeStepper` runs them."""
+    `num_seqs` sequences (after one untimed), as `DecodeStepper` runs them (its step:
+    all but the samples)."""
     scheduler = DecodeStepper("scheduler", 3, trace_prompts(num_seqs), num_steps + 1).scheduler
     clock, times = time.perf_counter, {part: [] for part in PARTS}
     for step in range(num_steps + 1):
@@ -50,13 +52,12 @@ def time_parts(num_seqs: int, num_steps: int) -> dict[str, float]:
         t2 = clock()
         scheduler.advance(plan)
         t3 = clock()
-        samples = [(seq, output_token_id(seq.request.request_id, len(seq.token_ids)), None)
-                   for seq in plan if seq.num_computed == len(seq.token_ids)]
+        samples = model_samples(plan)
         t4 = clock()
         scheduler.update_from_output(samples, frozenset())
         t5 = clock()
-        for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0),
-                                 strict=True):
+        parts = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t4 + t3 - t0)
+        for part, seconds in zip(PARTS, parts, strict=True):
             times[part] += [seconds] if step else []
     return {part: statistics.median(values) for part, values in times.items()}
 

@@ -10,7 +10,10 @@ mapping, lengths, one per layer group). Two lines per layout:
   ``[B]`` int32 token array and `prepare_decode` (what the scheduler's `prepare` calls);
 - ``scheduler``: the engine's `Scheduler` driven without a model: `schedule`, `prepare`,
   `advance` and `update_from_output` (the sampled token stands in as
-  `output_token_id`).
+  `output_token_id`). The list of samples handed to `update_from_output` stands in for
+  the model and its sampler (the engine's `draw_rows` builds it from the drawn tokens), so
+  it is built off the clock: it is not the step's bookkeeping, and the stand-in's own
+  per-sequence token arithmetic is work no engine does.
 
 Layouts: ``1 group`` is a uniform full-attention cache; ``3 groups`` a cache whose layers
 are full attention, a sliding window of `WINDOW` tokens and a recurrent state layer (a
@@ -73,7 +76,7 @@ def trace_prompts(num_seqs: int, seed: int = 0) -> list[tuple[int, ...]]:
 class DecodeStepper:
     """`len(prompts)` running sequences of a `num_groups`-group cache, all admitted and
     decoding; `step` runs one decode step of every one of them (`kind`: see the module
-    docstring)."""
+    docstring) and returns the seconds of its bookkeeping."""
 
     def __init__(self, kind: str, num_groups: int, prompts: list[tuple[int, ...]],
                  decode_steps: int) -> None:
@@ -92,31 +95,38 @@ class DecodeStepper:
         self.rows = self.cache.rows_of([seq.seq_id for seq in self.scheduler.running])
         self.step = self._scheduler_step if kind == "scheduler" else self._cache_step
 
-    def _scheduler_step(self) -> None:
-        scheduler = self.scheduler
+    def _scheduler_step(self) -> float:
+        scheduler, clock = self.scheduler, time.perf_counter
+        start = clock()
         plan = scheduler.schedule()
         scheduler.prepare(plan)
         scheduler.advance(plan)
-        samples = [(seq, output_token_id(seq.request.request_id, len(seq.token_ids)), None)
-                   for seq in plan if seq.num_computed == len(seq.token_ids)]
+        paused = clock()
+        samples = model_samples(plan)  # the model and sampler's part: off the clock
+        resumed = clock()
         scheduler.update_from_output(samples, frozenset())
+        return clock() - resumed + paused - start
 
-    def _cache_step(self) -> None:
+    def _cache_step(self) -> float:
+        start = time.perf_counter()
         # the token array built inside the step, as the scheduler's `prepare` builds it
         tokens = np.full(self.rows.size, output_token_id(0, self.step_index), dtype=np.int32)
         self.cache.prepare_decode(self.rows, tokens)
         self.step_index += 1
+        return time.perf_counter() - start
+
+
+def model_samples(plan: dict[Sequence, int]) -> list[tuple[Sequence, int, None]]:
+    """What the model and its sampler hand `Scheduler.update_from_output` after `plan`:
+    a token for each sequence whose next token is due (`output_token_id` of its position)."""
+    return [(seq, output_token_id(seq.request.request_id, len(seq.token_ids)), None)
+            for seq in plan if seq.num_computed == len(seq.token_ids)]
 
 
 def time_steps(stepper: DecodeStepper, num_steps: int) -> float:
-    """Median seconds of `num_steps` decode steps (after one untimed)."""
+    """Median seconds of `num_steps` decode steps' bookkeeping (after one untimed)."""
     stepper.step()
-    times = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        stepper.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(stepper.step() for _ in range(num_steps))
 
 
 def measure(num_seqs: tuple[int, ...], decode_steps: int, repeats: int, seed: int = 0,
