@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import threading
 import time
 from collections.abc import Sequence
 
@@ -29,7 +27,8 @@ OUTPUT_LEN = 32
 _JSON = {"Content-Type": "application/json"}
 DESCRIPTION = (
     "paged-kv serve (embedded TinyLlama(), default engine flags) on 127.0.0.1, driven by a "
-    "load generator in this process (aiohttp on uvloop, connections kept alive): "
+    "load generator in this process (HTTP/1.1 on uvloop, a connection per request opened "
+    "beforehand, each request written at its arrival by a thread): "
     "{num_requests} requests with token-id prompts of 16-128 tokens, {output_len} greedy "
     "tokens each (ignore_eos), streamed; open-loop Poisson arrivals at {rates} requests/s "
     "and all at once. Baseline: the same requests with the same arrival times through Engine "
@@ -81,24 +80,21 @@ def in_process(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
     return _summary(start, arrivals, times)
 
 
-async def _stream_one(session, url: str, body: bytes, due: asyncio.Future,
-                      times: list[float]) -> None:
-    """POST `body` (JSON) once it is due and stamp each SSE event as it is read."""
-    await due
-    async with session.post(url, data=body, headers=_JSON) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter())
+def over_http(port: int, prompts: list[list[int]], arrivals: list[float]) -> dict:
+    """The same requests, streamed from the server on 127.0.0.1:`port` with open-loop
+    arrivals, each written to the server at its arrival (`service_client`)."""
+    from .service_client import request_bytes, stream_all
 
-
-def _release(loop: asyncio.AbstractEventLoop, due: list[asyncio.Future], start: float,
-             arrivals: list[float]) -> None:
-    """Resolve each of `due` at its arrival: a thread asleep until then, because the event
-    loop's timers round to the millisecond (up to 1 ms late, counted against the server)."""
-    for i in sorted(range(len(due)), key=arrivals.__getitem__):
-        time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-        loop.call_soon_threadsafe(due[i].set_result, None)
+    _flush_prefix_cache(port)
+    requests = [request_bytes(port, "/v1/completions",
+                              {"prompt": p, "max_tokens": OUTPUT_LEN, "temperature": 0,
+                               "stream": True, "ignore_eos": True}) for p in prompts]
+    loop = _new_loop()
+    try:
+        start, times = loop.run_until_complete(stream_all(port, requests, arrivals))
+    finally:
+        loop.close()
+    return _summary(start, arrivals, times)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -108,42 +104,6 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
-
-
-def over_http(port: int, prompts: list[list[int]], arrivals: list[float]) -> dict:
-    """The same requests, streamed from the server on 127.0.0.1:`port` with open-loop
-    arrivals (aiohttp: its C parser costs about a quarter of httpx's client CPU per token,
-    CPU the two cores would otherwise take from the server being measured)."""
-    import aiohttp
-
-    _flush_prefix_cache(port)
-    times: list[list[float]] = [[] for _ in prompts]
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    bodies = [json.dumps({"prompt": p, "max_tokens": OUTPUT_LEN, "temperature": 0,
-                          "stream": True, "ignore_eos": True}).encode() for p in prompts]
-
-    async def run() -> float:
-        loop = asyncio.get_running_loop()
-        due = [loop.create_future() for _ in bodies]
-        # connections kept alive (no limit: open loop), none older than uvicorn keeps them
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            start = time.perf_counter()
-            clock = threading.Thread(target=_release, args=(loop, due, start, arrivals))
-            clock.start()
-            try:
-                await asyncio.gather(*(_stream_one(session, url, b, d, t)
-                                       for b, d, t in zip(bodies, due, times, strict=True)))
-            finally:
-                clock.join()
-        return start
-
-    loop = _new_loop()
-    try:
-        start = loop.run_until_complete(run())
-    finally:
-        loop.close()
-    return _summary(start, arrivals, times)
 
 
 def _flush_prefix_cache(port: int) -> None:
