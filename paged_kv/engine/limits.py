@@ -43,8 +43,9 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, model
     if not prompt:
         raise ValueError("prompt_token_ids: empty prompt; give at least one token")
     vocab = model_config.vocab_size
-    # the common case in C-level passes; the scan that names the bad ids only on failure
-    fine = all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) < vocab
+    # the common case in C-level passes (the types by `map`: no Python frame a token, half
+    # the time of a generator's), the scan that names the bad ids only on failure
+    fine = {*map(type, prompt)} == _INT and min(prompt) >= 0 and max(prompt) < vocab
     bad = [] if fine else [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
                            or not 0 <= t < vocab]
     if bad:
@@ -93,8 +94,32 @@ def request_blocks(cache_config: CacheConfig, prompt_len: int, max_tokens: int,
     >>> request_blocks(cfg, 10, 200, 10)  # the last decode: 53 full blocks, 2 per window
     59
     """
+    full_groups = _all_full(cache_config)
+    if full_groups:  # a block per `block_size` tokens in every group: the peak is the
+        # longest, counted once (two `blocks_for_sequence` calls group the layers twice,
+        # ~15 us of a request's check, run in the API server and again in the core)
+        return full_groups * cache_config.blocks_for(prompt_len + max(max_tokens - 1, 0))
     return max(cache_config.blocks_for_sequence(prompt_len, step_tokens),
                cache_config.blocks_for_sequence(prompt_len + max_tokens - 1, 1))
+
+
+_INT = {int}
+_FULL_GROUPS: dict[int, tuple[CacheConfig, int]] = {}  # id -> (the config, its count)
+
+
+def _all_full(cache_config: CacheConfig) -> int:
+    """How many block-holding layer groups `cache_config` has when all are full attention,
+    else 0; worked out once per config (`layer_groups` groups the layers anew at every
+    read). The config itself is kept with its count, so an id reused after it is gone
+    never matches, and a few dozen configs at most (tests make many) are kept."""
+    entry = _FULL_GROUPS.get(id(cache_config))
+    if entry is None or entry[0] is not cache_config:
+        if len(_FULL_GROUPS) >= 64:
+            _FULL_GROUPS.clear()
+        kinds = [kind for kind, _ in cache_config.layer_groups if not kind.is_recurrent]
+        entry = _FULL_GROUPS[id(cache_config)] = (
+            cache_config, len(kinds) if all(kind.is_full for kind in kinds) else 0)
+    return entry[1]
 
 
 def catch_up_tokens(cache_config: CacheConfig, num_tokens: int, left: int) -> int:
