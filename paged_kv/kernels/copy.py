@@ -21,17 +21,24 @@ def copy_blocks_reference(
     if src_block_ids.numel() == 0:
         return
     runs = _runs(src_block_ids, dst_block_ids)
-    if runs is not None:
+    if _by_slices(kv_cache, runs):
+        _copy_slices(kv_cache, runs)
+    elif len(runs) <= _MAX_SHORT_RUNS or 2 * len(runs) <= len(src_block_ids):
         _copy_runs(kv_cache, runs)
-        return
-    # one row per (layer, K/V, block): whole blocks move as contiguous rows
+    else:
+        _copy_rows(kv_cache, src_block_ids, dst_block_ids)
+
+
+def _copy_rows(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
+               dst_block_ids: torch.Tensor) -> None:
+    """Copy one row per (layer, K/V, block), whole blocks as contiguous rows, in two passes
+    through a small reused buffer (a pool-sized temporary costs more in page faults than the
+    copy itself)."""
     num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
     rows = kv_cache.view(num_planes * num_blocks, -1)
     planes = torch.arange(num_planes, device=kv_cache.device)[:, None] * num_blocks
     src_rows = (planes + src_block_ids[None, :]).flatten()
     dst_rows = (planes + dst_block_ids[None, :]).flatten()
-    # through a small reused buffer: a pool-sized temporary costs more in page faults than
-    # the copy itself
     chunk = max(1, _CHUNK_BYTES // (rows.shape[1] * rows.element_size()))
     buffer = rows.new_empty(min(chunk, src_rows.numel()), rows.shape[1])
     for start in range(0, src_rows.numel(), chunk):
@@ -45,24 +52,62 @@ def copy_blocks_reference(
 # costs a few µs of dispatch, where the row path moves every block twice (select, then
 # scatter out of a buffer)
 _MAX_SHORT_RUNS = 16
+# the CPU's slice path (one numpy copy of bytes per plane and run, ~0.7 µs a call against a
+# torch op's 4-12 µs) takes copies of a few calls, or of this many bytes a call on average:
+# moving a scattered 32 KiB block once there beats the row path's two passes (~2x), where a
+# few hundred bytes a call would cost more in calls than the row path's per-row walk
+_FEW_SLICES = 16
+_SLICE_BYTES = 16 << 10
+# ... and leaves runs of this many bytes a plane to torch, whose copy_ is as fast on one
+# thread and splits a large copy across the intra-op threads
+_THREADED_SLICE_BYTES = 1 << 20
 
 
 def _runs(src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor,
-          ) -> list[tuple[int, int, int]] | None:
+          ) -> list[tuple[int, int, int]]:
     """``(src start, dst start, length)`` of each run in which both ids step by one (block
-    ids are often consecutive: fresh blocks come off the free list in order), or None when
-    the runs are too many and too short to pay for a copy each."""
+    ids are often consecutive: fresh blocks come off the free list in order)."""
     # in numpy: a few µs, where the same in torch ops costs more than a short copy itself
     src, dst = src_block_ids.cpu().numpy(), dst_block_ids.cpu().numpy()
     breaks = (np.flatnonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)) + 1
               ).tolist()
-    num_runs = len(breaks) + 1
-    if num_runs > _MAX_SHORT_RUNS and 2 * num_runs > len(src):
-        return None
     starts, ends = [0, *breaks], [*breaks, len(src)]
     return list(zip(src[starts].tolist(), dst[starts].tolist(),
                     [end - start for start, end in zip(starts, ends, strict=True)],
                     strict=True))
+
+
+def _by_slices(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> bool:
+    """Whether `_copy_slices` takes these runs: a contiguous CPU pool (numpy reads its
+    memory), few calls or enough bytes a call, and runs under 1 MiB a plane on average
+    (larger ones are torch's, for its threads)."""
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        return False
+    num_planes = kv_cache.shape[0] * kv_cache.shape[1]
+    block_bytes = kv_cache.stride(2) * kv_cache.element_size()
+    num_slices, num_blocks = num_planes * len(runs), sum(length for _, _, length in runs)
+    if num_blocks * block_bytes >= _THREADED_SLICE_BYTES * len(runs):
+        return False
+    return num_slices <= _FEW_SLICES or \
+        num_planes * num_blocks * block_bytes >= _SLICE_BYTES * num_slices
+
+
+def _copy_slices(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    """Copy each run of blocks as one slice of bytes of each (layer, K/V) plane, in numpy:
+    a one-dimensional copy is one memmove there (bit for bit), with no overlap check (src
+    and dst blocks are disjoint) and a small fraction of a torch call's dispatch."""
+    num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+    for src, dst, length in runs:  # numpy slices clamp or wrap where torch would raise
+        if min(src, dst) < 0 or max(src, dst) + length > num_blocks:
+            raise IndexError(f"copy_blocks: block ids must lie in [0, {num_blocks}), got a "
+                             f"run of {length} from {src} to {dst}")
+    data = kv_cache.view(torch.uint8).view(-1).numpy()
+    block_bytes = data.size // (num_planes * num_blocks)
+    spans = [(src * block_bytes, dst * block_bytes, length * block_bytes)
+             for src, dst, length in runs]
+    for plane in range(0, data.size, num_blocks * block_bytes):
+        for src, dst, length in spans:
+            data[plane + dst:plane + dst + length] = data[plane + src:plane + src + length]
 
 
 def _copy_runs(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:

@@ -56,26 +56,54 @@ def test_copy_blocks_moves_every_byte_as_a_loop_does(dtype, kind, num_layers, bl
     assert torch.equal(pool.view(torch.uint8), expected)
 
 
-@pytest.mark.parametrize("max_short_runs", [0, 1000])
-def test_the_row_path_and_the_run_path_agree(monkeypatch, max_short_runs):
-    """Forced either way (0: rows unless runs average two blocks; 1000: runs always), in
-    chunks smaller than the copy so the row path's buffer is reused."""
-    monkeypatch.setattr(copy_module, "_MAX_SHORT_RUNS", max_short_runs)
+# each path forced: numpy slices (always / never), then torch's runs (always) or rows
+# (unless runs average two blocks)
+PATHS = {"slices": {"_SLICE_BYTES": 0},
+         "runs": {"_SLICE_BYTES": 1 << 40, "_FEW_SLICES": 0, "_MAX_SHORT_RUNS": 1000},
+         "rows": {"_SLICE_BYTES": 1 << 40, "_FEW_SLICES": 0, "_MAX_SHORT_RUNS": 0}}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_slice_run_and_row_paths_agree(monkeypatch, path):
+    """In chunks smaller than the copy, so the row path's buffer is reused."""
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(copy_module, name, value)
     monkeypatch.setattr(copy_module, "_CHUNK_BYTES", 3 * 4 * 2 * 8 * 2)
     for kind in ("consecutive", "runs", "scattered"):
         pool = _random_bytes((2, 2, 70, 4, 2, 8), torch.float16, 3)
         src, dst = _id_pairs(kind, 21, 70, seed=11)
         expected = _loop_copy(pool, src, dst)
         copy_blocks_reference(pool, torch.tensor(src), torch.tensor(dst))
-        assert torch.equal(pool.view(torch.uint8), expected), kind
+        assert torch.equal(pool.view(torch.uint8), expected), (path, kind)
 
 
 def test_runs_are_found_where_both_ids_step_by_one():
     runs = copy_module._runs(torch.tensor([4, 5, 6, 9, 10, 2]),
                              torch.tensor([20, 21, 30, 31, 32, 7]))
     assert runs == [(4, 20, 2), (6, 30, 1), (9, 31, 2), (2, 7, 1)]
-    many = torch.arange(0, 80, 2)  # 40 runs of one block: the row path
-    assert copy_module._runs(many, many + 1) is None
+
+
+def test_which_copies_take_the_slice_path():
+    pool = torch.empty(2, 2, 600, 16, 8, 128, dtype=torch.float16)  # 32 KiB blocks
+    scattered = copy_module._runs(torch.arange(0, 80, 2), torch.arange(1, 81, 2))
+    assert copy_module._by_slices(pool, scattered)  # 160 calls of 32 KiB
+    one_big_run = copy_module._runs(torch.arange(1, 65), torch.arange(65, 129))
+    assert not copy_module._by_slices(pool, one_big_run)  # 2 MiB a plane: torch's threads
+    small = torch.empty(2, 2, 600, 4, 2, 8, dtype=torch.float16)  # 256-byte blocks
+    assert not copy_module._by_slices(small, scattered)  # 160 calls of 256 bytes: rows
+    assert copy_module._by_slices(small, scattered[:4])  # 16 calls
+    assert not copy_module._by_slices(pool[:, :, :300], scattered)  # not contiguous
+
+
+# past the end, negative, a run crossing the end, a valid run before a bad one
+@pytest.mark.parametrize(("src", "dst"), [([3], [10]), ([10], [3]), ([-1], [4]),
+                                          ([2, 3], [9, 10]), ([1, 5], [2, 10])])
+def test_ids_past_the_pool_raise_and_copy_nothing(src, dst):
+    pool = _random_bytes((2, 2, 10, 4, 2, 8), torch.float16, 5)
+    before = pool.clone()
+    with pytest.raises(IndexError, match="block ids must lie in"):
+        copy_module._copy_slices(pool, copy_module._runs(torch.tensor(src), torch.tensor(dst)))
+    assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
 
 
 def _pages(lens: list[int], block_size: int, dtype: torch.dtype, seed: int, *,
