@@ -26,7 +26,7 @@ from .._checks import read_only
 from ..errors import OutOfBlocksError, ensure
 from ..keys import BlockEvent, chain_pieces, hash_pieces, split_blocks
 from .eviction import EvictionPolicy, GhostList, LruEviction
-from .prefix_index import PrefixIndex
+from .prefix_index import PrefixIndex, Tag
 
 NULL_BLOCK = 0
 
@@ -348,16 +348,18 @@ class BlockAllocator:
             keys = known + chain_pieces(known[-1] if known else parent_key,
                                         pieces[len(known):])
         if self.enable_prefix_caching and keys:
-            self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids)
+            self._insert(keys, block_ids, pieces, [parent_key, *keys[:-1]], token_ids,
+                         self._eviction.tag_chain)
         return keys
 
     def _insert(self, keys: list[bytes], block_ids: list[int], pieces: list[bytes],
-                parents: list[bytes], token_ids: bytes) -> None:
+                parents: list[bytes], token_ids: bytes, tag: Tag | None = None) -> None:
         """Index blocks in bulk (``block_ids[i]`` holds ``pieces[i]``, the slices of
         `token_ids`, and chains from ``parents[i]``); a key indexed before (or twice here)
-        keeps its first block."""
+        keeps its first block. `tag`: the policy's for these blocks (its `tag_chain` for
+        one chain; None: its `tag`)."""
         stored = self._prefix.insert(keys, block_ids, pieces, parents, token_ids,
-                                     self._eviction.tag)
+                                     self._eviction.tag if tag is None else tag)
         if stored is not None:
             self._protected[list(stored[0])] = True
             self._events.append(("stored", *stored))

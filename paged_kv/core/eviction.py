@@ -63,6 +63,11 @@ class EvictionPolicy(Protocol):
         yet), chaining from `parents` (`index`: the prefix index, key -> block, before they
         join it)."""
 
+    def tag_chain(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
+                  index: Mapping[bytes, int]) -> None:
+        """`tag` of one chain, as the allocator knows it to be (one sequence's consecutive
+        blocks: ``parents[i + 1] == keys[i]``), so a policy need not check that it is."""
+
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
               forget: Forget, root: bytes | None = None) -> list[int]:
         """`block_ids` (tail first) just became cached, released by a request that asked
@@ -139,6 +144,8 @@ class LruEviction(EvictionPolicy):
         """Remember the parents, so a later block that chains from one but differs inside
         it misses as ``diverged``."""
         self.ghost.seen(parents)
+
+    tag_chain = tag  # one chain or not, only the parents are remembered
 
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
               forget: Forget, root: bytes | None = None) -> list[int]:

@@ -164,6 +164,14 @@ class TenantEviction:
         self._tags.tag(block_ids, keys, parents, index)
         self.ghost.seen(parents)
 
+    def tag_chain(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
+                  index: Mapping[bytes, int]) -> None:
+        """`tag` of one chain (``parents[i + 1] == keys[i]``): every block is the tenant
+        of the chain's first parent, found once (~1.5 us a prompt less than `tag`, which
+        compares the lists to find out)."""
+        self._tags.tag_one(block_ids, parents[0], index)
+        self.ghost.seen(parents)
+
     def cache(self, block_ids: list[int], priority: int | None, seconds: float | None,
               forget: Forget, root: bytes | None = None) -> list[int]:
         """`block_ids` (tail first) just became cached; the blocks of a tenant past its
@@ -212,9 +220,17 @@ class TenantEviction:
         pressure evicted them."""
         asking = None if requester is None else self._ids.get(requester, 0)
         if self._riding:
-            evicted = self._ride_evict(count, asking, forget)
-            if evicted is not None:
+            # the order's `count` oldest, unless taking them takes another tenant below
+            # its reservation: then the lists choose (where none binds, they give these)
+            popitem = self.cached.popitem
+            evicted = [popitem(False)[0] for _ in range(count)]
+            tenants = self._tags.of(evicted)
+            if count <= self._floor or self._spares(tenants, asking):
+                self._floor -= count
+                self._pending.extend(tenants)
+                self._blame(forget(evicted), tenants, asking)
                 return evicted
+            self._unpop(evicted)
             self._split()
         evicted, runs = self.ledger.victims(count, asking)
         self._drop(evicted)
@@ -244,23 +260,12 @@ class TenantEviction:
         self._floor = -1 if self._reserving else math.inf
 
     # -- riding on one order, or split by tenant ---------------------------------------------
-    def _ride_evict(self, count: int, asking: int | None, forget: Forget) -> list[int] | None:
-        """The `count` oldest blocks of the one order, evicted, when taking them takes no
-        other tenant below its reservation (the lists would give the same); else None,
-        nothing done."""
+    def _unpop(self, evicted: list[int]) -> None:
+        """Put blocks just popped from the front of the one order back, as they were."""
         cached = self.cached
-        popitem = cached.popitem
-        evicted = [popitem(False)[0] for _ in range(count)]
-        tenants = self._tags.of(evicted)
-        if count > self._floor and not self._spares(tenants, asking):
-            for block_id in reversed(evicted):  # back to the front, as they were
-                cached[block_id] = None
-                cached.move_to_end(block_id, last=False)
-            return None
-        self._floor -= count
-        self._pending.extend(tenants)
-        self._blame(forget(evicted), tenants, asking)
-        return evicted
+        for block_id in reversed(evicted):
+            cached[block_id] = None
+            cached.move_to_end(block_id, last=False)
 
     def _ride_quota(self, tenant: int, forget: Forget) -> list[int]:
         """Riding, `tenant` may have passed its quota by the blocks that just joined the

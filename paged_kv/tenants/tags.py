@@ -91,8 +91,7 @@ class TenantTags:
         """Record the tenant of `block_ids` (``[n]`` int64), about to be indexed under
         `keys` (`index` holds none of them yet) and chaining from `parents`."""
         if len(keys) == 1 or (parents[1] == keys[0] and parents[1:] == keys[:-1]):
-            # one chain: one tenant
-            self._view[block_ids] = self._tenant_of_parent(parents[0], index)
+            self.tag_one(block_ids, parents[0], index)
             return
         try:  # a decode step's blocks: each chains from its sequence's block indexed before
             owners = operator.itemgetter(*parents)(index)  # a tuple: two parents or more
@@ -108,6 +107,12 @@ class TenantTags:
             if tenant is None:
                 tenant = self._tenant_of_parent(parent, index)
             tenant_of[block_id] = batch[key] = tenant
+
+    def tag_one(self, block_ids: np.ndarray, parent: bytes, index: Mapping[bytes, int],
+                ) -> None:
+        """Record the tenant of `block_ids` (``[n]`` int64), one chain of blocks about to be
+        indexed, the first chaining from `parent`: one tenant, the parent's."""
+        self._view[block_ids] = self._tenant_of_parent(parent, index)
 
     def _tenant_of_parent(self, parent: bytes, index: Mapping[bytes, int]) -> int:
         """The tenant of a block chaining from `parent`: a salted root's, an indexed

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -281,3 +281,33 @@ def test_the_ledger_rides_until_a_quota_binds_far_from_the_front_then_rides_agai
 
 def _usage(policy: TenantEviction) -> dict[str | None, int]:
     return {u.tenant: u.cached for u in policy.usage()}
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "indexed", "evicted", "nowhere"]),
+                          st.integers(1, 4)), min_size=1, max_size=6))
+def test_a_chain_is_tagged_as_its_blocks_one_by_one(chains):
+    """Fault: `tag_chain` (the allocator's call for one sequence's consecutive blocks, which
+    skips `tag`'s check that they chain) tags another tenant than `tag` would, or counts
+    a parent found nowhere differently, for a chain starting at a root, at an indexed
+    block, at an evicted key the ghost list remembers, or at a key found nowhere."""
+    policy = TenantPolicy({"a": TenantLimits(), "b": TenantLimits()})
+    each, chained = TenantEviction(policy, 64), TenantEviction(policy, 64)
+    index: dict[bytes, int] = {}
+    for ledger in (each, chained):  # a key of b's evicted: its owner is remembered
+        ledger.ghost.evicted_each({b"gone": ("device", "global", None, 2)})
+    starts = {"a": root_hash("a"), "b": root_hash("b"), "evicted": b"gone",
+              "nowhere": b"\x07" * 32}
+    block = 1
+    for n, (start, length) in enumerate(chains):
+        parent = next(iter(index), root_hash("b")) if start == "indexed" else starts[start]
+        keys = [bytes([n, i]) * 16 for i in range(length)]
+        ids = np.arange(block, block + length, dtype=np.int64)
+        parents = [parent, *keys[:-1]]
+        each.tag(ids, keys, parents, index)
+        chained.tag_chain(ids, keys, parents, index)
+        assert chained.tenants_of(ids.tolist()) == each.tenants_of(ids.tolist())
+        assert chained._tags.misses == each._tags.misses
+        index.update(zip(keys, ids.tolist(), strict=True))
+        block += length
