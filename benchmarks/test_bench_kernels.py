@@ -31,6 +31,7 @@ def _ops():
     pool = torch.stack([s.key_cache, s.value_cache])[None]
     half = (pool.shape[2] - 1) // 2
     src, dst = torch.arange(1, half + 1), torch.arange(half + 1, 2 * half + 1)
+    order = torch.randperm(2 * half, generator=torch.Generator().manual_seed(1)) + 1
     per_token = NUM_KV_HEADS * HEAD_DIM
     return {
         "write_kv": (lambda: write_kv(new, new, s.key_cache, s.value_cache, slots),
@@ -42,6 +43,8 @@ def _ops():
                                                       s.cu_seqlens, packed),
                              s.num_tokens * per_token),
         "copy_blocks": (lambda: copy_blocks(pool, src, dst), half * 16 * per_token),
+        "copy_blocks (scattered ids)": (lambda: copy_blocks(pool, order[:half], order[half:]),
+                                        half * 16 * per_token),
         # the worst case of a write: every token to a random slot of the pool
         "write_kv (random slots)": (lambda: write_kv(new, new, s.key_cache, s.value_cache,
                                                      random_slots), s.num_tokens * per_token),

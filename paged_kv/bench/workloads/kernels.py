@@ -81,7 +81,8 @@ def _bandwidth_figure(name: str, op, num_elements: int, setup: PagedSetup,
 
 
 def bandwidth_figures(setup: PagedSetup, repeats: int, device: torch.device) -> list[Figure]:
-    """write_kv, gather_kv (padded, packed) and copy_blocks against copy_."""
+    """write_kv, gather_kv (padded, packed) and copy_blocks (consecutive and scattered
+    ids) against copy_."""
     s, per_token = setup, NUM_KV_HEADS * HEAD_DIM
     slots = s.slot_mapping()
     new = torch.randn(s.num_tokens, NUM_KV_HEADS, HEAD_DIM).to(s.key_cache.dtype).to(device)
@@ -93,6 +94,10 @@ def bandwidth_figures(setup: PagedSetup, repeats: int, device: torch.device) -> 
     half = (pool.shape[2] - 1) // 2
     src_ids = torch.arange(1, half + 1, device=device)
     dst_ids = torch.arange(half + 1, 2 * half + 1, device=device)
+    # the same number of blocks at random places (fresh blocks are consecutive; blocks
+    # freed and reused over a long run are not)
+    order = torch.randperm(2 * half, generator=torch.Generator().manual_seed(1)) + 1
+    scattered_src, scattered_dst = order[:half].to(device), order[half:].to(device)
     cases = [
         ("write_kv (every token's K/V into its slot)", s.num_tokens * per_token,
          lambda: write_kv(new, new, s.key_cache, s.value_cache, slots)),
@@ -104,6 +109,8 @@ def bandwidth_figures(setup: PagedSetup, repeats: int, device: torch.device) -> 
                                   s.cu_seqlens, packed)),
         (f"copy_blocks ({half} blocks, K and V)", half * BLOCK_SIZE * per_token,
          lambda: copy_blocks(pool, src_ids, dst_ids)),
+        (f"copy_blocks ({half} scattered blocks, K and V)", half * BLOCK_SIZE * per_token,
+         lambda: copy_blocks(pool, scattered_src, scattered_dst)),
     ]
     return [_bandwidth_figure(name, op, n, s, repeats, device) for name, n, op in cases]
 
@@ -160,16 +167,18 @@ def run(scale: Scale, device: torch.device) -> WorkloadResult:
 
 def _result(figures: list[Figure], scale: Scale, device: torch.device,
             attention_dtype: torch.dtype) -> WorkloadResult:
-    bandwidth = figures[:4]
-    names = tuple(f.name.split(" (")[0].split(" [")[0] + (" packed" if "packed" in f.name
-                                                          else "") for f in bandwidth)
+    bandwidth = [f for f in figures if f.value.unit == "GB/s"]
+    attention = [f for f in figures if f.value.unit != "GB/s"]
+    names = tuple(f.name.split(" (")[0].split(" [")[0]
+                  + (" packed" if "packed" in f.name else "")
+                  + (" scattered" if "scattered" in f.name else "") for f in bandwidth)
     plots = [
         Plot("bandwidth against copy_ of the same bytes", "op", "GB/s",
              (_bars("paged kernel", names, [f.value for f in bandwidth]),
               _bars("dst.copy_(src)", names, [f.baseline for f in bandwidth])), kind="bar"),
         Plot("decode attention", "path", "ms",
              (_bars("time", ("paged_attention", "gather + SDPA", "SDPA contiguous"),
-                    [figures[4].value, figures[4].baseline, figures[5].baseline]),),
+                    [attention[0].value, attention[0].baseline, attention[1].baseline]),),
              kind="bar")]
     backend = "Triton" if device.type == "cuda" else "torch reference (CPU path)"
     return WorkloadResult(
