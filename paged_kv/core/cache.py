@@ -50,7 +50,7 @@ from .allocator import BlockAllocator
 from .batch import BatchOrSeqIds, SeqId, StepBatch
 from .groups.groups import LayerGroup
 from .groups.kinds import build_groups
-from .groups.layout import GroupLayout
+from .groups.layout import DecodeForecast, GroupLayout
 from .groups.state_group import StateGroup
 from .layer_access import LayerAccess
 from .load_cached import load_blocks
@@ -116,6 +116,8 @@ class PagedKVCache(Admissions, LayerAccess):
         self._debug = os.environ.get("PAGED_KV_DEBUG") == "1"
         self._workspace = torch.empty(0, dtype=config.dtype, device=config.device)
         self._generation = 0  # mutations so far: a plan of an older generation is stale
+        # the last decode count's rows, generation and layout plans (`num_blocks_needed`)
+        self._forecast: tuple[np.ndarray, int, DecodeForecast] | None = None
 
     # -- read-only views of the owners ----------------------------------------------------
     @property
@@ -299,10 +301,12 @@ class PagedKVCache(Admissions, LayerAccess):
         """
         return self._step(parse_step(new_tokens, self._tables), "prepare()")
 
-    def _step(self, step: Step, what: str, decode: bool | None = None) -> StepBatch:
-        """Plan, check and commit a parsed step (``decode=True``: one token a row)."""
+    def _step(self, step: Step, what: str, decode: bool | None = None,
+              forecast: DecodeForecast | None = None) -> StepBatch:
+        """Plan, check and commit a parsed step (``decode=True``: one token a row;
+        `forecast`: the layout's plans of its rows, still current)."""
         if self._layout is not None:
-            batch = self._layout.step(step, what, decode)
+            batch = self._layout.step(step, what, decode, forecast)
             self._after_mutation()
             return batch
         plan = self._planner.plan(step, decode=decode)
@@ -363,7 +367,17 @@ class PagedKVCache(Admissions, LayerAccess):
                 raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
                                  f"(one per row), got {tokens.shape}")
         step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
-        return self._step(step, "prepare_decode()", decode=True)
+        return self._step(step, "prepare_decode()", decode=True,
+                          forecast=self._current_forecast(step.rows))
+
+    def _current_forecast(self, rows: np.ndarray) -> DecodeForecast | None:
+        """The layout's forecast that `num_blocks_needed` made of `rows` (resolved from
+        the same read-only handles: `resolve_rows` gave the same array), if the cache has
+        not changed since; taken once."""
+        forecast, self._forecast = self._forecast, None
+        if forecast is None or forecast[0] is not rows or forecast[1] != self._generation:
+            return None
+        return forecast[2]
 
     def num_blocks_needed(self, new_tokens: Mapping[SeqId, Sequence[int] | int] | np.ndarray,
                           *, per_sequence: bool = False) -> int | np.ndarray:
@@ -393,6 +407,12 @@ class PagedKVCache(Admissions, LayerAccess):
             if needed >= 0:
                 return needed
         step = self._parse_needed(new_tokens)  # a copy, per sequence, or several groups
+        if self._layout is not None and isinstance(new_tokens, np.ndarray) and not per_sequence:
+            # kept for `prepare_decode` of these rows, which plans the same while the
+            # cache is unchanged (a scheduler's count, then its step; ~0.1 ms at 1,024)
+            forecast = self._layout.forecast(step)
+            self._forecast = (step.rows, self._generation, forecast)
+            return forecast.needed
         if self._layout is not None:
             need = self._layout.num_blocks_needed(step)
             return need if per_sequence else int(need.sum())

@@ -21,6 +21,7 @@ without a test of its kind here.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,33 @@ from ..step.parse import Step
 from ..step.plan import StepPlan, check_capacity
 from .admission import HybridAdmission, commit_groups
 from .groups import LayerGroup, filled_blocks
+
+
+class DecodeForecast(NamedTuple):
+    """A decode step's plans and give-backs as `GroupLayout.forecast` worked them out for
+    its block count; the step reuses them when nothing changed in between (a scheduler
+    counts a step's blocks, then prepares the same rows: planned once, not twice).
+
+    Attributes
+    ----------
+    plans : list of StepPlan or None
+        Each group's plan of the rows, one unknown token each (a decode plan does not read
+        the tokens); None for a group holding no blocks, which plans at the step.
+    releases, columns : list
+        `GroupLayout._releases`' give-backs of the rows, and their columns.
+    credit : int
+        Blocks the give-backs make obtainable.
+    """
+
+    plans: list[StepPlan | None]
+    releases: list
+    columns: list
+    credit: int
+
+    @property
+    def needed(self) -> int:
+        """Blocks the step takes less what its give-backs return first."""
+        return sum(plan.requested for plan in self.plans if plan is not None) - self.credit
 
 
 class GroupLayout:
@@ -58,14 +86,20 @@ class GroupLayout:
         return dataclasses.replace(batches[0], groups=batches) if prepare else None
 
     # -- a step ---------------------------------------------------------------------------
-    def step(self, step: Step, what: str, decode: bool | None) -> StepBatch:
+    def step(self, step: Step, what: str, decode: bool | None,
+             forecast: DecodeForecast | None = None) -> StepBatch:
         """Plan a step in every group, check it (less what the step gives back first),
         give back, commit, and index other groups' filled blocks under the leader's keys
         (the blocks that filled are found once the leader committed, and every other
-        group's commit is handed them)."""
+        group's commit is handed them). `forecast`: `forecast` of the same rows, made
+        since the last change of the cache (the caller vouches for it), in place of the
+        plans and give-backs."""
         rows, allocator, tables = step.rows, self.allocator, self.leader.tables
-        plans = [group.plan_step(step, decode) for group in self.groups]
-        releases, columns, credit = self._releases(rows)
+        if forecast is None:
+            forecast = self.forecast(step, decode)
+        plans = [group.plan_step(step, decode) if plan is None else plan._replace(step=step)
+                 for group, plan in zip(self.groups, forecast.plans, strict=True)]
+        releases, columns, credit = forecast[1:]
         check_capacity(allocator, StepPlan(step, sum(plan.requested for plan in plans), None),
                        what, credit=credit)
         mirrored = self.config.enable_prefix_caching and len(self.groups) > 1
@@ -91,6 +125,13 @@ class GroupLayout:
         for group in self.groups[1:]:
             group.mirror(allocator, filled)
         return dataclasses.replace(first, groups=batches)
+
+    def forecast(self, step: Step, decode: bool | None = True) -> DecodeForecast:
+        """The plans of `step` in the groups holding blocks and its give-backs, which
+        `step` would work out first (changes nothing)."""
+        plans = [group.plan_step(step, decode) if group.holds_blocks else None
+                 for group in self.groups]
+        return DecodeForecast(plans, *self._releases(step.rows))
 
     def _releases(self, rows: np.ndarray) -> tuple[list, list, int]:
         """What each group gives back before a step of `rows`: `LayerGroup.releasable`,
