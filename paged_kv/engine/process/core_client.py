@@ -29,6 +29,7 @@ _CONNECT_RETRY_S = 0.005  # a core not listening yet (still starting): connect a
 # what may wait in this side's write buffer before sends wait for room (the core not
 # reading, e.g. inside a long step): any one message fits; a burst of them is held back
 _HIGH_WATER = 4 << 20
+_ARRIVING = frame(messages.encode(messages.Arriving()))
 
 
 class CoreClient:
@@ -196,6 +197,13 @@ class CoreClient:
             self._sent -= 1
             raise
         return request_id
+
+    def announce(self) -> None:
+        """Tell the core a generation request has arrived (`messages.Arriving`), before its
+        route reads and checks it: a step about to start waits for its `Add` (briefly).
+        A hint: skipped while the connection is not up or its buffer is full."""
+        if self._transport is not None and not self._closed and self._room.is_set():
+            self._transport.write(_ARRIVING)
 
     def abort(self, request_id: int) -> None:
         """Ask the core to stop a request (does not wait)."""

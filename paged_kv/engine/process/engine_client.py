@@ -54,6 +54,10 @@ class EngineClient(Protocol):
     async def cached_tokens(self, prompt_token_ids: list[int], salt: str | None) -> int:
         """Tokens of the prompt's full blocks cached for `salt` now (changes nothing)."""
 
+    def announce(self) -> None:
+        """A generation request has arrived and its `add` follows once it is read and
+        checked (or never, when refused): a hint that lets a step wait for it."""
+
     def abort(self, request_id: int) -> None:
         """Free a request's blocks (does not wait), while the engine drains too; nothing
         once it is gone."""

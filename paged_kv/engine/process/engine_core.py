@@ -16,6 +16,8 @@ import dataclasses
 import logging
 import os
 import signal
+import time
+from collections import deque
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -35,6 +37,10 @@ from .core_socket import CoreListener, Front
 
 logger = logging.getLogger("paged_kv.server.core")
 _IDLE_POLL_S = 0.1  # how often an idle core looks at its parent and at SIGTERM
+# the most a step waits for requests an API server announced (`messages.Arriving`): a
+# route's read and checks and the hop, ~0.5 ms on this 2-core machine; a request that
+# misses the step boundary by that much waits a whole step more (7-15 ms here)
+ARRIVAL_HOLD_S = 0.001
 _PROBE = ("paged-kv", "cached-tokens probe")  # a sequence id no request has (never added)
 
 
@@ -230,11 +236,20 @@ class EngineCoreProc(EngineCore):
         The socket's path to listen on, or ``ipc://PATH`` (the API servers connect to it).
     parent_pid : int
         The process that started this one: when it is gone, so is this one.
+    arrival_hold_s : float
+        How long a step may wait, at most, for the `Add`s of requests an API server has
+        announced (`messages.Arriving`): a request that reached the API server before the
+        step boundary joins that step, as it would in-process, rather than waiting a
+        whole step more because its route was still reading it. Each announcement counts
+        for this long after it came; an `Add` takes back the oldest one.
     """
 
-    def __init__(self, engine: Engine, address: str, parent_pid: int) -> None:
+    def __init__(self, engine: Engine, address: str, parent_pid: int,
+                 arrival_hold_s: float = ARRIVAL_HOLD_S) -> None:
         super().__init__(engine)
         self._parent = parent_pid
+        self._hold = arrival_hold_s
+        self._arriving: deque[float] = deque()  # when announcements came, oldest first
         self._ids: dict[tuple[Front, int], int] = {}  # (API server, its id) -> engine id
         self._pending: dict[Front, list[tuple[int, StepOutput]]] = {}
         self._fronts: set[Front] = set()
@@ -265,12 +280,28 @@ class EngineCoreProc(EngineCore):
                     for front in list(self._fronts):
                         self._send(front, messages.Bye())
                     return 0
-                if self.engine.has_unfinished_requests and not self.step():
-                    self._flush()  # the failed requests' last outputs
-                    return 1
+                if self.engine.has_unfinished_requests:
+                    self._await_announced()
+                    if not self.step():
+                        self._flush()  # the failed requests' last outputs
+                        return 1
                 self._flush()
         finally:
             self._listener.close()  # (the last outputs and Bye leave first)
+
+    def _await_announced(self) -> None:
+        """Before a step: wait while requests announced in the last `arrival_hold_s` have
+        not come, at most `arrival_hold_s` in all (a stream of announcements never holds a
+        step longer; an announcement whose request was refused simply expires)."""
+        arriving, hold = self._arriving, self._hold
+        now = time.monotonic()
+        deadline = now + hold
+        while arriving and now < deadline:
+            if arriving[0] + hold <= now:
+                arriving.popleft()
+                continue
+            self._listener.poll(min(deadline, arriving[0] + hold) - now)
+            now = time.monotonic()
 
     def _send(self, front: Front, message: messages.FromCore) -> None:
         self._listener.send(front, messages.encode(message))
@@ -279,7 +310,11 @@ class EngineCoreProc(EngineCore):
         """One message from an API server (the listener's callback, between steps)."""
         message = messages.decode_to_core(frame)
         if isinstance(message, messages.Add):
+            if self._arriving:  # (any API server's: a refused one's expires)
+                self._arriving.popleft()
             self._add(front, message)
+        elif isinstance(message, messages.Arriving):
+            self._arriving.append(time.monotonic())
         elif isinstance(message, messages.Abort):
             engine_id = self._ids.get((front, message.request_id))
             if engine_id is not None:

@@ -108,6 +108,10 @@ class InprocClient:
         return await asyncio.wrap_future(self.submit(
             lambda: self.core.cached_tokens(prompt_token_ids, salt)))
 
+    def announce(self) -> None:
+        """Nothing: this core's steps do not wait for announced requests (an `add` joins
+        the step after the one it was made in, as before)."""
+
     def abort(self, request_id: int) -> None:
         """Free a request's blocks before the next step (does not wait; nothing once the
         engine is gone)."""

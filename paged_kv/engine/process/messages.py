@@ -57,6 +57,12 @@ class CachedQuery(msgspec.Struct, array_like=True, tag=5):
     salt: str | None
 
 
+class Arriving(msgspec.Struct, array_like=True, tag=6):
+    """A generation request reached the API server: its `Add` follows once the route has
+    read and checked it (a few hundred µs), or never when it is refused there. A hint, no
+    more: the core holds a step about to start for it, briefly (`EngineCoreProc`)."""
+
+
 class Outputs(msgspec.Struct, array_like=True, tag=10):
     """One step's outputs for one API server: ``(request_id, StepOutput)`` pairs (maybe
     none), the requests that would wait for a running slot after the step, whichever API
@@ -96,7 +102,7 @@ class Draining(msgspec.Struct, array_like=True, tag=13):
 
 
 # (tag 3 was `Hello`, an API server announcing itself to ZMQ's ROUTER: a connection does now)
-ToCore = Add | Abort | MetricsQuery | Flush | CachedQuery
+ToCore = Add | Abort | MetricsQuery | Flush | CachedQuery | Arriving
 FromCore = Outputs | MetricsText | Bye | Draining | Reply
 
 encode = msgspec.msgpack.Encoder().encode

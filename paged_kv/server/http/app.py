@@ -47,7 +47,7 @@ def create_app(engine: EngineClient, tokenizer, *, model_name: str,
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     # innermost: after auth, before FastAPI's routing
-    app.add_middleware(_FastPath, routes=fast_routes(router))
+    app.add_middleware(_FastPath, routes=fast_routes(router), engine=engine)
     app.add_middleware(_Authenticate, service=service)  # runs after counting
     app.add_middleware(_CountRequests, counter=service.requests,
                        paths=frozenset(route.path for declared in (router, admin_router,
@@ -105,15 +105,19 @@ class _FastPath:
     exception, exit stack, routing and dependency layers, passed on every request and (the
     exception layer) on every token's send, are most of the API server's time before a
     request reaches the engine core. Anything else, and these paths with other methods, goes
-    to FastAPI."""
+    to FastAPI. Each generation request is announced to the engine (`announce`, where the
+    client has it) before its body is read, so that a step about to start waits for it."""
 
-    def __init__(self, app, routes: dict[str, Callable]) -> None:
+    def __init__(self, app, routes: dict[str, Callable], engine: EngineClient) -> None:
         self.app, self.routes = app, routes
+        self.announce = getattr(engine, "announce", None)
 
     async def __call__(self, scope, receive, send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
         if route is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
+        if self.announce is not None:
+            self.announce()
         request = Request(scope, receive)
         try:
             response = await route(request)
