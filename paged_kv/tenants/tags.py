@@ -77,14 +77,20 @@ class TenantTags:
         return tuple(map(self._tenant.__getitem__, block_ids))
 
     def first_of(self, tenant: int, order: Iterable[int], count: int, limit: int) -> list[int]:
-        """The first `count` blocks of `order` (indexed blocks; an iterable read twice, in
-        step) that are `tenant`'s, looking at its first `limit` only (fewer when those hold
-        fewer). Lazily and in C (compress over the tags): it reads the order only as far as
-        the `count`-th, not `limit` blocks and a tuple of their tags."""
-        is_tenant = map(tenant.__eq__, map(self._tenant.__getitem__,
-                                            itertools.islice(order, limit)))
-        return list(itertools.islice(itertools.compress(itertools.islice(order, limit),
-                                                        is_tenant), count))
+        """The first `count` blocks of `order` (indexed blocks) that are `tenant`'s, looking
+        at its first `limit` only (fewer when those hold fewer). The order is read in
+        chunks that double, each an array whose tags one numpy comparison tests (about
+        half the time of a lazy test per block, which reads the order no further), so it
+        is read little past the `count`-th."""
+        view, found = self._view, []
+        blocks, seen, chunk = iter(order), 0, max(8 * count, 64)
+        while seen < limit and len(found) < count:
+            ids = np.fromiter(itertools.islice(blocks, min(chunk, limit - seen)), np.int64)
+            if not len(ids):
+                break
+            seen, chunk = seen + len(ids), 2 * chunk
+            found += ids[view[ids] == tenant][: count - len(found)].tolist()
+        return found
 
     def tag(self, block_ids: np.ndarray, keys: list[bytes], parents: list[bytes],
             index: Mapping[bytes, int]) -> None:
