@@ -21,10 +21,10 @@ def copy_blocks_reference(
     if src_block_ids.numel() == 0:
         return
     runs = _runs(src_block_ids, dst_block_ids)
-    if _by_slices(kv_cache, runs):
-        _copy_slices(kv_cache, runs)
-    elif len(runs) <= _MAX_SHORT_RUNS or 2 * len(runs) <= len(src_block_ids):
+    if len(runs) <= _MAX_SHORT_RUNS or 2 * len(runs) <= len(src_block_ids):
         _copy_runs(kv_cache, runs)
+    elif _by_slices(kv_cache, runs):
+        _copy_slices(kv_cache, runs)
     else:
         _copy_rows(kv_cache, src_block_ids, dst_block_ids)
 
@@ -52,15 +52,12 @@ def _copy_rows(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
 # costs a few µs of dispatch, where the row path moves every block twice (select, then
 # scatter out of a buffer)
 _MAX_SHORT_RUNS = 16
-# the CPU's slice path (one numpy copy of bytes per plane and run, ~0.7 µs a call against a
-# torch op's 4-12 µs) takes copies of a few calls, or of this many bytes a call on average:
-# moving a scattered 32 KiB block once there beats the row path's two passes (~2x), where a
-# few hundred bytes a call would cost more in calls than the row path's per-row walk
-_FEW_SLICES = 16
+# many short runs on the CPU go one numpy copy of bytes per (plane, run) instead, ~0.7 µs a
+# call against the row path's two passes, when the calls move this many bytes each on
+# average: a scattered 32 KiB block moved once there beats the row path (~2x), where a few
+# hundred bytes a call would cost more in calls than the row path's per-row walk. Few runs
+# stay torch's: one call a run covers every plane (a 32-layer pool: 64 numpy calls a run)
 _SLICE_BYTES = 16 << 10
-# ... and leaves runs of this many bytes a plane to torch, whose copy_ is as fast on one
-# thread and splits a large copy across the intra-op threads
-_THREADED_SLICE_BYTES = 1 << 20
 
 
 def _runs(src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor,
@@ -79,17 +76,12 @@ def _runs(src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor,
 
 def _by_slices(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> bool:
     """Whether `_copy_slices` takes these runs: a contiguous CPU pool (numpy reads its
-    memory), few calls or enough bytes a call, and runs under 1 MiB a plane on average
-    (larger ones are torch's, for its threads)."""
+    memory) and enough bytes a call."""
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         return False
-    num_planes = kv_cache.shape[0] * kv_cache.shape[1]
     block_bytes = kv_cache.stride(2) * kv_cache.element_size()
-    num_slices, num_blocks = num_planes * len(runs), sum(length for _, _, length in runs)
-    if num_blocks * block_bytes >= _THREADED_SLICE_BYTES * len(runs):
-        return False
-    return num_slices <= _FEW_SLICES or \
-        num_planes * num_blocks * block_bytes >= _SLICE_BYTES * num_slices
+    num_blocks = sum(length for _, _, length in runs)
+    return num_blocks * block_bytes >= _SLICE_BYTES * len(runs)
 
 
 def _copy_slices(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:

@@ -56,24 +56,24 @@ def test_copy_blocks_moves_every_byte_as_a_loop_does(dtype, kind, num_layers, bl
     assert torch.equal(pool.view(torch.uint8), expected)
 
 
-# each path forced: numpy slices (always / never), then torch's runs (always) or rows
-# (unless runs average two blocks)
-PATHS = {"slices": {"_SLICE_BYTES": 0},
-         "runs": {"_SLICE_BYTES": 1 << 40, "_FEW_SLICES": 0, "_MAX_SHORT_RUNS": 1000},
-         "rows": {"_SLICE_BYTES": 1 << 40, "_FEW_SLICES": 0, "_MAX_SHORT_RUNS": 0}}
+# each path called directly, whatever the dispatch would pick
+PATHS = {
+    "runs": lambda pool, src, dst: copy_module._copy_runs(pool, copy_module._runs(src, dst)),
+    "slices": lambda pool, src, dst: copy_module._copy_slices(pool,
+                                                               copy_module._runs(src, dst)),
+    "rows": copy_module._copy_rows,
+}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_the_slice_run_and_row_paths_agree(monkeypatch, path):
+def test_the_run_slice_and_row_paths_agree(monkeypatch, path):
     """In chunks smaller than the copy, so the row path's buffer is reused."""
-    for name, value in PATHS[path].items():
-        monkeypatch.setattr(copy_module, name, value)
     monkeypatch.setattr(copy_module, "_CHUNK_BYTES", 3 * 4 * 2 * 8 * 2)
     for kind in ("consecutive", "runs", "scattered"):
         pool = _random_bytes((2, 2, 70, 4, 2, 8), torch.float16, 3)
         src, dst = _id_pairs(kind, 21, 70, seed=11)
         expected = _loop_copy(pool, src, dst)
-        copy_blocks_reference(pool, torch.tensor(src), torch.tensor(dst))
+        PATHS[path](pool, torch.tensor(src), torch.tensor(dst))
         assert torch.equal(pool.view(torch.uint8), expected), (path, kind)
 
 
@@ -84,14 +84,11 @@ def test_runs_are_found_where_both_ids_step_by_one():
 
 
 def test_which_copies_take_the_slice_path():
-    pool = torch.empty(2, 2, 600, 16, 8, 128, dtype=torch.float16)  # 32 KiB blocks
+    pool = torch.empty(1, 2, 600, 16, 8, 128, dtype=torch.float16)  # 32 KiB blocks
     scattered = copy_module._runs(torch.arange(0, 80, 2), torch.arange(1, 81, 2))
-    assert copy_module._by_slices(pool, scattered)  # 160 calls of 32 KiB
-    one_big_run = copy_module._runs(torch.arange(1, 65), torch.arange(65, 129))
-    assert not copy_module._by_slices(pool, one_big_run)  # 2 MiB a plane: torch's threads
-    small = torch.empty(2, 2, 600, 4, 2, 8, dtype=torch.float16)  # 256-byte blocks
-    assert not copy_module._by_slices(small, scattered)  # 160 calls of 256 bytes: rows
-    assert copy_module._by_slices(small, scattered[:4])  # 16 calls
+    assert copy_module._by_slices(pool, scattered)  # 80 calls of 32 KiB
+    small = torch.empty(1, 2, 600, 4, 2, 8, dtype=torch.float16)  # 256-byte blocks
+    assert not copy_module._by_slices(small, scattered)  # 80 calls of 256 bytes: rows
     assert not copy_module._by_slices(pool[:, :, :300], scattered)  # not contiguous
 
 

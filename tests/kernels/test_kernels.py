@@ -405,7 +405,7 @@ def test_copy_blocks_reference_in_several_chunks(monkeypatch: pytest.MonkeyPatch
     block_size, num_heads, head_dim, dtype = 5, 2, 8, torch.float32
     row_bytes = block_size * num_heads * head_dim * 4
     monkeypatch.setattr(copy_module, "_CHUNK_BYTES", 3 * row_bytes)  # 3 rows per chunk
-    monkeypatch.setattr(copy_module, "_FEW_SLICES", 0)  # the row path, not numpy's slices
+    monkeypatch.setattr(copy_module, "_SLICE_BYTES", 1 << 40)  # the row path, not numpy's
     monkeypatch.setattr(copy_module, "_MAX_SHORT_RUNS", 0)
     src_block_ids, dst_block_ids = [9, 2, 5, 7], [1, 8, 4, 3]
     pool = random_pool(10, block_size, num_heads, head_dim, dtype)
