@@ -54,7 +54,7 @@ def _copy_rows(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
 _MAX_SHORT_RUNS = 16
 # many short runs on the CPU go one numpy copy of bytes per (plane, run) instead, ~0.7 µs a
 # call against the row path's two passes, when the calls move this many bytes each on
-# average: a scattered 32 KiB block moved once there beats the row path (~2x), where a few
+# average: a scattered 32 KiB block moved once there beats the row path (~1.4x), where a few
 # hundred bytes a call would cost more in calls than the row path's per-row walk. Few runs
 # stay torch's: one call a run covers every plane (a 32-layer pool: 64 numpy calls a run)
 _SLICE_BYTES = 16 << 10
