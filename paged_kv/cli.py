@@ -224,6 +224,11 @@ def _add_serve_parser(commands: argparse._SubParsersAction,
     serve.add_argument("--max-waiting", type=at_least(int, 0), default=256,
                        help="requests that would wait for a running slot beyond this get "
                             "429 with Retry-After (0: none waits)")
+    serve.add_argument("--arrival-hold-ms", type=at_least(float, 0), default=1.0,
+                       help="the most a step about to start waits for generation requests "
+                            "the API server has received but not yet handed to the engine "
+                            "core, so that they join it as they would in-process (0: steps "
+                            "never wait)")
     serve.add_argument("--drain-timeout", type=at_least(float, 0), default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     serve.add_argument("--api-server-count", type=at_least(int, 1), default=1,

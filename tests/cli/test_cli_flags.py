@@ -18,6 +18,8 @@ BAD_FLAGS = [
     pytest.param(["serve", "--model", "/nonexistent"], "--model", id="serve-model-missing"),
     pytest.param(["serve", "--api-keys", "/nonexistent"], "--api-keys", id="serve-keys-missing"),
     pytest.param(["serve", "--max-waiting", "-1"], "--max-waiting", id="serve-max-waiting"),
+    pytest.param(["serve", "--arrival-hold-ms", "-1"], "--arrival-hold-ms",
+                 id="serve-arrival-hold-negative"),
     pytest.param(["bench", "--threads", "0"], "--threads", id="bench-threads-0"),
 ]
 

@@ -97,6 +97,24 @@ def test_a_step_waits_for_an_announced_request(tmp_path, hold):
         front.send(messages.Abort(0))
 
 
+@pytest.mark.parametrize("hold", [0.0, HOLD])
+def test_without_a_hold_announcements_are_not_kept(tmp_path, hold):
+    """Fault: a core that never holds a step (``--arrival-hold-ms 0``) still queues each
+    announcement, and those of refused requests (no `Add` ever takes them back) pile up:
+    with no hold, nothing expires them."""
+    model = TinyLlama(CONFIG, seed=1)
+    engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=64, block_size=8),
+                                        max_num_seqs=2))
+    core = EngineCoreProc(engine, f"ipc://{tmp_path}/core", os.getppid(), arrival_hold_s=hold)
+    try:
+        for _ in range(3):
+            core._take(None, messages.encode(messages.Arriving()))
+        assert len(core._arriving) == (3 if hold else 0)
+    finally:
+        core._listener.close()
+        engine.close()
+
+
 def test_an_announcement_never_followed_expires(tmp_path):
     with _core(tmp_path, HOLD) as front:
         _running(front)

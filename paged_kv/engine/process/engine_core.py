@@ -137,7 +137,8 @@ def run_core(args: argparse.Namespace, address: str, ready: Connection, parent_p
         ready.send(("error", exc))
         raise SystemExit(1) from None
     try:
-        core = EngineCoreProc(engine, address, parent_pid)
+        core = EngineCoreProc(engine, address, parent_pid,
+                              getattr(args, "arrival_hold_ms", ARRIVAL_HOLD_S * 1e3) / 1e3)
         signal.signal(signal.SIGTERM, core.drain)
         if getattr(engine.handoff, "server", None) is not None:
             logger.info("prefill role: leased pages served on %s", engine.handoff.server.endpoint)
@@ -314,7 +315,8 @@ class EngineCoreProc(EngineCore):
                 self._arriving.popleft()
             self._add(front, message)
         elif isinstance(message, messages.Arriving):
-            self._arriving.append(time.monotonic())
+            if self._hold > 0:  # (without a hold nothing would expire them)
+                self._arriving.append(time.monotonic())
         elif isinstance(message, messages.Abort):
             engine_id = self._ids.get((front, message.request_id))
             if engine_id is not None:
