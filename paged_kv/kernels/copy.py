@@ -8,6 +8,7 @@ import torch
 from ._triton import tl, triton
 from .backend import use_triton
 from .rows import INTEGERS, index_copy_rows, wide
+from .rows_compiled import copy_blocks_compiled
 
 _CHUNK_BYTES = 2 << 20
 
@@ -17,10 +18,14 @@ def copy_blocks_reference(
     src_block_ids: torch.Tensor,  # [num_copies] int64
     dst_block_ids: torch.Tensor,  # [num_copies] int64, disjoint from src
 ) -> None:
-    """Torch implementation of `copy_blocks` (the CPU path)."""
-    if src_block_ids.numel() == 0:
+    """Torch implementation of `copy_blocks` (the CPU path): one compiled loop where numba is
+    installed (`rows_compiled.copy_blocks_compiled`), else torch or numpy copies by runs of
+    consecutive ids, or rows."""
+    if src_block_ids.numel() == 0 or copy_blocks_compiled(kv_cache, src_block_ids,
+                                                          dst_block_ids):
         return
     runs = _runs(src_block_ids, dst_block_ids)
+    _check_runs(kv_cache.shape[2], runs)
     if len(runs) <= _MAX_SHORT_RUNS or 2 * len(runs) <= len(src_block_ids):
         _copy_runs(kv_cache, runs)
     elif _by_slices(kv_cache, runs):
@@ -84,15 +89,21 @@ def _by_slices(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> bool
     return num_blocks * block_bytes >= _SLICE_BYTES * len(runs)
 
 
+def _check_runs(num_blocks: int, runs: list[tuple[int, int, int]]) -> None:
+    """Raise IndexError for a run past the pool (slices would clamp or wrap and copy part of
+    the rest) before anything is copied."""
+    for src, dst, length in runs:
+        if min(src, dst) < 0 or max(src, dst) + length > num_blocks:
+            raise IndexError(f"copy_blocks: block ids must lie in [0, {num_blocks}), got a "
+                             f"run of {length} from {src} to {dst}")
+
+
 def _copy_slices(kv_cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
     """Copy each run of blocks as one slice of bytes of each (layer, K/V) plane, in numpy:
     a one-dimensional copy is one memmove there (bit for bit), with no overlap check (src
     and dst blocks are disjoint) and a small fraction of a torch call's dispatch."""
     num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
-    for src, dst, length in runs:  # numpy slices clamp or wrap where torch would raise
-        if min(src, dst) < 0 or max(src, dst) + length > num_blocks:
-            raise IndexError(f"copy_blocks: block ids must lie in [0, {num_blocks}), got a "
-                             f"run of {length} from {src} to {dst}")
+    _check_runs(num_blocks, runs)
     data = kv_cache.view(torch.uint8).view(-1).numpy()
     block_bytes = data.size // (num_planes * num_blocks)
     spans = [(src * block_bytes, dst * block_bytes, length * block_bytes)

@@ -9,6 +9,7 @@ from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
 from .rows import gather_padded_by_blocks
+from .rows_compiled import gather_rows
 
 
 def gather_slots(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
@@ -40,7 +41,8 @@ def gather_kv_reference(
     token rows of ``H * D`` (about 0.6x as fast here). Pass `pad_to` rounded up to the block
     size for the fast path. With zero padding, sequences long enough (or much padding) are
     copied one by one as block rows and only their padding zeroed, whatever ``T``
-    (`rows.gather_padded_by_blocks`). ``zero_padding=False`` leaves positions past each
+    (`rows.gather_padded_by_blocks`), or in one compiled loop where numba is installed
+    (`rows_compiled.gather_rows`). ``zero_padding=False`` leaves positions past each
     length as whatever the pages hold there (attention masks them anyway).
     8-bit pages are gathered as codes and scales, then dequantized into `out` (padding gets
     zero scales, hence zeros).
@@ -58,8 +60,10 @@ def gather_kv_reference(
     if out is None:
         shape = (batch_size, length, *key_cache.shape[2:])
         out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    if zero_padding and gather_padded_by_blocks(key_cache, value_cache, block_tables,
-                                                seq_lens, length, out):
+    if zero_padding and (
+            gather_rows(key_cache, value_cache, block_tables, seq_lens, None, out, length)
+            or gather_padded_by_blocks(key_cache, value_cache, block_tables, seq_lens, length,
+                                       out)):
         return out
     rows, row_shape = _source_rows(block_tables, batch_size, length, key_cache.shape)
     for cache, dst in zip((key_cache, value_cache), out, strict=True):

@@ -12,6 +12,7 @@ from . import quant
 from .backend import use_triton
 from .gather import gather_slots, launch_gather, new_gather_out
 from .rows import gather_packed_by_blocks
+from .rows_compiled import gather_rows
 
 
 def gather_kv_packed_reference(
@@ -36,7 +37,9 @@ def gather_kv_packed_reference(
     if out is None:
         shape = (total, *key_cache.shape[2:])
         out = (key_cache.new_empty(shape), value_cache.new_empty(shape))
-    if gather_packed_by_blocks(key_cache, value_cache, block_tables, seq_lens, cu_seqlens, out):
+    if gather_rows(key_cache, value_cache, block_tables, seq_lens, cu_seqlens[:-1], out) \
+            or gather_packed_by_blocks(key_cache, value_cache, block_tables, seq_lens,
+                                       cu_seqlens, out):
         return out
     device = key_cache.device
     seq_index = torch.repeat_interleave(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .rows_compiled import scatter_rows
+
 # widest first; the 16-byte one is moved as two doubles, bit for bit (never computed on)
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16)
 # for copy_, which moves 16-byte elements slower than 8-byte ones (about 0.75x here) while
@@ -40,7 +42,9 @@ def wide(rows: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _WIDE) -> torch.T
 
 def index_copy_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
     """``target.index_copy_(0, index, source)`` through `wide` views of both (the same
-    bytes land in the same rows)."""
+    bytes land in the same rows), or in a compiled loop (`rows_compiled.scatter_rows`)."""
+    if scatter_rows(target, index, source):
+        return
     wide_target, wide_source = wide(target), wide(source)
     if wide_target.dtype == wide_source.dtype and wide_target.dtype != target.dtype:
         wide_target.index_copy_(0, index, wide_source)

@@ -8,6 +8,7 @@ from . import quant, quant4
 from ._triton import tl, triton
 from .backend import use_triton
 from .rows import index_copy_rows
+from .rows_compiled import scatter_rows
 from .write4 import write_kv4_triton
 
 
@@ -20,8 +21,14 @@ def write_kv_reference(
     key_scales: torch.Tensor | None = None,    # [num_blocks, block_size, num_kv_heads]
     value_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
 ) -> None:
-    """Torch implementation of `write_kv` (the CPU path)."""
+    """Torch implementation of `write_kv` (the CPU path); float pages go through one
+    compiled loop a cache where numba is installed (`rows_compiled.scatter_rows`)."""
     num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if key_scales is None and all(
+            scatter_rows(quant.raw(cache).view(num_slots, *cache.shape[2:]), slot_mapping,
+                         quant.raw(new), skip_negative=True)
+            for new, cache in ((key, key_cache), (value, value_cache))):
+        return  # (a V the loop declines after K ran: the torch path writes both)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]

@@ -13,7 +13,7 @@ from paged_kv.kernels import gather_kv
 from paged_kv.kernels import rows as rows_module
 from paged_kv.kernels.copy import copy_blocks_reference
 
-from .test_rows import _random_bytes
+from .test_rows import _random_bytes, numba_switch  # noqa: F401 (autouse: both paths)
 
 # one-byte pages are int8 / uint8 (float8 and 4-bit codes are copied as their raw bytes)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8]

@@ -1,7 +1,9 @@
 """The CPU row copies (`paged_kv.kernels.rows`): bit-exact whatever the bytes are (NaN
 payloads, signalling ones included: rows moved as 16-byte elements must not be computed
 on), for row sizes with and without a wide element, and the packed gather by block rows
-equal to a per-token loop for ragged lengths."""
+equal to a per-token loop for ragged lengths. Every test here and in test_cpu_copies runs
+twice: with the compiled loops (`rows_compiled`, where numba is installed) and with the
+torch paths alone (``PAGED_KV_NUMBA=0``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ import torch
 
 from paged_kv.kernels import gather_kv_packed
 from paged_kv.kernels.rows import index_copy_rows, wide
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def numba_switch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``PAGED_KV_NUMBA`` on (where numba imports) or off: the torch paths stay tested."""
+    monkeypatch.setenv("PAGED_KV_NUMBA", "1" if request.param == "compiled" else "0")
+    return request.param
 
 
 def _random_bytes(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -1,0 +1,323 @@
+"""Compiled row loops for the CPU copies: `write_kv`'s scatter, the gathers and `copy_blocks`.
+
+The torch paths (`rows`, `copy`) pay a torch or numpy call per run of rows, or walk
+elements one by one (``index_copy_``); a loop compiled by numba (the optional ``fast``
+extra) pays nanoseconds a row and moves each row, block or run of blocks as one copy of
+bytes, so any dtype moves bit for bit (NaN payloads, signalling ones included: nothing is
+computed on). Each loop validates every id before it copies anything, and returns what
+it found instead of raising (numba raises without the value); the wrappers here raise
+``IndexError`` naming it, with the pool untouched.
+
+Used when numba imports and ``PAGED_KV_NUMBA`` is not ``0`` (read at each call, as
+``PAGED_KV_BACKEND`` is); the wrappers return False where they do not apply (numba
+missing or switched off, tensors that are not contiguous CPU ones, autograd), and the
+caller takes its torch path, which stays the reference. Loops run on one thread
+(``nogil``, never ``parallel``: the caller's torch thread count is the setting) and are
+compiled on first use, then cached beside this file.
+
+Moving bytes: ``llvm.memcpy``, which becomes a call to the C library's ``memcpy`` when the
+size is only known at run time. That is the fastest copy measured here for 8 KiB and more,
+but slower than an inlined copy for rows of 1–4 KiB (``memcpy`` of 2 KiB rows at scattered
+places: 0.6–0.9x of 256-byte inlined chunks), so smaller copies go as 256-byte chunks of
+fixed size (vector moves, inlined by LLVM) and a ``memcpy`` of the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # the `fast` extra is not installed: the torch paths
+    numba = None
+
+# copies of this many bytes or more call memcpy whole; smaller ones go in inlined chunks
+_MEMCPY_BYTES = 8 << 10
+_CHUNK_BYTES = 256
+
+
+def is_enabled() -> bool:
+    """Whether the compiled loops run: numba imports and ``PAGED_KV_NUMBA`` is not ``0``."""
+    return numba is not None and os.environ.get("PAGED_KV_NUMBA", "1") != "0"
+
+
+def as_bytes(tensor: torch.Tensor) -> object | None:
+    """A contiguous CPU tensor's memory as a one-dimensional uint8 numpy array (the same
+    memory, no copy), or None where the compiled loops may not touch it."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.requires_grad \
+            or tensor.is_conj() or tensor.is_neg():
+        return None
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+if numba is not None:
+
+    def _copy_intrinsic(fixed_bytes: int):
+        """An intrinsic ``(dst, dst_start, src, src_start, nbytes)`` copying bytes of two
+        uint8 arrays with ``llvm.memcpy``; ``nbytes`` is ignored when `fixed_bytes` is
+        nonzero (a size known at compile time, which LLVM inlines as vector moves)."""
+
+        @intrinsic
+        def copy(typingctx, dst, dst_start, src, src_start, nbytes):
+            signature = types.void(dst, types.intp, src, types.intp, types.intp)
+
+            def codegen(context, builder, sig, args):
+                dst_array = context.make_array(sig.args[0])(context, builder, args[0])
+                src_array = context.make_array(sig.args[2])(context, builder, args[2])
+                count = ir.Constant(ir.IntType(64), fixed_bytes) if fixed_bytes else args[4]
+                cgutils.raw_memcpy(builder, builder.gep(dst_array.data, [args[1]]),
+                                   builder.gep(src_array.data, [args[3]]), count, 1)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return copy
+
+    _memcpy = _copy_intrinsic(0)
+    _chunk = _copy_intrinsic(_CHUNK_BYTES)
+    _jit = numba.njit(cache=True, nogil=True)
+
+    @_jit
+    def _copy_bytes(dst, dst_start, src, src_start, nbytes):  # pragma: no cover - compiled
+        """``dst[dst_start:][:nbytes] = src[src_start:][:nbytes]`` (no overlap)."""
+        if nbytes < _MEMCPY_BYTES:
+            while nbytes >= _CHUNK_BYTES:
+                _chunk(dst, dst_start, src, src_start, 0)
+                dst_start += _CHUNK_BYTES
+                src_start += _CHUNK_BYTES
+                nbytes -= _CHUNK_BYTES
+        if nbytes > 0:
+            _memcpy(dst, dst_start, src, src_start, nbytes)
+
+    @_jit
+    def _scatter_loop(target, slots, source, row_bytes, skip_negative):  # pragma: no cover
+        """Row ``i`` of `source` into row ``slots[i]`` of `target` (rows of `row_bytes`);
+        negative slots are skipped when `skip_negative`. Returns the index of the first bad
+        slot, before copying anything, or -1."""
+        num_slots = target.size // row_bytes
+        for i in range(slots.size):
+            slot = slots[i]
+            if slot >= num_slots or (slot < 0 and not skip_negative):
+                return i
+        for i in range(slots.size):
+            slot = slots[i]
+            if slot >= 0:
+                _copy_bytes(target, slot * row_bytes, source, i * row_bytes, row_bytes)
+        return -1
+
+    @_jit
+    def _gather_check(num_blocks, block_tables, seq_lens, starts, num_rows, block_size,
+                      span):  # pragma: no cover - compiled
+        """0 when every sequence's blocks lie in the pool and its rows (`span` of them, or
+        its length when `span` is 0) in the output; 1 for a block past the pool (the
+        caller raises), 2 for what the torch path decides (lengths past the table, spans
+        past the output)."""
+        for b in range(seq_lens.size):
+            length = seq_lens[b]
+            rows = span if span else length
+            if length < 0 or length > rows or starts[b] < 0 or starts[b] + rows > num_rows \
+                    or length > block_tables.shape[1] * block_size:
+                return 2
+            for column in range((length + block_size - 1) // block_size):
+                if block_tables[b, column] < 0 or block_tables[b, column] >= num_blocks:
+                    return 1
+        return 0
+
+    @_jit
+    def _gather_loop(key_cache, value_cache, block_tables, seq_lens, starts, key_out,
+                     value_out, block_size, row_bytes, span):  # pragma: no cover - compiled
+        """Each sequence's tokens, a block's worth (or the last block's tokens) a copy, from
+        the pages into its rows of the outputs (rows of `row_bytes`), K then V; with a
+        `span`, the rows from its length to `span` are zeroed (the padded form). Checked
+        with `_gather_check` first (returned here: nothing is copied unless 0)."""
+        status = _gather_check(key_cache.size // (block_size * row_bytes), block_tables,
+                               seq_lens, starts, key_out.size // row_bytes, block_size, span)
+        if status:
+            return status
+        block_bytes = block_size * row_bytes
+        for b in range(seq_lens.size):
+            length = seq_lens[b]
+            for cache, out in ((key_cache, key_out), (value_cache, value_out)):
+                position = starts[b] * row_bytes
+                for column in range((length + block_size - 1) // block_size):
+                    nbytes = min(block_size, length - column * block_size) * row_bytes
+                    _copy_bytes(out, position, cache, block_tables[b, column] * block_bytes,
+                                nbytes)
+                    position += nbytes
+                if span > length:
+                    out[position:(starts[b] + span) * row_bytes] = 0
+        return 0
+
+    @_jit
+    def _copy_blocks_loop(pool, src_block_ids, dst_block_ids, num_planes,
+                          block_bytes):  # pragma: no cover - compiled
+        """Block ``dst[i]`` <- block ``src[i]`` in each of the `num_planes` planes of
+        `pool`, ids that step by one on both sides moved as one copy. Returns the index of
+        the first pair with an id past the pool, before copying anything, or -1."""
+        plane_bytes = pool.size // num_planes
+        num_blocks = plane_bytes // block_bytes
+        for i in range(src_block_ids.size):
+            if min(src_block_ids[i], dst_block_ids[i]) < 0 \
+                    or max(src_block_ids[i], dst_block_ids[i]) >= num_blocks:
+                return i
+        for plane in range(num_planes):
+            base = plane * plane_bytes
+            i = 0
+            while i < src_block_ids.size:
+                end = i + 1
+                while end < src_block_ids.size \
+                        and src_block_ids[end] == src_block_ids[end - 1] + 1 \
+                        and dst_block_ids[end] == dst_block_ids[end - 1] + 1:
+                    end += 1
+                _copy_bytes(pool, base + dst_block_ids[i] * block_bytes, pool,
+                            base + src_block_ids[i] * block_bytes, (end - i) * block_bytes)
+                i = end
+        return -1
+
+
+def _ids(ids: torch.Tensor) -> object | None:
+    """Integer ids as a one-dimensional (or table) numpy array, or None off the CPU."""
+    if ids.device.type != "cpu" or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    return ids.contiguous().numpy()
+
+
+def scatter_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor, *,
+                 skip_negative: bool = False) -> bool:
+    """``target[index[i]] = source[i]`` for each row, bit for bit, in a compiled loop;
+    returns whether it ran (False: the caller's torch path).
+
+    Parameters
+    ----------
+    target : torch.Tensor
+        ``[num_slots, ...]`` contiguous CPU rows (a layer's pages viewed as slots).
+    index : torch.Tensor
+        ``[N]`` int64 or int32 rows of `target`.
+    source : torch.Tensor
+        ``[N, ...]`` contiguous, `target`'s dtype and row shape.
+    skip_negative : bool
+        Negative indices skip their row (`write_kv`'s padding) instead of raising.
+
+    Raises
+    ------
+    IndexError
+        An index past `target` (or negative, unless skipped), before anything is copied.
+
+    Mutates
+    -------
+    target at the indexed rows only.
+    """
+    if not is_enabled() or source.dtype != target.dtype or source.dim() != target.dim() \
+            or source.shape[1:] != target.shape[1:] or index.dim() != 1 \
+            or index.shape[0] != source.shape[0]:
+        return False
+    target_bytes, source_bytes, slots = as_bytes(target), as_bytes(source), _ids(index)
+    if target_bytes is None or source_bytes is None or slots is None:
+        return False
+    if target.numel() == 0 or index.numel() == 0:  # nothing to move: the torch path's
+        return False
+    row_bytes = target_bytes.size // target.shape[0]
+    bad = _scatter_loop(target_bytes, slots, source_bytes, row_bytes, skip_negative)
+    if bad >= 0:
+        raise IndexError(f"index {int(slots[bad])} (entry {bad}) is out of bounds for "
+                         f"{target.shape[0]} rows; nothing was copied")
+    return True
+
+
+def gather_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, starts: torch.Tensor | None,
+                out: tuple[torch.Tensor, torch.Tensor], span: int = 0) -> bool:
+    """Copy each sequence's K and V tokens from the pages into its rows of `out`, a block's
+    worth of tokens a copy, in a compiled loop; returns whether it ran (False: the torch
+    path, which also decides lengths past the table and spans past the output).
+
+    Parameters
+    ----------
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, H, D]`` contiguous CPU pages.
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32 (or int64).
+    seq_lens : torch.Tensor
+        ``[B]`` int32 (or int64).
+    starts : torch.Tensor, optional
+        ``[B]`` int32 (or int64): each sequence's first row of `out` (packed:
+        ``cu_seqlens[:-1]``); None: ``b * span`` (padded).
+    out : (torch.Tensor, torch.Tensor)
+        Contiguous, the pages' dtype, rows of ``[H, D]``: packed ``[total_tokens, H, D]``
+        or padded ``[B, T, H, D]``.
+    span : int
+        0: only the tokens are written (packed). ``T``: rows from each length to ``T`` are
+        zeroed as well (padded, with ``starts = b * T``).
+
+    Raises
+    ------
+    IndexError
+        A block id past the pool in a sequence's blocks, before anything is copied.
+
+    Mutates
+    -------
+    out at each sequence's rows (and its padding when `span`).
+    """
+    if not is_enabled() or len({key_cache.dtype, value_cache.dtype, *(o.dtype for o in out)}) != 1 \
+            or value_cache.shape != key_cache.shape \
+            or any(o.shape[-2:] != key_cache.shape[2:] or o.shape != out[0].shape for o in out):
+        return False
+    arrays = [as_bytes(t) for t in (key_cache, value_cache, *out)]
+    tables, lens = _ids(block_tables), _ids(seq_lens)
+    firsts = np.arange(seq_lens.shape[0], dtype=np.int64) * span if starts is None \
+        else _ids(starts)
+    if any(a is None for a in arrays) or tables is None or lens is None or firsts is None \
+            or tables.ndim != 2 or not tables.shape[0] == lens.size == firsts.size \
+            or key_cache.numel() == 0 or out[0].shape[:-2] != ((lens.size, span) if span
+                                                               else out[0].shape[:1]):
+        return False
+    row_bytes = key_cache[0, 0].numel() * key_cache.element_size()
+    status = _gather_loop(arrays[0], arrays[1], tables, lens, firsts, arrays[2], arrays[3],
+                          key_cache.shape[1], row_bytes, span)
+    if status == 1:
+        raise IndexError(f"gather: a block id of the tables lies past the pool's "
+                         f"{key_cache.shape[0]} blocks; nothing was copied")
+    return status == 0
+
+
+def copy_blocks_compiled(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
+                         dst_block_ids: torch.Tensor) -> bool:
+    """`copy_blocks` in a compiled loop: each pair's block, every (layer, K/V) plane, one
+    copy of bytes (a run of pairs whose ids step by one: one copy); returns whether it ran
+    (False: the torch paths).
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_layers, 2, num_blocks, block_size, H, D]`` contiguous CPU pool.
+    src_block_ids, dst_block_ids : torch.Tensor
+        ``[num_copies]`` int64; no dst appears twice or among the srcs.
+
+    Raises
+    ------
+    IndexError
+        An id past the pool, before anything is copied.
+
+    Mutates
+    -------
+    kv_cache at the dst blocks only.
+    """
+    if not is_enabled() or kv_cache.dim() < 3 or src_block_ids.shape != dst_block_ids.shape \
+            or src_block_ids.dim() != 1 or kv_cache.numel() == 0:
+        return False
+    pool, src, dst = as_bytes(kv_cache), _ids(src_block_ids), _ids(dst_block_ids)
+    if pool is None or src is None or dst is None:
+        return False
+    num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+    bad = _copy_blocks_loop(pool, src, dst, num_planes, pool.size // (num_planes * num_blocks))
+    if bad >= 0:
+        raise IndexError(f"copy_blocks: block ids must lie in [0, {num_blocks}), got "
+                         f"{int(src[bad])} -> {int(dst[bad])} (pair {bad}); nothing was copied")
+    return True
