@@ -48,13 +48,20 @@ def is_enabled() -> bool:
     return numba is not None and os.environ.get("PAGED_KV_NUMBA", "1") != "0"
 
 
-def as_bytes(tensor: torch.Tensor) -> object | None:
+def as_bytes(tensor: torch.Tensor) -> np.ndarray | None:
     """A contiguous CPU tensor's memory as a one-dimensional uint8 numpy array (the same
     memory, no copy), or None where the compiled loops may not touch it."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.requires_grad \
+    if not tensor.is_cpu or not tensor.is_contiguous() or tensor.requires_grad \
             or tensor.is_conj() or tensor.is_neg():
         return None
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    # numpy's own dtypes go through numpy's views (a µs less than torch's, per call and
+    # tensor); bfloat16 and float8, which numpy lacks, through torch's
+    array = tensor.numpy() if tensor.dtype in _NUMPY_DTYPES else tensor.view(torch.uint8).numpy()
+    return array.reshape(-1).view(np.uint8)
+
+
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8,
+                           torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 if numba is not None:
@@ -100,16 +107,26 @@ if numba is not None:
     def _scatter_loop(target, slots, source, row_bytes, skip_negative):  # pragma: no cover
         """Row ``i`` of `source` into row ``slots[i]`` of `target` (rows of `row_bytes`);
         negative slots are skipped when `skip_negative`. Returns the index of the first bad
-        slot, before copying anything, or -1."""
+        slot, before copying anything, or -1.
+
+        Consecutive slots (a prefill's tokens within a block, or a fresh pool's blocks) move
+        as one copy: a 32 KiB block in one ``memcpy`` instead of 16 rows of 2 KiB."""
         num_slots = target.size // row_bytes
         for i in range(slots.size):
             slot = slots[i]
             if slot >= num_slots or (slot < 0 and not skip_negative):
                 return i
-        for i in range(slots.size):
-            slot = slots[i]
-            if slot >= 0:
-                _copy_bytes(target, slot * row_bytes, source, i * row_bytes, row_bytes)
+        i = 0
+        while i < slots.size:
+            if slots[i] < 0:
+                i += 1
+                continue
+            end = i + 1
+            while end < slots.size and slots[end] == slots[end - 1] + 1:
+                end += 1
+            _copy_bytes(target, slots[i] * row_bytes, source, i * row_bytes,
+                        (end - i) * row_bytes)
+            i = end
         return -1
 
     @_jit
@@ -182,9 +199,9 @@ if numba is not None:
         return -1
 
 
-def _ids(ids: torch.Tensor) -> object | None:
+def _ids(ids: torch.Tensor) -> np.ndarray | None:
     """Integer ids as a one-dimensional (or table) numpy array, or None off the CPU."""
-    if ids.device.type != "cpu" or ids.dtype not in (torch.int64, torch.int32):
+    if not ids.is_cpu or ids.dtype not in (torch.int64, torch.int32):
         return None
     return ids.contiguous().numpy()
 

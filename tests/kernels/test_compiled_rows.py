@@ -43,9 +43,15 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> Callable[[], contextlib.Abstr
     return switched_off
 
 
-def _slots(num_tokens: int, num_slots: int, seed: int, padding: int = 2) -> torch.Tensor:
-    """Distinct random slots with `padding` entries of -1 among them."""
-    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:num_tokens]
+def _slots(num_tokens: int, num_slots: int, seed: int, padding: int = 2,
+           runs: bool = False) -> torch.Tensor:
+    """Distinct slots with `padding` entries of -1 among them: random, or (`runs`) runs of
+    consecutive slots at random places (a prefill's), cut by the padding."""
+    order = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))
+    if runs:  # runs of up to 6 slots from the starts of 6-slot spans
+        starts = order[order < num_slots // 6 * 6][:num_tokens] // 6 * 6
+        order = (starts[:, None] + torch.arange(6)).flatten().unique_consecutive()
+    slots = order[:num_tokens].clone()
     slots[torch.arange(padding) * 3 % num_tokens] = -1
     return slots
 
@@ -53,12 +59,14 @@ def _slots(num_tokens: int, num_slots: int, seed: int, padding: int = 2) -> torc
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("row", ROWS)
 @pytest.mark.parametrize(("block_size", "num_tokens"), [(1, 7), (16, 33), (5, 19)])
+@pytest.mark.parametrize("runs", [False, True])
 def test_write_kv_compiled_equals_the_torch_path_and_a_loop(torch_path, dtype, row, block_size,
-                                                            num_tokens):
+                                                            num_tokens, runs):
     num_blocks = 2 * num_tokens // block_size + 3
     caches = [_random_bytes((num_blocks, block_size, *row), dtype, seed) for seed in (0, 1)]
     key, value = (_random_bytes((num_tokens, *row), dtype, seed) for seed in (2, 3))
-    slots = _slots(num_tokens, num_blocks * block_size, 4)
+    slots = _slots(num_tokens, num_blocks * block_size, 4, runs=runs)
+    assert slots.unique().numel() == num_tokens - 1  # distinct, and the padding
     expected = [c.clone().view(-1, *row) for c in caches]
     for t in range(num_tokens):
         if slots[t] >= 0:
