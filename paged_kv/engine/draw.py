@@ -4,6 +4,8 @@ keep one request's failure its own (a failed batched call is retried request by 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .request import Sequence
@@ -18,15 +20,17 @@ def draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list
     token's log-probabilities when its request asks for them."""
     if not targets:
         return []
-    rows = [row for row, _ in targets]
+    rows, seqs = zip(*targets, strict=True)
     # every row once, in order: the common case needs no copy
-    drawn = (logits if rows == list(range(len(logits)))
+    drawn = (logits if rows == tuple(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
-    picked = sample_rows(drawn, [t.request.params for _, t in targets],
-                         [t.generator for _, t in targets])
-    return [(seq, token, None if seq.request.params.logprobs is None else
-             token_logprobs(logits[row], token, seq.request.params.logprobs))
-            for (row, seq), token in zip(targets, picked, strict=True)]
+    params = [seq.request.params for seq in seqs]
+    picked = sample_rows(drawn, params, [seq.generator for seq in seqs])
+    if all(p.logprobs is None for p in params):  # the common case: tuples built in C
+        return list(zip(seqs, picked, itertools.repeat(None)))
+    return [(seq, token, None if p.logprobs is None else
+             token_logprobs(logits[row], token, p.logprobs))
+            for row, seq, token, p in zip(rows, seqs, picked, params, strict=True)]
 
 
 def by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:

@@ -95,6 +95,7 @@ class Engine:
         self.model = model
         self._next_id = 0
         self._requests: dict[int, Request] = {}  # unfinished, by id
+        self._unforked: set[int] = set()  # requests of n > 1 whose samples are not forked
         self._seed_source = torch.Generator().manual_seed(0)
         self._seeds: abc.Iterator[int] = iter(())  # drawn from it, not yet given out
         self._dead: str | None = None  # why the engine cannot step any more
@@ -169,6 +170,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._next_seed()
         self.scheduler.add(Sequence(request, 0, list(prompt), sample_generator(params, seed, 0)))
         self._requests[request.request_id] = request
+        if params.n > 1:
+            self._unforked.add(request.request_id)
         self._next_id += 1
         for part in self.parts:
             error = part.admit(request, handoff)
@@ -209,6 +212,7 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        self._unforked.discard(request_id)
         for part in self.parts:
             part.forget(request)
         self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
@@ -282,14 +286,12 @@ class Engine:
                 time.sleep(0.001)
             return []
         step = ModelStep.join(self._run(plan))  # prepare -> run, per request after a failure
-        samples, finished = self._sample(step), []
-        for sample in samples:  # each sample's output streams as soon as it is updated
-            done = self.scheduler.update_from_output([sample], self.eos_token_ids)
-            for part in self.parts if done else ():  # e.g. a prefill's lease, before
-                for request in done:  # the request's last output is emitted
-                    part.finished(request)
-            finished += done
-            self._emit(sample[0], [sample[1]])
+        samples = self._sample(step)
+        finished = self.scheduler.update_from_output(samples, self.eos_token_ids)
+        for part in self.parts if finished else ():  # e.g. a prefill's lease, before the
+            for request in finished:  # request's last output is emitted
+                part.finished(request)
+        self._emit_samples(samples, finished)
         watching = [part for part in self.parts if part.wants_events]
         if watching:  # e.g. the blocks this step wrote, copied out; the index's changes
             events = self.cache.take_events()
@@ -306,7 +308,8 @@ class Engine:
         try:
             batch = self.scheduler.prepare(plan)
             start = time.perf_counter()
-            step = self.runner.run(plan, batch)  # on an error it gave the slots back
+            inputs = self.scheduler.step_inputs(plan)
+            step = self.runner.run(plan, batch, inputs)  # on an error it gave the slots back
             seconds = time.perf_counter() - start
             for part in self.parts:  # e.g. the recompute rate a fetch must beat
                 part.observe_prefill(batch.num_tokens, seconds)
@@ -326,6 +329,8 @@ class Engine:
 
     def _sample(self, step: ModelStep) -> list[Sample]:
         """Every sample's next token (a forked request's samples share their row)."""
+        if not self._unforked:  # no request has samples still to fork: a row each
+            return self._draw(step.logits, list(enumerate(step.sampled)))
         return self._draw(step.logits, [(row, target) for row, seq in enumerate(step.sampled)
                                         for target in self._fork_samples(seq)])
 
@@ -358,6 +363,7 @@ class Engine:
         request = seq.request
         if seq.index or request.params.n == 1 or len(request.samples) == request.params.n:
             return [seq]
+        self._unforked.discard(request.request_id)
         seed = seq.generator.initial_seed() if seq.generator else 0  # (seq is sample 0)
         children = [Sequence(request, i, list(seq.token_ids), sample_generator(request.params,
                                                                          seed, i))
@@ -366,6 +372,24 @@ class Engine:
             child.block_keys = seq.block_keys
         self.scheduler.add_children(seq, children)
         return [seq, *children]
+
+    def _emit_samples(self, samples: list[Sample], finished: list[Request]) -> None:
+        """Stream each sample's new token, in order; a request this step finished carries
+        its whole `RequestOutput` on the output of the sample that finished it (its last
+        finished sample here), as if each sample had been updated and emitted in turn."""
+        last = {}  # request id -> the index of its sample that finished it
+        if finished:
+            ended = {request.request_id for request in finished}
+            last = {seq.request.request_id: i for i, (seq, _, _) in enumerate(samples)
+                    if seq.finish_reason is not None and seq.request.request_id in ended}
+        now = time.perf_counter()
+        for i, (seq, token, _) in enumerate(samples):
+            request = seq.request
+            if request.on_output is not None:
+                request.on_output(StepOutput(
+                    request.request_id, seq.index, [token], seq.finish_reason,
+                    request.output(now) if last and last.get(request.request_id) == i
+                    else None))
 
     def _emit(self, seq: Sequence, new_token_ids: list[int]) -> None:
         """Tell the request's listener about `seq`'s step; the request's last step output

@@ -4,7 +4,7 @@ streaming. Plain values; the scheduler and the server import them without the en
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,7 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
+class StepOutput(NamedTuple):
     """What one step gave one sample of a request, for streaming.
 
     ``new_token_ids`` is the token this step appended (empty when the sample only finished,
@@ -60,6 +59,9 @@ class StepOutput:
     "abort", or "error" when the engine failed it); ``output`` is the whole `RequestOutput`
     on the request's last step output, with ``prefix_hit_tokens`` (the cached prompt tokens)
     for usage.
+
+    A named tuple, not a frozen dataclass: the engine makes one per sample per step (1,024
+    a step at 1,024 running sequences), and a tuple is built in about a third of the time.
     """
 
     request_id: int

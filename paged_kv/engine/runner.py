@@ -3,7 +3,6 @@ twin; the engine calls either the same way and cannot tell which it has."""
 
 from __future__ import annotations
 
-import array
 import dataclasses
 
 import torch
@@ -13,6 +12,7 @@ from ..core.batch import StepBatch
 from ..core.cache import PagedKVCache
 from ..errors import InvariantError
 from .errors import EngineDeadError
+from .inputs import StepInputs
 from .parallel import (
     Collectives,
     ModelSpec,
@@ -64,24 +64,19 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
         self.model, self.cache = model, cache
 
-    def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
-        """The model over `plan`'s tokens; on an error the step's slots are given back and
-        the error re-raised. Changes no request (the scheduler records what it gave)."""
-        tokens, positions, logits_rows, sampled = [], [], [], []
-        for seq, n in plan.items():
-            tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
-            positions += range(seq.num_computed, seq.num_computed + n)
-            if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
-                logits_rows.append(len(tokens) - 1)
-                sampled.append(seq)
-        prompt_rows = _prompt_logprob_rows(plan)  # their logits follow the sampled rows
-        rows = _long_tensor(logits_rows + [row for _, row, _ in prompt_rows])
+    def run(self, plan: dict[Sequence, int], batch: StepBatch,
+            inputs: StepInputs | None = None) -> ModelStep:
+        """The model over `plan`'s tokens (`inputs`: made from `plan` when not given); on an
+        error the step's slots are given back and the error re-raised. Changes no request
+        (the scheduler records what it gave)."""
+        inputs = StepInputs.of(plan) if inputs is None else inputs
         try:
-            logits = self._call(_long_tensor(tokens), _long_tensor(positions), batch, rows)
+            logits = self._call(inputs.tokens, inputs.positions, batch, inputs.logits_rows)
         except Exception:
             for seq in plan:  # give back the slots of K/V that was never written
                 self.cache.truncate(seq.seq_id, seq.num_computed, unwritten=True)
             raise
+        sampled, prompt_rows = inputs.sampled, inputs.prompt_rows
         prompt_logprobs = [(request, token_logprobs(row, target, request.params.prompt_logprobs))
                            for (request, _, target), row
                            in zip(prompt_rows, logits[len(sampled):], strict=True)
@@ -131,11 +126,12 @@ class TensorParallelRunner(ModelRunner):
         group = TensorParallelGroup(spec, cache_config, world_size, collectives=collectives)
         return shard, local_cache_config(cache_config, kv_heads), group
 
-    def run(self, plan: dict[Sequence, int], batch: StepBatch) -> ModelStep:
+    def run(self, plan: dict[Sequence, int], batch: StepBatch,
+            inputs: StepInputs | None = None) -> ModelStep:
         """As `ModelRunner.run`; but any error leaves the ranks out of step (the workers
         ran, or will run, a step rank 0 gave back), so it is an `EngineDeadError`."""
         try:
-            return super().run(plan, batch)
+            return super().run(plan, batch, inputs)
         except EngineDeadError:
             raise
         except Exception as exc:
@@ -164,25 +160,3 @@ class TensorParallelRunner(ModelRunner):
     def close(self) -> None:
         """Stop the workers."""
         self.group.close()
-
-
-def _long_tensor(values: list[int]) -> torch.Tensor:
-    """``[len(values)]`` int64 from a list of ints, a third of `torch.tensor`'s cost."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values \
-        else torch.zeros(0, dtype=torch.int64)
-
-
-def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
-    """``(request, row in this step's tokens, prompt token that row predicts)`` for each
-    prompt position whose log-probabilities are asked for and not yet recorded (a
-    recomputed one is not recorded twice)."""
-    rows, offset = [], 0
-    for seq, n in plan.items():
-        request = seq.request
-        if request.params.prompt_logprobs is not None and seq.index == 0:
-            prompt = request.prompt_token_ids
-            first = max(seq.num_computed, len(request.prompt_logprobs) - 1)
-            rows += [(request, offset + position - seq.num_computed, prompt[position + 1])
-                     for position in range(first, min(seq.num_computed + n, len(prompt) - 1))]
-        offset += n
-    return rows

@@ -22,6 +22,7 @@ from ..core.cache import PagedKVCache
 from ..core.step.plan import Admission, fits
 from ..errors import OutOfBlocksError
 from ..keys import block_keys, root_hash
+from .inputs import StepInputs
 from .limits import catch_up_tokens
 from .misses import CacheReports
 from .request import Request, Sequence, Status
@@ -52,6 +53,10 @@ class Scheduler:
         # the same batch, whose ids tuple is then reused (no per-sequence rebuild, and the
         # cache's `rows_of` compares it by identity)
         self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
+        # the last plan `schedule` made of running sequences each one token behind (all
+        # sampled after it: a steady decode step), and its token array once prepared
+        self._steady: dict[Sequence, int] | None = None
+        self._decode_tokens: tuple[dict[Sequence, int] | None, np.ndarray] = (None, np.empty(0))
 
     @property
     def has_work(self) -> bool:
@@ -64,9 +69,11 @@ class Scheduler:
         if self.loading:
             self._land_fetches()
         preempted, budget = self._schedule_running(step)
+        steady = self._steady is not None and len(step) == len(self._steady)
         if not preempted:
             budget = self._schedule_swapped(step, budget)
             self._schedule_waiting(step, budget)
+        self._steady = step if steady and len(step) == len(self._steady) else None
         return step
 
     def _available(self, step_blocks: int) -> int:
@@ -78,9 +85,11 @@ class Scheduler:
         preempted = False
         while True:
             running, left = self.running, self.max_num_batched_tokens
+            self._steady = None
             if self._all_decode():  # the steady state: no per-sequence plan to build
                 plan, left = dict.fromkeys(running, 1), left - len(running)
                 needs = self.cache.num_blocks_needed(self._rows_of(tuple(running)))
+                self._steady = plan
             else:
                 plan = []
                 for seq in running:
@@ -288,12 +297,22 @@ class Scheduler:
         """The cache's batch for `plan`: one token per sequence (the steady decode state)
         through the array API, its rows resolved once per running set (`rows_of` returns
         the same handle while the set is unchanged); any other step through `prepare`."""
-        if list(plan.values()).count(1) == len(plan):  # every count is 1
+        if plan is self._steady or list(plan.values()).count(1) == len(plan):  # all 1
             rows = self._rows_of(tuple(plan))
             tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in plan),
                                  dtype=np.int32, count=len(plan))
-            return self.cache.prepare_decode(rows, tokens)
+            batch = self.cache.prepare_decode(rows, tokens)
+            self._decode_tokens = (plan, tokens)
+            return batch
         return self.cache.prepare(self.step_tokens(plan))
+
+    def step_inputs(self, plan: dict[Sequence, int]) -> StepInputs:
+        """The model's inputs for `plan` (prepared last): a steady decode step's from the
+        token array `prepare` built (every sequence sampled, no per-sequence slicing)."""
+        steady, tokens = self._decode_tokens
+        if plan is self._steady and plan is steady:
+            return StepInputs.decode(list(plan), tokens)
+        return StepInputs.of(plan)
 
     def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
         """The cache's ``prepare`` mapping of a plan: each sequence's tokens to compute."""

@@ -1,5 +1,5 @@
 """The ``step_cost`` workload's second part (`step_scale`) at tiny size: every layout and step
-kind is measured at every size, the growth rows name each doubling, and the four steppers
+kind is measured at every size, the growth rows name each doubling, and the six steppers
 of one size do the same work (the same sequences, tokens and leading blocks). No timing
 is asserted."""
 
@@ -35,12 +35,13 @@ def test_every_layout_kind_and_size_is_measured(stats):
 
 def test_growth_rows_name_each_doubling_and_three_groups_against_one(stats):
     figures, info, plot = growth_rows(stats)
-    # a doubling per line (2 layouts x 2 kinds), then 3 groups against 1 per kind and size
-    assert len(figures) == 4 + 2 * len(SIZES)
+    # a doubling per line (2 layouts x 3 kinds), then 3 groups against 1 per kind and size
+    lines = len(LAYOUTS) * len(KINDS)
+    assert lines == 6 and len(figures) == lines + len(KINDS) * len(SIZES)
     assert all(f.value.unit == "ms" and f.ratio > 0 for f in figures)
-    assert sum("growth per doubling" in key for key in info) == 4
+    assert sum("growth per doubling" in key for key in info) == lines
     assert all("4->8: " in value for key, value in info.items() if "growth" in key)
-    assert len(plot.series) == 4 and all(s.x == (4.0, 8.0) for s in plot.series)
+    assert len(plot.series) == lines and all(s.x == (4.0, 8.0) for s in plot.series)
 
 
 def _state(stepper: DecodeStepper) -> dict:
@@ -60,6 +61,7 @@ def test_the_steppers_of_one_size_do_the_same_work():
     states = [_state(stepper) for stepper in steppers]
     assert all(state == states[0] for state in states[1:])
     assert {len(s.cache.groups) for s in steppers} == {1, 3}
+    assert {s.kind for s in steppers} == {"cache", "scheduler", "engine"}
     # the scheduler decodes every running sequence, one token each
     scheduler = steppers[1].scheduler
     assert all(n == 1 for n in scheduler.schedule().values())

@@ -14,6 +14,12 @@ mapping, lengths, one per layer group). Two lines per layout:
   the model and its sampler (the engine's `draw_rows` builds it from the drawn tokens), so
   it is built off the clock: it is not the step's bookkeeping, and the stand-in's own
   per-sequence token arithmetic is work no engine does.
+- ``engine``: `Engine.step` whole, over a model that does no work (`NullModel`: logits
+  whose greedy token is a function of the position), less the model's own time: the
+  scheduler's and the cache's part as above, plus the model's input arrays (token ids,
+  positions, the sampled rows), greedy sampling of a 64-token vocabulary, the token
+  appends and stop checks, and one `StepOutput` per sample handed to its request's
+  listener. What a user's engine pays outside the forward, every step.
 
 Layouts: ``1 group`` is a uniform full-attention cache; ``3 groups`` a cache whose layers
 are full attention, a sliding window of `WINDOW` tokens and a recurrent state layer (a
@@ -25,6 +31,7 @@ stepper of one size holds the same prompts and takes the same tokens.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -33,6 +40,8 @@ import torch
 
 from ...config import CacheConfig, LayerKind, StateSpec
 from ...core.cache import PagedKVCache
+from ...engine.config import EngineConfig
+from ...engine.engine import Engine
 from ...engine.request import Request, Sequence
 from ...engine.sampling import SamplingParams
 from ...engine.scheduler import Scheduler
@@ -46,7 +55,7 @@ PREFILL_TOKENS = 8192  # the scheduler's token budget per step while the prompts
 LAYOUTS = {1: (LayerKind(),),
            3: (LayerKind(), LayerKind.sliding(WINDOW),
                LayerKind.recurrent((StateSpec("ssm", (1,), torch.float32),)))}
-KINDS = ("cache", "scheduler")
+KINDS = ("cache", "scheduler", "engine")
 
 
 def bookkeeping_config(num_groups: int, prompts: list[tuple[int, ...]], decode_steps: int,
@@ -73,6 +82,29 @@ def trace_prompts(num_seqs: int, seed: int = 0) -> list[tuple[int, ...]]:
     return [r.prompt_token_ids for r in make_trace(TraceSpec(num_requests=num_seqs), seed)]
 
 
+class NullModel(torch.nn.Module):
+    """A model that does no work: ``[rows, VOCAB]`` logits whose greedy token is the row
+    position's `VOCAB`-th residue (so every sequence's tokens change each step), read from
+    a table made once; it keeps the seconds its calls take (`seconds`)."""
+
+    VOCAB = 64
+
+    class config:  # what the engine's request checks read: the trace's token ids
+        vocab_size = TraceSpec().vocab_size
+        max_position = 1 << 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.seconds = torch.eye(self.VOCAB), 0.0
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                batch: object, logits_indices: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.table[positions[logits_indices] % self.VOCAB]
+        self.seconds += time.perf_counter() - start
+        return logits
+
+
 class DecodeStepper:
     """`len(prompts)` running sequences of a `num_groups`-group cache, all admitted and
     decoding; `step` runs one decode step of every one of them (`kind`: see the module
@@ -81,6 +113,10 @@ class DecodeStepper:
     def __init__(self, kind: str, num_groups: int, prompts: list[tuple[int, ...]],
                  decode_steps: int) -> None:
         self.kind, self.step_index = kind, 0
+        if kind == "engine":
+            self._start_engine(bookkeeping_config(num_groups, prompts, decode_steps), prompts,
+                               decode_steps)
+            return
         self.cache = PagedKVCache(bookkeeping_config(num_groups, prompts, decode_steps))
         self.scheduler = Scheduler(self.cache, max_num_seqs=len(prompts),
                                    max_num_batched_tokens=PREFILL_TOKENS,
@@ -94,6 +130,29 @@ class DecodeStepper:
             self._scheduler_step()  # admit, prefill in chunks, then decode until all decode
         self.rows = self.cache.rows_of([seq.seq_id for seq in self.scheduler.running])
         self.step = self._scheduler_step if kind == "scheduler" else self._cache_step
+
+    def _start_engine(self, config: CacheConfig, prompts: list[tuple[int, ...]],
+                      decode_steps: int) -> None:
+        """The ``engine`` kind: an `Engine` over `NullModel`, its prompts prefilled."""
+        self.model, self.outputs = NullModel(), collections.deque(maxlen=1)
+        self.engine = Engine(self.model, EngineConfig(
+            cache=config, max_num_seqs=len(prompts), max_num_batched_tokens=PREFILL_TOKENS,
+            num_threads=1))  # the step's bookkeeping is Python on one thread
+        params = SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True, temperature=0.0)
+        for prompt in prompts:
+            self.engine.add_request(list(prompt), params, on_output=self.outputs.append)
+        scheduler = self.engine.scheduler
+        while scheduler.waiting or any(
+                seq.num_computed < len(seq.token_ids) - 1 for seq in scheduler.running):
+            self.engine.step()
+        self.scheduler, self.cache = scheduler, self.engine.cache
+        self.rows = self.cache.rows_of([seq.seq_id for seq in scheduler.running])
+        self.step = self._engine_step
+
+    def _engine_step(self) -> float:
+        before, start = self.model.seconds, time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - start - (self.model.seconds - before)
 
     def _scheduler_step(self) -> float:
         scheduler, clock = self.scheduler, time.perf_counter

@@ -1,0 +1,86 @@
+"""`StepInputs`: a step's model inputs (token ids, positions, the rows whose logits are
+sampled) made from its plan, in general or, for the steady decode step, from arrays the
+scheduler has already built."""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+
+import numpy as np
+import torch
+
+from .request import Request, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What the model is called with for one plan, and which of its rows are sampled.
+
+    Attributes
+    ----------
+    tokens, positions : torch.Tensor
+        ``[num_tokens]`` int64: each new token and its position, sequence by sequence in
+        the plan's order.
+    logits_rows : torch.Tensor
+        ``[len(sampled) + len(prompt_rows)]`` int64 rows of `tokens` whose logits the
+        model returns: the sampled sequences' last tokens, then the prompt rows'.
+    sampled : list of Sequence
+        The sequences whose next token is due after this step (caught up), in order.
+    prompt_rows : list of (Request, int, int)
+        ``(request, row, prompt token that row predicts)`` of each prompt position whose
+        log-probabilities are asked for and not yet recorded.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    logits_rows: torch.Tensor
+    sampled: list[Sequence]
+    prompt_rows: list[tuple[Request, int, int]]
+
+    @staticmethod
+    def of(plan: dict[Sequence, int]) -> StepInputs:
+        """The inputs of any plan (``{sequence: new tokens}``), one pass over it."""
+        tokens, positions, logits_rows, sampled = [], [], [], []
+        for seq, n in plan.items():
+            tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
+            positions += range(seq.num_computed, seq.num_computed + n)
+            if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
+                logits_rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        prompt_rows = _prompt_logprob_rows(plan)  # their logits follow the sampled rows
+        return StepInputs(_long_tensor(tokens), _long_tensor(positions),
+                          _long_tensor(logits_rows + [row for _, row, _ in prompt_rows]),
+                          sampled, prompt_rows)
+
+    @staticmethod
+    def decode(seqs: list[Sequence], tokens: np.ndarray) -> StepInputs:
+        """The inputs of a steady decode step: each of `seqs` takes its one token not yet
+        computed, ``tokens [len(seqs)]`` (its last), so each is caught up and sampled, in
+        row order. No prompt rows: a sequence with a single token left has computed every
+        prompt position but the last, whose logits predict no prompt token."""
+        positions = np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
+        return StepInputs(torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(positions),
+                          torch.arange(len(seqs)), seqs, [])
+
+
+def _long_tensor(values: list[int]) -> torch.Tensor:
+    """``[len(values)]`` int64 from a list of ints, a third of `torch.tensor`'s cost."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values \
+        else torch.zeros(0, dtype=torch.int64)
+
+
+def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
+    """``(request, row in this step's tokens, prompt token that row predicts)`` for each
+    prompt position whose log-probabilities are asked for and not yet recorded (a
+    recomputed one is not recorded twice)."""
+    rows, offset = [], 0
+    for seq, n in plan.items():
+        request = seq.request
+        if request.params.prompt_logprobs is not None and seq.index == 0:
+            prompt = request.prompt_token_ids
+            first = max(seq.num_computed, len(request.prompt_logprobs) - 1)
+            rows += [(request, offset + position - seq.num_computed, prompt[position + 1])
+                     for position in range(first, min(seq.num_computed + n, len(prompt) - 1))]
+        offset += n
+    return rows

@@ -1,0 +1,116 @@
+"""The model's inputs of a steady decode step, made from the scheduler's token array, are
+the inputs the general path makes from the plan; and the engine streams each step's
+samples as if each had been updated and emitted in turn."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_kv.config import CacheConfig, LayerKind
+from paged_kv.core.cache import PagedKVCache
+from paged_kv.engine import SamplingParams, StepOutput, TinyLlamaConfig
+from paged_kv.engine.inputs import StepInputs
+from paged_kv.engine.request import Request, Sequence
+from paged_kv.engine.scheduler import Scheduler
+
+from ..conftest import make_engine
+from .conftest import prompt
+
+CONFIG = TinyLlamaConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                         hidden_size=64, intermediate_size=128, vocab_size=300)
+LAYOUTS = {"full": (), "full+sliding": (LayerKind(), LayerKind.sliding(8))}
+
+
+def _scheduler(layout: str, num_blocks: int) -> Scheduler:
+    kinds = LAYOUTS[layout]
+    cache = PagedKVCache(CacheConfig(num_layers=max(len(kinds), 1), num_kv_heads=1, head_dim=2,
+                                     block_size=4, num_blocks=num_blocks, dtype=torch.float32,
+                                     max_num_seqs=8, layer_kinds=kinds))
+    return Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=24, preemption="recompute")
+
+
+def _same(fast: StepInputs, slow: StepInputs) -> None:
+    assert torch.equal(fast.tokens, slow.tokens)
+    assert torch.equal(fast.positions, slow.positions)
+    assert torch.equal(fast.logits_rows, slow.logits_rows)
+    assert fast.sampled == slow.sampled and fast.prompt_rows == slow.prompt_rows
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), layout=st.sampled_from(sorted(LAYOUTS)),
+       num_blocks=st.integers(14, 40))
+def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
+    """Random prompts arriving over time, chunked prefills, finishes and preemptions (small
+    pools): every step's inputs from `step_inputs` equal `StepInputs.of` of the plan, and the
+    steady decode path is taken (so the test compares something)."""
+    rng = random.Random(seed)
+    scheduler, steady = _scheduler(layout, num_blocks), []
+    made = StepInputs.decode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepInputs, "decode",
+                      staticmethod(lambda *a: steady.append(1) or made(*a)))
+        for request_id in range(40):
+            if rng.random() < 0.3 or request_id < 3:
+                params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True)
+                tokens = [rng.randrange(300) for _ in range(rng.randint(1, 20))]
+                scheduler.add(Sequence(Request(request_id, tokens, params, 0.0), 0, tokens,
+                                       None))
+            plan = scheduler.schedule()
+            if not plan:
+                continue
+            scheduler.prepare(plan)
+            _same(scheduler.step_inputs(plan), StepInputs.of(plan))
+            scheduler.advance(plan)
+            samples = [(seq, rng.randrange(300), None) for seq in plan
+                       if seq.num_computed == len(seq.token_ids)]
+            scheduler.update_from_output(samples, frozenset())
+            scheduler.cache.check()
+    assert steady or not scheduler.has_work, "no steady decode step was compared"
+
+
+def test_decode_inputs_are_positions_and_last_tokens():
+    """Two sequences caught up but for one token: their last tokens at their positions,
+    every row sampled, no prompt rows."""
+    scheduler = _scheduler("full", 32)
+    for request_id, tokens in enumerate(([5, 6, 7], [8, 9])):
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        scheduler.add(Sequence(Request(request_id, tokens, params, 0.0), 0, list(tokens), None))
+    plan = scheduler.schedule()
+    scheduler.prepare(plan)
+    scheduler.advance(plan)
+    scheduler.update_from_output([(seq, 40 + seq.request.request_id, None) for seq in plan],
+                                 frozenset())
+    plan = scheduler.schedule()
+    scheduler.prepare(plan)
+    inputs = scheduler.step_inputs(plan)
+    assert inputs.tokens.tolist() == [40, 41] and inputs.positions.tolist() == [3, 2]
+    assert inputs.logits_rows.tolist() == [0, 1] and inputs.sampled == list(plan)
+    assert inputs.prompt_rows == []
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_request_gets_one_final_output_on_its_last_sample(model, n):
+    """Samples of one request finishing in the same step (``max_tokens``) or apart (a stop
+    token): the request's whole output rides on its last step output, exactly once, and
+    after every token of every sample."""
+    engine = make_engine(model, num_blocks=64, block_size=8)
+    streams: dict[int, list[StepOutput]] = {}
+    for seed, params in enumerate([SamplingParams(max_tokens=6, n=n, temperature=1.0, seed=3),
+                                   SamplingParams(max_tokens=9, n=n, temperature=1.0, seed=5,
+                                                  stop_token_ids=tuple(range(0, 300, 7)))]):
+        engine.add_request(prompt(11 + seed, seed, CONFIG.vocab_size), params,
+                           on_output=lambda out: streams.setdefault(out.request_id, []).append(out))
+    while engine.has_unfinished_requests:
+        engine.step()
+    for outs in streams.values():
+        finals = [o for o in outs if o.output is not None]
+        assert len(finals) == 1 and finals[0] is outs[-1]
+        assert {o.index for o in outs if o.finish_reason} == set(range(n))
+        for completion in finals[0].output.outputs:
+            mine = [t for o in outs if o.index == completion.index for t in o.new_token_ids]
+            assert mine == completion.token_ids
