@@ -138,7 +138,10 @@ class DecodeStepper:
         self.engine = Engine(self.model, EngineConfig(
             cache=config, max_num_seqs=len(prompts), max_num_batched_tokens=PREFILL_TOKENS,
             num_threads=1))  # the step's bookkeeping is Python on one thread
-        params = SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True, temperature=0.0)
+        # as many tokens as the pool holds (`bookkeeping_config`): the first sequences
+        # decode while the last are prefilled, and none may finish within the timed steps
+        params = SamplingParams(max_tokens=decode_steps + PREFILL_TOKENS // BLOCK_SIZE,
+                                ignore_eos=True, temperature=0.0)
         for prompt in prompts:
             self.engine.add_request(list(prompt), params, on_output=self.outputs.append)
         scheduler = self.engine.scheduler
