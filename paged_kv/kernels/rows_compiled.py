@@ -20,11 +20,22 @@ size is only known at run time. That is the fastest copy measured here for 8 KiB
 but slower than an inlined copy for rows of 1–4 KiB (``memcpy`` of 2 KiB rows at scattered
 places: 0.6–0.9x of 256-byte inlined chunks), so smaller copies go as 256-byte chunks of
 fixed size (vector moves, inlined by LLVM) and a ``memcpy`` of the rest.
+
+Ops that write more than the last-level cache can keep (3/4 of it, glibc's rule for its
+own ``memcpy``; `streaming_bytes`) store with non-temporal (streaming) stores: a normal
+store first reads the line it writes (read for ownership), so a copy moves three bytes
+for each one copied; streaming stores skip that read and do not evict the cache for data
+that would not fit in it anyway. One fence after the loop orders them as normal stores
+for whatever reads the output next (another thread included). ``copy_`` uses normal
+stores, which is why these ops can pass it (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import pathlib
+import platform
 
 import numpy as np
 import torch
@@ -41,6 +52,29 @@ except ImportError:  # the `fast` extra is not installed: the torch paths
 # copies of this many bytes or more call memcpy whole; smaller ones go in inlined chunks
 _MEMCPY_BYTES = 8 << 10
 _CHUNK_BYTES = 256
+
+
+@functools.cache
+def streaming_bytes() -> int:
+    """Writes of this many bytes or more (an op's, K and V together) use streaming stores:
+    3/4 of the largest CPU cache Linux reports (sysfs), or of 32 MiB where it reports
+    none."""
+    sizes = [32 << 20]
+    for index in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes[1:] or sizes) * 3 // 4
+
+
+def stream_alignment(tensor: torch.Tensor, nbytes: int) -> int:
+    """The loops' `stream_align` argument for writing `nbytes` into `tensor`: its address
+    modulo 64 when the write is large enough to stream (`streaming_bytes`), else -1."""
+    return tensor.data_ptr() % 64 if nbytes >= streaming_bytes() else -1
 
 
 def is_enabled() -> bool:
@@ -91,6 +125,46 @@ if numba is not None:
     _chunk = _copy_intrinsic(_CHUNK_BYTES)
     _jit = numba.njit(cache=True, nogil=True)
 
+    @intrinsic
+    def _stream64(typingctx, dst, dst_start, src, src_start, nbytes):
+        """Copy `nbytes` (a multiple of 64) from `src` to a 64-byte aligned place of `dst`
+        in 64-byte vectors, stored non-temporally (``!nontemporal``: ``vmovntdq`` on x86)."""
+        signature = types.void(dst, types.intp, src, types.intp, types.intp)
+
+        def codegen(context, builder, sig, args):
+            dst_array = context.make_array(sig.args[0])(context, builder, args[0])
+            src_array = context.make_array(sig.args[2])(context, builder, args[2])
+            first_dst = builder.gep(dst_array.data, [args[1]])
+            first_src = builder.gep(src_array.data, [args[3]])
+            vector = ir.VectorType(ir.IntType(64), 8)
+            nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            count = builder.udiv(args[4], ir.Constant(ir.IntType(64), 64))
+            with cgutils.for_range(builder, count) as loop:
+                offset = builder.mul(loop.index, ir.Constant(ir.IntType(64), 64))
+                source = builder.bitcast(builder.gep(first_src, [offset]), vector.as_pointer())
+                target = builder.bitcast(builder.gep(first_dst, [offset]), vector.as_pointer())
+                store = builder.store(builder.load(source, align=1), target, align=64)
+                store.set_metadata("nontemporal", nontemporal)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    @intrinsic
+    def _store_fence(typingctx):
+        """Order the streaming stores before later stores: ``sfence`` on x86, a full
+        fence elsewhere."""
+
+        def codegen(context, builder, sig, args):
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                fence = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence")
+                builder.call(fence, [])
+            else:
+                builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
     @_jit
     def _copy_bytes(dst, dst_start, src, src_start, nbytes):  # pragma: no cover - compiled
         """``dst[dst_start:][:nbytes] = src[src_start:][:nbytes]`` (no overlap)."""
@@ -104,10 +178,29 @@ if numba is not None:
             _memcpy(dst, dst_start, src, src_start, nbytes)
 
     @_jit
-    def _scatter_loop(target, slots, source, row_bytes, skip_negative):  # pragma: no cover
+    def _move(dst, dst_start, src, src_start, nbytes, stream_align):  # pragma: no cover
+        """`_copy_bytes`, or with streaming stores when `stream_align` (the address of
+        `dst` modulo 64) is not -1: the bytes before the first 64-byte boundary and after
+        the last go by `_copy_bytes`."""
+        if stream_align < 0:
+            _copy_bytes(dst, dst_start, src, src_start, nbytes)
+            return
+        head = min((64 - (stream_align + dst_start) % 64) % 64, nbytes)
+        body = (nbytes - head) // 64 * 64
+        if head:
+            _copy_bytes(dst, dst_start, src, src_start, head)
+        if body:
+            _stream64(dst, dst_start + head, src, src_start + head, body)
+        if nbytes > head + body:
+            _copy_bytes(dst, dst_start + head + body, src, src_start + head + body,
+                        nbytes - head - body)
+
+    @_jit
+    def _scatter_loop(target, slots, source, row_bytes, skip_negative,
+                      stream_align):  # pragma: no cover - compiled
         """Row ``i`` of `source` into row ``slots[i]`` of `target` (rows of `row_bytes`);
-        negative slots are skipped when `skip_negative`. Returns the index of the first bad
-        slot, before copying anything, or -1.
+        negative slots are skipped when `skip_negative`; `stream_align` as `_move` takes it.
+        Returns the index of the first bad slot, before copying anything, or -1.
 
         Consecutive slots (a prefill's tokens within a block, or a fresh pool's blocks) move
         as one copy: a 32 KiB block in one ``memcpy`` instead of 16 rows of 2 KiB."""
@@ -124,9 +217,11 @@ if numba is not None:
             end = i + 1
             while end < slots.size and slots[end] == slots[end - 1] + 1:
                 end += 1
-            _copy_bytes(target, slots[i] * row_bytes, source, i * row_bytes,
-                        (end - i) * row_bytes)
+            _move(target, slots[i] * row_bytes, source, i * row_bytes, (end - i) * row_bytes,
+                  stream_align)
             i = end
+        if stream_align >= 0:
+            _store_fence()
         return -1
 
     @_jit
@@ -149,11 +244,14 @@ if numba is not None:
 
     @_jit
     def _gather_loop(key_cache, value_cache, block_tables, seq_lens, starts, key_out,
-                     value_out, block_size, row_bytes, span):  # pragma: no cover - compiled
+                     value_out, block_size, row_bytes, span,
+                     stream_align):  # pragma: no cover - compiled
         """Each sequence's tokens, a block's worth (or the last block's tokens) a copy, from
         the pages into its rows of the outputs (rows of `row_bytes`), K then V; with a
         `span`, the rows from its length to `span` are zeroed (the padded form). Checked
-        with `_gather_check` first (returned here: nothing is copied unless 0)."""
+        with `_gather_check` first (returned here: nothing is copied unless 0).
+        `stream_align`: as `_move` takes it, the outputs' (both: K's and V's addresses
+        agree modulo 64, or the caller passes -1)."""
         status = _gather_check(key_cache.size // (block_size * row_bytes), block_tables,
                                seq_lens, starts, key_out.size // row_bytes, block_size, span)
         if status:
@@ -165,19 +263,22 @@ if numba is not None:
                 position = starts[b] * row_bytes
                 for column in range((length + block_size - 1) // block_size):
                     nbytes = min(block_size, length - column * block_size) * row_bytes
-                    _copy_bytes(out, position, cache, block_tables[b, column] * block_bytes,
-                                nbytes)
+                    _move(out, position, cache, block_tables[b, column] * block_bytes, nbytes,
+                          stream_align)
                     position += nbytes
                 if span > length:
                     out[position:(starts[b] + span) * row_bytes] = 0
+        if stream_align >= 0:
+            _store_fence()
         return 0
 
     @_jit
-    def _copy_blocks_loop(pool, src_block_ids, dst_block_ids, num_planes,
-                          block_bytes):  # pragma: no cover - compiled
+    def _copy_blocks_loop(pool, src_block_ids, dst_block_ids, num_planes, block_bytes,
+                          stream_align):  # pragma: no cover - compiled
         """Block ``dst[i]`` <- block ``src[i]`` in each of the `num_planes` planes of
-        `pool`, ids that step by one on both sides moved as one copy. Returns the index of
-        the first pair with an id past the pool, before copying anything, or -1."""
+        `pool`, ids that step by one on both sides moved as one copy; `stream_align` as
+        `_move` takes it. Returns the index of the first pair with an id past the pool,
+        before copying anything, or -1."""
         plane_bytes = pool.size // num_planes
         num_blocks = plane_bytes // block_bytes
         for i in range(src_block_ids.size):
@@ -193,9 +294,12 @@ if numba is not None:
                         and src_block_ids[end] == src_block_ids[end - 1] + 1 \
                         and dst_block_ids[end] == dst_block_ids[end - 1] + 1:
                     end += 1
-                _copy_bytes(pool, base + dst_block_ids[i] * block_bytes, pool,
-                            base + src_block_ids[i] * block_bytes, (end - i) * block_bytes)
+                _move(pool, base + dst_block_ids[i] * block_bytes, pool,
+                      base + src_block_ids[i] * block_bytes, (end - i) * block_bytes,
+                      stream_align)
                 i = end
+        if stream_align >= 0:
+            _store_fence()
         return -1
 
 
@@ -207,7 +311,7 @@ def _ids(ids: torch.Tensor) -> np.ndarray | None:
 
 
 def scatter_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor, *,
-                 skip_negative: bool = False) -> bool:
+                 skip_negative: bool = False, op_bytes: int | None = None) -> bool:
     """``target[index[i]] = source[i]`` for each row, bit for bit, in a compiled loop;
     returns whether it ran (False: the caller's torch path).
 
@@ -221,6 +325,9 @@ def scatter_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor
         ``[N, ...]`` contiguous, `target`'s dtype and row shape.
     skip_negative : bool
         Negative indices skip their row (`write_kv`'s padding) instead of raising.
+    op_bytes : int, optional
+        Bytes the whole op writes (`write_kv`: K and V), which decide streaming stores
+        (`streaming_bytes`); default `source`'s.
 
     Raises
     ------
@@ -241,7 +348,9 @@ def scatter_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor
     if target.numel() == 0 or index.numel() == 0:  # nothing to move: the torch path's
         return False
     row_bytes = target_bytes.size // target.shape[0]
-    bad = _scatter_loop(target_bytes, slots, source_bytes, row_bytes, skip_negative)
+    stream_align = stream_alignment(target, source_bytes.size if op_bytes is None else op_bytes)
+    bad = _scatter_loop(target_bytes, slots, source_bytes, row_bytes, skip_negative,
+                        stream_align)
     if bad >= 0:
         raise IndexError(f"index {int(slots[bad])} (entry {bad}) is out of bounds for "
                          f"{target.shape[0]} rows; nothing was copied")
@@ -296,8 +405,11 @@ def gather_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables
                                                                else out[0].shape[:1]):
         return False
     row_bytes = key_cache[0, 0].numel() * key_cache.element_size()
+    stream_align = stream_alignment(out[0], arrays[2].size + arrays[3].size)
+    if stream_align != stream_alignment(out[1], arrays[2].size + arrays[3].size):
+        stream_align = -1  # one loop streams both or neither
     status = _gather_loop(arrays[0], arrays[1], tables, lens, firsts, arrays[2], arrays[3],
-                          key_cache.shape[1], row_bytes, span)
+                          key_cache.shape[1], row_bytes, span, stream_align)
     if status == 1:
         raise IndexError(f"gather: a block id of the tables lies past the pool's "
                          f"{key_cache.shape[0]} blocks; nothing was copied")
@@ -333,7 +445,9 @@ def copy_blocks_compiled(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
     if pool is None or src is None or dst is None:
         return False
     num_planes, num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
-    bad = _copy_blocks_loop(pool, src, dst, num_planes, pool.size // (num_planes * num_blocks))
+    block_bytes = pool.size // (num_planes * num_blocks)
+    bad = _copy_blocks_loop(pool, src, dst, num_planes, block_bytes,
+                            stream_alignment(kv_cache, src.size * num_planes * block_bytes))
     if bad >= 0:
         raise IndexError(f"copy_blocks: block ids must lie in [0, {num_blocks}), got "
                          f"{int(src[bad])} -> {int(dst[bad])} (pair {bad}); nothing was copied")

@@ -26,7 +26,8 @@ def write_kv_reference(
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     if key_scales is None and all(
             scatter_rows(quant.raw(cache).view(num_slots, *cache.shape[2:]), slot_mapping,
-                         quant.raw(new), skip_negative=True)
+                         quant.raw(new), skip_negative=True,
+                         op_bytes=key.nbytes + value.nbytes)
             for new, cache in ((key, key_cache), (value, value_cache))):
         return  # (a V the loop declines after K ran: the torch path writes both)
     valid = slot_mapping >= 0

@@ -2,8 +2,9 @@
 (``PAGED_KV_NUMBA=0``) and plain per-token / per-block loops, bit for bit on random bytes
 (signalling-NaN payloads included): `write_kv`'s scatter, the packed and padded gathers and
 `copy_blocks`, across dtypes, row sizes on both sides of the loops' copy sizes, block
-sizes, ragged lengths, and consecutive and scattered ids; bad ids raise with the pool
-unchanged; and where the loops decline, the torch path runs."""
+sizes, ragged lengths, and consecutive and scattered ids, with normal and with streaming
+stores (every test runs both: the threshold set to 0 and to never), at any alignment; bad
+ids raise with the pool unchanged; and where the loops decline, the torch path runs."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 # (heads, head_dim): 2-byte rows of float16 32 bytes, 6 bytes (no wide element), 2 KiB (the
 # workload's), and ~9 KiB (past the loops' memcpy size)
 ROWS = [(2, 8), (3, 1), (8, 128), (9, 520)]
+
+
+@pytest.fixture(autouse=True, params=["normal stores", "streaming stores"])
+def stores(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with each kind of store: streaming from 0 bytes, or never."""
+    threshold = 0 if request.param == "streaming stores" else 1 << 62
+    monkeypatch.setattr(rows_compiled, "streaming_bytes", lambda: threshold)
+    return request.param
 
 
 @pytest.fixture
@@ -239,3 +248,36 @@ def test_the_loops_decline_what_they_cannot_touch(torch_path):
         assert not rows_compiled.scatter_rows(target, index, source[:, :4].contiguous())
         assert not rows_compiled.copy_blocks_compiled(pool, torch.tensor([0]),
                                                       torch.tensor([1]))
+
+
+@pytest.mark.parametrize("offset", [0, 1, 8, 40])
+def test_every_op_at_any_alignment(torch_path, offset):
+    """Pools and outputs starting `offset` bytes past a 64-byte boundary, rows of 96 bytes:
+    the streaming stores' head and tail go by normal copies."""
+
+    def at_offset(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        return _random_bytes((numel + 64,), torch.uint8, seed)[offset:offset + numel] \
+            .view(shape)
+
+    caches = [at_offset((12, 4, 3, 32), seed) for seed in (0, 1)]
+    tables = torch.randperm(12, generator=torch.Generator().manual_seed(2))[:9].view(3, 3) \
+        .to(torch.int32)
+    lens = torch.tensor([9, 12, 2], dtype=torch.int32)
+    slots = _slots(13, 48, 3, runs=True)
+    new = at_offset((13, 3, 32), 4)
+    results = []
+    for path in (contextlib.nullcontext, torch_path):
+        with path():
+            written = [at_offset((12, 4, 3, 32), seed) for seed in (0, 1)]  # caches' bytes
+            write_kv(new, new, *written, slots)
+            packed = tuple(at_offset((23, 3, 32), 6) for _ in "kv")
+            gather_kv_packed(*caches, tables, lens, _cu([9, 12, 2]), packed)
+            padded = tuple(at_offset((3, 12, 3, 32), 7) for _ in "kv")
+            gather_kv(*caches, tables, lens, 12, padded)
+            copied = at_offset((2, 2, 12, 4, 3, 32), 5)
+            assert copied.data_ptr() % 64 == offset
+            copy_blocks(copied, torch.tensor([1, 2, 7, 0]), torch.tensor([5, 6, 3, 11]))
+        results.append([*written, *packed, *padded, copied])
+    for compiled, by_torch in zip(*results, strict=True):
+        assert torch.equal(compiled, by_torch)
