@@ -5,6 +5,7 @@ keep one request's failure its own (a failed batched call is retried request by 
 from __future__ import annotations
 
 import itertools
+from collections import abc
 
 import torch
 
@@ -15,14 +16,15 @@ from .sampling import sample_rows, token_logprobs
 Sample = tuple[Sequence, int, dict[int, float] | None]
 
 
-def draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list[Sample]:
-    """One batched `sample_rows` call over `targets` (row of `logits`, sample), with each
-    token's log-probabilities when its request asks for them."""
-    if not targets:
+def draw_rows(logits: torch.Tensor, seqs: abc.Sequence[Sequence],
+              rows: abc.Sequence[int] | None = None) -> list[Sample]:
+    """One batched `sample_rows` call drawing each of `seqs` from its row of `logits`
+    (``rows[i]`` for ``seqs[i]``; None: row i), with each token's log-probabilities when its
+    request asks for them."""
+    if not seqs:
         return []
-    rows, seqs = zip(*targets, strict=True)
     # every row once, in order: the common case needs no copy
-    drawn = (logits if rows == tuple(range(len(logits)))
+    drawn = (logits if rows is None or list(rows) == list(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
     params = [seq.request.params for seq in seqs]
     picked = sample_rows(drawn, params, [seq.generator for seq in seqs])
@@ -30,7 +32,8 @@ def draw_rows(logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> list
         return list(zip(seqs, picked, itertools.repeat(None)))
     return [(seq, token, None if p.logprobs is None else
              token_logprobs(logits[row], token, p.logprobs))
-            for row, seq, token, p in zip(rows, seqs, picked, params, strict=True)]
+            for row, seq, token, p in zip(range(len(seqs)) if rows is None else rows, seqs,
+                                          picked, params, strict=True)]
 
 
 def by_request(plan: dict[Sequence, int]) -> list[dict[Sequence, int]]:
