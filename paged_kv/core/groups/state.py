@@ -103,6 +103,8 @@ class StateSlots:
         self._live: dict[int, int] = {}                  # row -> its live slot
         # the same by row as an array (-1: none), so a step reads every row's at once
         self._live_by_row = np.full(64, -1, dtype=np.int64)
+        # the last read-only rows array a confirm was given, and its `_stepped` mask
+        self._stepped_of: tuple[np.ndarray | None, np.ndarray] = (None, np.zeros(0, bool))
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
@@ -284,15 +286,28 @@ class StateSlots:
         if not pending:
             return
         if len(pending) < len(rows):  # a decode step: few rows took any
-            stepped = np.zeros(max(pending) + 1, dtype=bool)
-            rows = np.asarray(rows, dtype=np.int64)
-            stepped[rows[rows < stepped.size]] = True
             held = np.fromiter(pending, dtype=np.int64, count=len(pending))
-            rows = held[stepped[held]].tolist()  # in the pending order, one array read
+            # the stepped ones among them, in the pending order: one array read
+            rows = held[self._stepped(rows, max(pending) + 1)[held]].tolist()
         slot_of, pop = self._slot_of, pending.pop
         keys = [key for row in rows for key in pop(row, ())]
         if keys:
             self._servable_all([slot_of[key] for key in keys], keys)
+
+    def _stepped(self, rows: Sequence[int], size: int) -> np.ndarray:
+        """``[>= size]`` bool: the row is one of `rows` (rows from `size` on are left
+        out). Kept for a read-only rows array (a decode step's handles, the same array
+        every step while the running set is), so that a step's confirm reads the mask it
+        made the step before (~10 us less a step at 1,024 rows)."""
+        kept, mask = self._stepped_of
+        if rows is kept and mask.size >= size and not rows.flags.writeable:
+            return mask
+        rows = np.asarray(rows, dtype=np.int64)
+        mask = np.zeros(max(size, self._live_by_row.size), dtype=bool)
+        mask[rows[rows < mask.size]] = True
+        if not rows.flags.writeable:
+            self._stepped_of = (rows, mask)
+        return mask
 
     def _servable(self, slot: int) -> None:
         """A pending checkpoint was written: evictable, servable, and announced."""
@@ -379,7 +394,9 @@ class StateSlots:
         if self.shares is not None:
             self.shares.remove(slot)
         self.events.append(("removed", slot, key))
-        self._unlatest(slot)
+        row = self._latest_of.pop(slot, None)  # `_unlatest`, inlined (~64 a decode step)
+        if row is not None:
+            del self._latest[row]
         self.num_evicted += 1
 
     def _unlatest(self, slot: int) -> None:
