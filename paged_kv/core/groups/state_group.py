@@ -79,6 +79,8 @@ class StateGroup(CheckpointExport, LayerGroup):
     host: dict[SeqId, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     block_nbytes: int = 0  # one value of a lower tier (`state_values`): a pool block's bytes
     tenant: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> its tenant
+    # the last read-only rows array a step packed, and each row's place in it
+    _positions: tuple = (None, None)
 
     holds_blocks: ClassVar[bool] = False  # a row holds a state slot, never a block
 
@@ -168,17 +170,19 @@ class StateGroup(CheckpointExport, LayerGroup):
         """No block; refused (changing nothing) for a row whose state a failed step lost."""
         if self.lost:
             self._require_state(step.rows.tolist(), "a step")
-        return StepPlan(step, 0, np.zeros(step.rows.size, dtype=np.int64))
+        # a decode step's plan says so as the attention groups' do (no per-row array): its
+        # commit then packs one token a row
+        return StepPlan(step, 0, None if decode else np.zeros(step.rows.size, dtype=np.int64))
 
     def commit_step(self, plan: StepPlan, filled: list[Filled]) -> StateBatch:
         """The rows' new lengths; their last commit's checkpoints are written now (their
         forward ran), and the blocks that filled get checkpoints where the policy allows."""
         step = plan.step
         rows = step.rows
-        old = self.tables.num_tokens[rows].copy()
+        old = self.tables.num_tokens[rows]  # a gather: a copy already
         self.tables.set_num_tokens(rows, old + step.counts)
         self.slots.confirm(rows)
-        return self._batch(rows, old, step.counts, filled)
+        return self._batch(rows, old, step.counts, filled, plan.new_blocks is None)
 
     def needed_per_row(self, step: Step) -> np.ndarray:
         return np.zeros(step.rows.size, dtype=np.int64)
@@ -187,27 +191,34 @@ class StateGroup(CheckpointExport, LayerGroup):
         """Nothing: the checkpoints were indexed by `commit_step` / `add_row`."""
 
     def _batch(self, rows: np.ndarray, old: np.ndarray, counts: np.ndarray,
-               filled: list[Filled]) -> StateBatch:
+               filled: list[Filled], decode: bool = False) -> StateBatch:
         """The `StateBatch` of `rows` (their tokens packed in order, ``counts`` each after
-        ``old``), offering a checkpoint after each block in `filled`."""
+        ``old``; `decode`: one each), offering a checkpoint after each block in `filled`."""
         block_size, suffix = self.tables.block_size, group_suffix(self.index)
         junction, tenant = self.junction, self.tenant
-        offers = [(key + suffix, (column + 1) * block_size, row,
-                   junction.get(row) == (column + 1) * block_size, tenant.get(row, 0))
-                  for row, column, key, _, _ in filled]
+        if junction or tenant:
+            offers = [(key + suffix, (column + 1) * block_size, row,
+                       junction.get(row) == (column + 1) * block_size, tenant.get(row, 0))
+                      for row, column, key, _, _ in filled]
+        else:  # no junction to meet, no tenant (the steady decode state: ~64 a step)
+            offers = [(key + suffix, (column + 1) * block_size, row, False, 0)
+                      for row, column, key, _, _ in filled]
         # the rows that took one, its position, its slot (one batched offer a step)
-        taken, ends, slots = [], [], []
-        for (_, position, row, _, _), slot in zip(offers, self.slots.offer_all(offers),
-                                                  strict=True):
-            if slot is not None:
-                taken.append(row)
-                ends.append(position)
-                slots.append(slot)
+        slots = self.slots.offer_all(offers)
+        if None in slots:
+            kept = [i for i, slot in enumerate(slots) if slot is not None]
+            offers, slots = [offers[i] for i in kept], [slots[i] for i in kept]
+        taken = [offer[2] for offer in offers]
+        ends = [offer[1] for offer in offers]
+        tensors = (torch.from_numpy(self.slots.live_of(rows)),
+                   torch.from_numpy(self._position_of(rows)[taken] if decode and taken
+                                    # a block fills at a row's one token: its place
+                                    else self._emit_tokens(rows, old, counts, taken, ends)),
+                   torch.from_numpy(np.array(slots, dtype=np.int64)))
         device = self.slab.device
-        return StateBatch(torch.from_numpy(self.slots.live_of(rows)).to(device),
-                          torch.from_numpy(self._emit_tokens(rows, old, counts, taken, ends)
-                                           ).to(device),
-                          torch.from_numpy(np.array(slots, dtype=np.int64)).to(device))
+        if device.type != "cpu":  # shipped once, as `StepBatch.from_host` ships its own
+            tensors = tuple(tensor.to(device) for tensor in tensors)
+        return StateBatch(*tensors)
 
     def _emit_tokens(self, rows: np.ndarray, old: np.ndarray, counts: np.ndarray,
                      taken: list[int], ends: list[int]) -> np.ndarray:
@@ -216,11 +227,21 @@ class StateGroup(CheckpointExport, LayerGroup):
         arrays, once a step (numpy scalars per block cost ~2 us each)."""
         if not taken:
             return np.zeros(0, dtype=np.int64)
-        # each row's place in the step, looked up only for rows that filled a block
+        i = self._position_of(rows)[taken]  # each row's place in the step
+        return (np.cumsum(counts) - counts)[i] + np.array(ends, dtype=np.int64) - 1 - old[i]
+
+    def _position_of(self, rows: np.ndarray) -> np.ndarray:
+        """``[rows.max() + 1]`` int64: each of `rows`' index in it (garbage elsewhere).
+        Kept for a read-only rows array (a decode step's handles, the same every step
+        while the running set is)."""
+        kept, position_of = self._positions
+        if rows is kept and not rows.flags.writeable:
+            return position_of
         position_of = np.zeros(int(rows.max()) + 1, dtype=np.int64)
         position_of[rows] = np.arange(rows.size)
-        i = position_of[taken]
-        return (np.cumsum(counts) - counts)[i] + np.array(ends, dtype=np.int64) - 1 - old[i]
+        if not rows.flags.writeable:
+            self._positions = (rows, position_of)
+        return position_of
 
     # -- the lifecycle ---------------------------------------------------------------------
     def check_fork(self, parent: SeqId, what: str) -> None:
