@@ -316,16 +316,18 @@ class BlockAllocator:
             self._insert(keys, block_ids, pieces, parent_keys, b"".join(pieces))
 
     def register_blocks(self, block_ids: list[int], parent_keys: list[bytes],
-                        token_ids: bytes) -> list[bytes]:
+                        token_ids: bytes, pieces: list[bytes] | None = None) -> list[bytes]:
         """Key and index full blocks whose parents' keys are known: ``block_ids[i]`` holds
         slice i of `token_ids` (equal slices, little-endian int32) and chains from
         ``parent_keys[i]``. Returns the keys; an already indexed key is left as it is.
+        `pieces`: the slices, when the caller cut them already.
 
         One call per step: the hashes in one comprehension (`keys.hash_pieces`) and the
         index updated in bulk, so the per-block work is a hash and a few C-level dict
         stores.
         """
-        pieces = split_blocks(token_ids, len(block_ids))
+        if pieces is None:
+            pieces = split_blocks(token_ids, len(block_ids))
         keys = hash_pieces(parent_keys, pieces)
         if self.enable_prefix_caching and keys:
             self._insert(keys, block_ids, pieces, parent_keys, token_ids)

@@ -93,12 +93,12 @@ def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: n
         rows, blocks = [rows[i] for i in keep], [blocks[i] for i in keep]
         parents, filled_tokens = [parents[i] for i in keep], filled_tokens[keep]
     data = encode_tokens(filled_tokens)
-    keys = allocator.register_blocks(blocks, parents, data)
+    pieces = split_blocks(data, len(rows))  # cut once: the index and `out` keep them
+    keys = allocator.register_blocks(blocks, parents, data, pieces)
     tables.set_chains(rows, keys)
     if out is not None and rows:  # each block filled the row's last column: its length's
         columns = (tables.num_tokens[rows] // tables.block_size - 1).tolist()
-        out.extend(zip(rows, columns, keys, parents, split_blocks(data, len(rows)),
-                       strict=True))
+        out.extend(zip(rows, columns, keys, parents, pieces, strict=True))
 
 
 def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.ndarray,
