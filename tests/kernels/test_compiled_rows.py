@@ -30,7 +30,9 @@ ROWS = [(2, 8), (3, 1), (8, 128), (9, 520)]
 
 @pytest.fixture(autouse=True, params=["normal stores", "streaming stores"])
 def stores(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test with each kind of store: streaming from 0 bytes, or never."""
+    """Every test with each kind of store: streaming from 0 bytes, or never; the compiled
+    loops on whatever ``PAGED_KV_NUMBA`` the run was started with."""
+    monkeypatch.setenv("PAGED_KV_NUMBA", "1")
     threshold = 0 if request.param == "streaming stores" else 1 << 62
     monkeypatch.setattr(rows_compiled, "streaming_bytes", lambda: threshold)
     return request.param
