@@ -4,7 +4,7 @@ where an offer's eviction left its victim's entry on top), so an entry wrongly d
 a stale one kept would change which checkpoints go later. After each batch the heap must
 evict the written checkpoints in the order of their ranks, and one `offer` after another
 and `offer_all` must agree; `confirm` of one read-only rows array reused across steps (its
-kept mask) matches `confirm` of a plain list."""
+kept set of rows) matches `confirm` of a plain list."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_offer_all_heap_drains_as_offer(num_slots, interval, batches):
             slots.take_live(row)
     for offers, confirmed, all_rows in batches:
         for batched, slots in enumerate(pair):
-            # the batched side confirms through the kept mask of one read-only array
+            # the batched side confirms through the kept set of one read-only array
             if all_rows:
                 slots.confirm(handles if batched else list(range(ROWS)))
             else:
@@ -66,9 +66,9 @@ def test_offer_all_heap_drains_as_offer(num_slots, interval, batches):
         assert _drained(pair[0]) == _drained(pair[1])
 
 
-def test_confirm_mask_follows_new_arrays_and_pending_rows_past_it():
-    """A kept mask is for its own array only: a new read-only array of other rows, and
-    pending rows past the rows the mask was made for, are confirmed as a list would."""
+def test_confirm_set_follows_new_arrays_and_pending_rows_past_it():
+    """A kept set of rows is for its own array only: a new read-only array of other rows, and
+    pending rows past the rows the set was made of, are confirmed as a list would."""
     slots = StateSlots(40)
     for row in range(8):
         slots.take_live(row)

@@ -103,8 +103,8 @@ class StateSlots:
         self._live: dict[int, int] = {}                  # row -> its live slot
         # the same by row as an array (-1: none), so a step reads every row's at once
         self._live_by_row = np.full(64, -1, dtype=np.int64)
-        # the last read-only rows array a confirm was given, and its `_stepped` mask
-        self._stepped_of: tuple[np.ndarray | None, np.ndarray] = (None, np.zeros(0, bool))
+        # the last read-only rows array a confirm was given, and its rows as a set
+        self._stepped_of: tuple[np.ndarray | None, frozenset[int]] = (None, frozenset())
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
@@ -241,7 +241,7 @@ class StateSlots:
         free, slot_of, key_of, tiers = self._free, self._slot_of, self._key_of, self._tier
         pending, latest, latest_of = self._pending, self._latest, self._latest_of
         evict_below, retier = self.policy.evict_below, self.policy.retier_written
-        interval, taken = self.interval, []
+        interval, taken, events, evicted = self.interval, [], self.events, 0
         for key, position, row, shared, _ in offers:
             if key in slot_of:
                 taken.append(None)
@@ -249,29 +249,30 @@ class StateSlots:
             tier = SHARED if shared else LATEST
             if free:
                 slot = free.pop()
-            else:  # `_slot_for` then `_evict` (the policy removed it already)
+            else:  # `_slot_for` then `_evicted`, inlined (the policy removed it already)
                 slot = evict_below(tier)
                 if slot is None:
                     taken.append(None)
                     continue
-                self._evicted(slot)
+                old, _ = key_of.pop(slot)
+                del slot_of[old], tiers[slot]
+                events.append(("removed", slot, old))
+                if (owner := latest_of.pop(slot, None)) is not None:
+                    del latest[owner]
+                evicted += 1
             slot_of[key], key_of[slot], tiers[slot] = slot, (key, position), tier
-            keys = pending.get(row)
-            if keys is None:
-                pending[row] = [key]
-            else:
-                keys.append(key)
+            pending.setdefault(row, []).append(key)
             previous = latest.get(row)
             if previous is not None:
                 if tiers[previous] == LATEST:
-                    lower = (INTERVAL if interval and key_of[previous][1] % interval == 0
-                             else DENSE)
+                    lower = INTERVAL if interval and key_of[previous][1] % interval == 0 else DENSE
                     tiers[previous] = lower
                     retier(previous, lower)
                 latest_of.pop(previous, None)
             latest[row], latest_of[slot] = slot, row
             taken.append(slot)
         self.num_written += len(taken) - taken.count(None)
+        self.num_evicted += evicted
         return taken
 
     def _retier(self, slot: int, tier: int) -> None:
@@ -286,28 +287,24 @@ class StateSlots:
         if not pending:
             return
         if len(pending) < len(rows):  # a decode step: few rows took any
-            held = np.fromiter(pending, dtype=np.int64, count=len(pending))
-            # the stepped ones among them, in the pending order: one array read
-            rows = held[self._stepped(rows, max(pending) + 1)[held]].tolist()
+            stepped = self._stepped(rows)
+            rows = [row for row in pending if row in stepped]  # in the pending order
         slot_of, pop = self._slot_of, pending.pop
         keys = [key for row in rows for key in pop(row, ())]
         if keys:
             self._servable_all([slot_of[key] for key in keys], keys)
 
-    def _stepped(self, rows: Sequence[int], size: int) -> np.ndarray:
-        """``[>= size]`` bool: the row is one of `rows` (rows from `size` on are left
-        out). Kept for a read-only rows array (a decode step's handles, the same array
-        every step while the running set is), so that a step's confirm reads the mask it
-        made the step before (~10 us less a step at 1,024 rows)."""
-        kept, mask = self._stepped_of
-        if rows is kept and mask.size >= size and not rows.flags.writeable:
-            return mask
-        rows = np.asarray(rows, dtype=np.int64)
-        mask = np.zeros(max(size, self._live_by_row.size), dtype=bool)
-        mask[rows[rows < mask.size]] = True
-        if not rows.flags.writeable:
-            self._stepped_of = (rows, mask)
-        return mask
+    def _stepped(self, rows: Sequence[int]) -> frozenset[int]:
+        """`rows` as a set, kept for a read-only rows array (a decode step's handles, the
+        same array every step while the running set is): a step's confirm picks its
+        pending rows with a set lookup each, not an array built from them per step."""
+        kept, stepped = self._stepped_of
+        if rows is kept and not rows.flags.writeable:
+            return stepped
+        stepped = frozenset(rows.tolist() if isinstance(rows, np.ndarray) else rows)
+        if isinstance(rows, np.ndarray) and not rows.flags.writeable:
+            self._stepped_of = (rows, stepped)
+        return stepped
 
     def _servable(self, slot: int) -> None:
         """A pending checkpoint was written: evictable, servable, and announced."""
