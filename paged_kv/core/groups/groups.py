@@ -305,6 +305,8 @@ class LayerGroup:
     def releasable(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The blocks `rows` may give back before their next tokens (none for a full
         group): ``[R]`` rows, and for each the column to give back up to."""
+        if not self.gives_back:  # a full or state group: no gather of no positions
+            return rows[:0], rows[:0]
         moving, upto = self.releasable_at(rows)
         return rows[moving], upto
 
