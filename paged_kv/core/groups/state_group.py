@@ -80,7 +80,7 @@ class StateGroup(CheckpointExport, LayerGroup):
     block_nbytes: int = 0  # one value of a lower tier (`state_values`): a pool block's bytes
     tenant: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> its tenant
     # the last read-only rows array a step packed, and each row's place in it
-    _positions: tuple = (None, None)
+    _positions: tuple = dataclasses.field(default=(None, None), repr=False, compare=False)
 
     holds_blocks: ClassVar[bool] = False  # a row holds a state slot, never a block
 
