@@ -354,10 +354,7 @@ class LayerGroup:
         owner, columns, ids = self.columns_between(rows, upto) if columns is None else columns
         self.tables.replace_blocks(rows[owner], columns, np.zeros(ids.size, dtype=np.int64))
         self.released[rows] = upto
-        # two forked rows may give back one block (one owner each): a repeated id drops
-        # one owner per entry; where none repeats (a decode step's give-backs, as a rule)
-        # the allocator skips its scatter and its dedupe
-        allocator.free(ids, unique=distinct(ids, allocator.refcount))
+        allocator.free(ids)  # two forked rows may give back one block: one owner each
         return int(ids.size)
 
     def mirror(self, allocator: BlockAllocator, filled: list[Filled]) -> None:
@@ -371,16 +368,6 @@ class LayerGroup:
         allocator.register_keyed(self.tables.block_ids[list(rows), list(columns)].tolist(),
                                  [key + suffix for key in keys], list(pieces),
                                  [parent + suffix for parent in parents])
-
-
-def distinct(ids: np.ndarray, refcount: np.ndarray) -> bool:
-    """Whether no block id repeats in `ids` (``[N]`` int64; `refcount`: the allocator's
-    owner counts, ``[num_blocks]``): none does where each block has one owner, else one
-    sort tells (~3 us for a step's few dozen, where `np.unique` takes ~15)."""
-    if ids.size < 2 or (refcount[ids] == 1).all():
-        return True
-    ordered = np.sort(ids)
-    return bool((ordered[1:] != ordered[:-1]).all())
 
 
 def filled_blocks(allocator: BlockAllocator, leader: PageTables, rows: np.ndarray,

@@ -33,7 +33,7 @@ from ..batch import SeqId, StepBatch
 from ..step.parse import Step
 from ..step.plan import StepPlan, check_capacity
 from .admission import HybridAdmission, commit_groups
-from .groups import LayerGroup, distinct, filled_blocks
+from .groups import LayerGroup, filled_blocks
 
 
 class DecodeForecast(NamedTuple):
@@ -157,17 +157,11 @@ class GroupLayout:
 
     def _gone(self, ids: np.ndarray) -> np.ndarray:
         """Indices into `ids` (blocks rows give back, a block once per row giving it
-        back) of the first entry of each block every owner gives back (in no particular
-        order: callers count them)."""
-        refcount = self.allocator.refcount
-        owners = refcount[ids]
-        if (owners == 1).all():  # one owner each: all go, no sort
+        back) of the first entry of each block every owner gives back."""
+        if (self.allocator.refcount[ids] == 1).all():  # one owner each: all go, no sort
             return np.arange(ids.size)
-        if distinct(ids, refcount):  # each block once: it goes if it has one owner
-            # (blocks of a shared prompt leaving the window: ~15 us less than np.unique)
-            return np.flatnonzero(owners == 1)
         unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        return first[counts == refcount[unique]]
+        return first[counts == self.allocator.refcount[unique]]
 
     def num_blocks_needed(self, step: Step) -> np.ndarray:
         """``[B]`` blocks each row of `step` takes in every group, less what its
