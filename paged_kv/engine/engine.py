@@ -24,6 +24,7 @@ from .runner import ModelRunner, ModelStep, TensorParallelRunner
 from .sampling import SamplingParams, sample_generator
 from .scheduler import Scheduler
 from .sizing import state_line
+from .stream import emit, emit_samples
 from .threads import ThreadGovernor, intra_op_threads
 
 if TYPE_CHECKING:  # the hand-off and the events need the serve extra (pyzmq, msgspec)
@@ -215,7 +216,7 @@ class Engine:
         self._unforked.discard(request_id)
         for part in self.parts:
             part.forget(request)
-        self.scheduler.abort_request(request, error, lambda seq: self._emit(seq, []))
+        self.scheduler.abort_request(request, error, lambda seq: emit(seq, []))
         return True
 
     @property
@@ -291,7 +292,7 @@ class Engine:
         for part in self.parts if finished else ():  # e.g. a prefill's lease, before the
             for request in finished:  # request's last output is emitted
                 part.finished(request)
-        self._emit_samples(samples, finished)
+        emit_samples(samples, finished)
         watching = [part for part in self.parts if part.wants_events]
         if watching:  # e.g. the blocks this step wrote, copied out; the index's changes
             events = self.cache.take_events()
@@ -376,38 +377,6 @@ class Engine:
             child.block_keys = seq.block_keys
         self.scheduler.add_children(seq, children)
         return [seq, *children]
-
-    def _emit_samples(self, samples: list[Sample], finished: list[Request]) -> None:
-        """Stream each sample's new token, in order; a request this step finished carries
-        its whole `RequestOutput` on the output of the sample that finished it (its last
-        finished sample here), as if each sample had been updated and emitted in turn."""
-        last = {}  # request id -> the index of its sample that finished it
-        if finished:
-            ended = {request.request_id for request in finished}
-            last = {seq.request.request_id: i for i, (seq, _, _) in enumerate(samples)
-                    if seq.finish_reason is not None and seq.request.request_id in ended}
-        now, make = time.perf_counter(), tuple.__new__  # a StepOutput in 60% of its call's time
-        for i, (seq, token, _) in enumerate(samples):
-            request = seq.request
-            if request.on_output is not None:
-                request.on_output(make(StepOutput, (
-                    request.request_id, seq.index, [token], seq.finish_reason,
-                    request.output(now) if last and last.get(request.request_id) == i
-                    else None)))
-
-    def _emit(self, seq: Sequence, new_token_ids: list[int]) -> None:
-        """Tell the request's listener about `seq`'s step; the request's last step output
-        (all samples finished, or aborted) carries the whole `RequestOutput`."""
-        request = seq.request
-        if request.on_output is None:
-            return
-        # only a finished sample can finish its request: most steps skip the scan
-        finished = seq.finish_reason is not None and all(s.finish_reason for s in request.samples)
-        done = finished and (len(request.samples) == request.params.n
-                             or seq.finish_reason in ("abort", "error"))
-        request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
-                                     seq.finish_reason,
-                                     request.output(time.perf_counter()) if done else None))
 
     # -- lifetime and observation -------------------------------------------------------
     @property

@@ -54,7 +54,8 @@ class Scheduler:
         # cache's `rows_of` compares it by identity)
         self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
         # the last plan `schedule` made of running sequences each one token behind (all
-        # sampled after it: a steady decode step), and its token array once prepared
+        # sampled after it: a steady decode step), and that plan with its token array once
+        # prepared
         self._steady: dict[Sequence, int] | None = None
         self._decode_tokens: tuple[dict[Sequence, int] | None, np.ndarray] = (None, np.empty(0))
 
@@ -69,11 +70,12 @@ class Scheduler:
         if self.loading:
             self._land_fetches()
         preempted, budget = self._schedule_running(step)
-        steady = self._steady is not None and len(step) == len(self._steady)
         if not preempted:
             budget = self._schedule_swapped(step, budget)
             self._schedule_waiting(step, budget)
-        self._steady = step if steady and len(step) == len(self._steady) else None
+        # steady while nothing joined the running sequences' all-decode plan
+        self._steady = step if self._steady is not None and len(step) == len(self._steady) \
+            else None
         return step
 
     def _available(self, step_blocks: int) -> int:
@@ -302,7 +304,8 @@ class Scheduler:
             tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in plan),
                                  dtype=np.int32, count=len(plan))
             batch = self.cache.prepare_decode(rows, tokens)
-            self._decode_tokens = (plan, tokens)
+            if plan is self._steady:
+                self._decode_tokens = (plan, tokens)
             return batch
         return self.cache.prepare(self.step_tokens(plan))
 
@@ -310,7 +313,7 @@ class Scheduler:
         """The model's inputs for `plan` (prepared last): a steady decode step's from the
         token array `prepare` built (every sequence sampled, no per-sequence slicing)."""
         steady, tokens = self._decode_tokens
-        if plan is self._steady and plan is steady:
+        if plan is steady:
             return StepInputs.decode(list(plan), tokens)
         return StepInputs.of(plan)
 

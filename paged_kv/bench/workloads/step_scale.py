@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -113,11 +114,21 @@ class DecodeStepper:
     def __init__(self, kind: str, num_groups: int, prompts: list[tuple[int, ...]],
                  decode_steps: int) -> None:
         self.kind, self.step_index = kind, 0
-        if kind == "engine":
-            self._start_engine(bookkeeping_config(num_groups, prompts, decode_steps), prompts,
-                               decode_steps)
-            return
-        self.cache = PagedKVCache(bookkeeping_config(num_groups, prompts, decode_steps))
+        config = bookkeeping_config(num_groups, prompts, decode_steps)
+        advance = (self._start_engine(config, prompts, decode_steps) if kind == "engine"
+                   else self._start_scheduler(config, prompts))
+        while self.scheduler.waiting or any(
+                seq.num_computed < len(seq.token_ids) - 1 for seq in self.scheduler.running):
+            advance()  # admit, prefill in chunks, then decode until all decode
+        self.rows = self.cache.rows_of([seq.seq_id for seq in self.scheduler.running])
+        self.step = {"cache": self._cache_step, "scheduler": self._scheduler_step,
+                     "engine": self._engine_step}[kind]
+
+    def _start_scheduler(self, config: CacheConfig, prompts: list[tuple[int, ...]],
+                         ) -> Callable[[], object]:
+        """The ``cache`` and ``scheduler`` kinds: a `Scheduler` over its own cache, the
+        prompts queued; returns its step."""
+        self.cache = PagedKVCache(config)
         self.scheduler = Scheduler(self.cache, max_num_seqs=len(prompts),
                                    max_num_batched_tokens=PREFILL_TOKENS,
                                    preemption="recompute")
@@ -125,15 +136,12 @@ class DecodeStepper:
         for request_id, prompt in enumerate(prompts):
             request = Request(request_id, list(prompt), params, 0.0)
             self.scheduler.add(Sequence(request, 0, list(prompt), None))
-        while self.scheduler.waiting or any(
-                seq.num_computed < len(seq.token_ids) - 1 for seq in self.scheduler.running):
-            self._scheduler_step()  # admit, prefill in chunks, then decode until all decode
-        self.rows = self.cache.rows_of([seq.seq_id for seq in self.scheduler.running])
-        self.step = self._scheduler_step if kind == "scheduler" else self._cache_step
+        return self._scheduler_step
 
     def _start_engine(self, config: CacheConfig, prompts: list[tuple[int, ...]],
-                      decode_steps: int) -> None:
-        """The ``engine`` kind: an `Engine` over `NullModel`, its prompts prefilled."""
+                      decode_steps: int) -> Callable[[], object]:
+        """The ``engine`` kind: an `Engine` over `NullModel`, the prompts queued; returns
+        its step."""
         self.model, self.outputs = NullModel(), collections.deque(maxlen=1)
         self.engine = Engine(self.model, EngineConfig(
             cache=config, max_num_seqs=len(prompts), max_num_batched_tokens=PREFILL_TOKENS,
@@ -144,13 +152,8 @@ class DecodeStepper:
                                 ignore_eos=True, temperature=0.0)
         for prompt in prompts:
             self.engine.add_request(list(prompt), params, on_output=self.outputs.append)
-        scheduler = self.engine.scheduler
-        while scheduler.waiting or any(
-                seq.num_computed < len(seq.token_ids) - 1 for seq in scheduler.running):
-            self.engine.step()
-        self.scheduler, self.cache = scheduler, self.engine.cache
-        self.rows = self.cache.rows_of([seq.seq_id for seq in scheduler.running])
-        self.step = self._engine_step
+        self.scheduler, self.cache = self.engine.scheduler, self.engine.cache
+        return self.engine.step
 
     def _engine_step(self) -> float:
         before, start = self.model.seconds, time.perf_counter()

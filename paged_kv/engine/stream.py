@@ -1,0 +1,45 @@
+"""Streaming a step's outputs: each sample's new tokens handed to its request's listener
+(`Request.on_output`) as a `StepOutput`, the request's whole `RequestOutput` on its last."""
+
+from __future__ import annotations
+
+import time
+
+from .draw import Sample
+from .outputs import StepOutput
+from .request import Request, Sequence
+
+
+def emit_samples(samples: list[Sample], finished: list[Request]) -> None:
+    """Stream each sample's new token, in order; a request this step finished (`finished`,
+    as `Scheduler.update_from_output` returned it) carries its whole `RequestOutput` on the
+    output of the sample that finished it (its last finished sample here), as if each
+    sample had been updated and emitted in turn."""
+    last = {}  # request id -> the index of its sample that finished it
+    if finished:
+        ended = {request.request_id for request in finished}
+        last = {seq.request.request_id: i for i, (seq, _, _) in enumerate(samples)
+                if seq.finish_reason is not None and seq.request.request_id in ended}
+    now, make = time.perf_counter(), tuple.__new__  # a StepOutput in 60% of its call's time
+    for i, (seq, token, _) in enumerate(samples):
+        request = seq.request
+        if request.on_output is not None:
+            request.on_output(make(StepOutput, (
+                request.request_id, seq.index, [token], seq.finish_reason,
+                request.output(now) if last and last.get(request.request_id) == i
+                else None)))
+
+
+def emit(seq: Sequence, new_token_ids: list[int]) -> None:
+    """Tell the request's listener about `seq`'s step; the request's last step output
+    (all samples finished, or aborted) carries the whole `RequestOutput`."""
+    request = seq.request
+    if request.on_output is None:
+        return
+    # only a finished sample can finish its request: most steps skip the scan
+    finished = seq.finish_reason is not None and all(s.finish_reason for s in request.samples)
+    done = finished and (len(request.samples) == request.params.n
+                         or seq.finish_reason in ("abort", "error"))
+    request.on_output(StepOutput(request.request_id, seq.index, new_token_ids,
+                                 seq.finish_reason,
+                                 request.output(time.perf_counter()) if done else None))
