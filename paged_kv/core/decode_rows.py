@@ -20,10 +20,11 @@ Every function works in place on the page tables' own arrays:
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
+
+from ..kernels import rows_compiled
 
 try:
     import numba
@@ -41,8 +42,8 @@ class DecodeOps(NamedTuple):
 
 def default_compiled() -> bool:
     """The variant page tables take unless told: compiled when numba imports and
-    ``PAGED_KV_NUMBA`` is not ``0``."""
-    return numba is not None and os.environ.get("PAGED_KV_NUMBA", "1") != "0"
+    ``PAGED_KV_NUMBA`` is not ``0`` (the switch the compiled CPU copies read too)."""
+    return rows_compiled.is_enabled()
 
 
 def decode_ops(compiled: bool | None = None) -> tuple[bool, DecodeOps]:

@@ -83,17 +83,11 @@ class CheckpointPolicy:
         self._push(entry)
 
     def retier_written(self, slot: int, tier: int) -> None:
-        """`retier` of `slot` if it is a written checkpoint (the policy's); else nothing.
-        (`_push` inlined: a step's offers call this ~64 times at 1,024 rows.)"""
-        rank = self._rank
-        entry = rank.get(slot)
+        """`retier` of `slot` if it is a written checkpoint (the policy's); else nothing."""
+        entry = self._rank.get(slot)
         if entry is not None:
-            rank[slot] = entry = tier << _TIER | entry & _USE_AND_SLOT
-            heap = self._heap
-            if heap and rank.get(heap[0] & _SLOT) != heap[0]:
-                heapq.heapreplace(heap, entry)
-            else:
-                heapq.heappush(heap, entry)
+            self._rank[slot] = entry = tier << _TIER | entry & _USE_AND_SLOT
+            self._push(entry)
 
     def _push(self, entry: int) -> None:
         """Put `entry` on the heap, in the top's place when that one is stale (one sift,

@@ -95,14 +95,14 @@ class GroupLayout:
         since the last change of the cache (the caller vouches for it), in place of the
         plans and give-backs."""
         rows, allocator, tables = step.rows, self.allocator, self.leader.tables
-        if forecast is None:  # planned now, of this step: only the groups holding no block
+        # a forecast made now is of this step; a kept one is of the step `num_blocks_needed`
+        # parsed, whose plans take this one (it carries the ids)
+        fresh = forecast is None
+        if fresh:
             forecast = self.forecast(step, decode)
-            plans = [group.plan_step(step, decode) if plan is None else plan
-                     for group, plan in zip(self.groups, forecast.plans, strict=True)]
-        else:  # planned of the step `num_blocks_needed` parsed: this one carries the ids
-            plans = [group.plan_step(step, decode) if plan is None
-                     else plan._replace(step=step)
-                     for group, plan in zip(self.groups, forecast.plans, strict=True)]
+        plans = [group.plan_step(step, decode) if plan is None
+                 else plan if fresh else plan._replace(step=step)
+                 for group, plan in zip(self.groups, forecast.plans, strict=True)]
         releases, columns, credit = forecast[1:]
         check_capacity(allocator, StepPlan(step, sum(plan.requested for plan in plans), None),
                        what, credit=credit)

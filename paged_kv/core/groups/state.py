@@ -391,9 +391,7 @@ class StateSlots:
         if self.shares is not None:
             self.shares.remove(slot)
         self.events.append(("removed", slot, key))
-        row = self._latest_of.pop(slot, None)  # `_unlatest`, inlined (~64 a decode step)
-        if row is not None:
-            del self._latest[row]
+        self._unlatest(slot)
         self.num_evicted += 1
 
     def _unlatest(self, slot: int) -> None:

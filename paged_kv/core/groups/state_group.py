@@ -196,13 +196,9 @@ class StateGroup(CheckpointExport, LayerGroup):
         ``old``; `decode`: one each), offering a checkpoint after each block in `filled`."""
         block_size, suffix = self.tables.block_size, group_suffix(self.index)
         junction, tenant = self.junction, self.tenant
-        if junction or tenant:
-            offers = [(key + suffix, (column + 1) * block_size, row,
-                       junction.get(row) == (column + 1) * block_size, tenant.get(row, 0))
-                      for row, column, key, _, _ in filled]
-        else:  # no junction to meet, no tenant (the steady decode state: ~64 a step)
-            offers = [(key + suffix, (column + 1) * block_size, row, False, 0)
-                      for row, column, key, _, _ in filled]
+        offers = [(key + suffix, (column + 1) * block_size, row,
+                   junction.get(row) == (column + 1) * block_size, tenant.get(row, 0))
+                  for row, column, key, _, _ in filled]
         # the rows that took one, its position, its slot (one batched offer a step)
         slots = self.slots.offer_all(offers)
         if None in slots:
