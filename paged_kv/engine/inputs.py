@@ -54,12 +54,12 @@ class StepInputs:
                           sampled, prompt_rows)
 
     @staticmethod
-    def decode(seqs: list[Sequence], tokens: np.ndarray) -> StepInputs:
+    def decode(seqs: list[Sequence], tokens: np.ndarray, positions: np.ndarray) -> StepInputs:
         """The inputs of a steady decode step: each of `seqs` takes its one token not yet
-        computed, ``tokens [len(seqs)]`` (its last), so each is caught up and sampled, in
-        row order. No prompt rows: a sequence with a single token left has computed every
-        prompt position but the last, whose logits predict no prompt token."""
-        positions = np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
+        computed, ``tokens [len(seqs)]`` (its last), at ``positions [len(seqs)]`` int64 (its
+        computed count), so each is caught up and sampled, in row order. No prompt rows: a
+        sequence with a single token left has computed every prompt position but the last,
+        whose logits predict no prompt token."""
         return StepInputs(torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(positions),
                           torch.arange(len(seqs)), seqs, [])
 

@@ -26,6 +26,7 @@ from .inputs import StepInputs
 from .limits import catch_up_tokens
 from .misses import CacheReports
 from .request import Request, Sequence, Status
+from .steady import SteadyDecode
 
 
 class Scheduler:
@@ -53,11 +54,7 @@ class Scheduler:
         # the same batch, whose ids tuple is then reused (no per-sequence rebuild, and the
         # cache's `rows_of` compares it by identity)
         self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
-        # the last plan `schedule` made of running sequences each one token behind (all
-        # sampled after it: a steady decode step), and that plan with its token array once
-        # prepared
-        self._steady: dict[Sequence, int] | None = None
-        self._decode_tokens: tuple[dict[Sequence, int] | None, np.ndarray] = (None, np.empty(0))
+        self.steady = SteadyDecode()  # the steady decode step's arrays, and their carry
 
     @property
     def has_work(self) -> bool:
@@ -74,8 +71,8 @@ class Scheduler:
             budget = self._schedule_swapped(step, budget)
             self._schedule_waiting(step, budget)
         # steady while nothing joined the running sequences' all-decode plan
-        self._steady = step if self._steady is not None and len(step) == len(self._steady) \
-            else None
+        steady = self.steady.plan
+        self.steady.plan = step if steady is not None and len(step) == len(steady) else None
         return step
 
     def _available(self, step_blocks: int) -> int:
@@ -87,11 +84,11 @@ class Scheduler:
         preempted = False
         while True:
             running, left = self.running, self.max_num_batched_tokens
-            self._steady = None
-            if self._all_decode():  # the steady state: no per-sequence plan to build
+            batch = tuple(running)
+            if self.steady.start(batch, left) or self._all_decode():  # no per-sequence plan
                 plan, left = dict.fromkeys(running, 1), left - len(running)
-                needs = self.cache.num_blocks_needed(self._rows_of(tuple(running)))
-                self._steady = plan
+                needs = self.cache.num_blocks_needed(self._rows_of(batch))
+                self.steady.plan = plan
             else:
                 plan = []
                 for seq in running:
@@ -299,23 +296,18 @@ class Scheduler:
         """The cache's batch for `plan`: one token per sequence (the steady decode state)
         through the array API, its rows resolved once per running set (`rows_of` returns
         the same handle while the set is unchanged); any other step through `prepare`."""
-        if plan is self._steady or list(plan.values()).count(1) == len(plan):  # all 1
+        if plan is self.steady.plan or list(plan.values()).count(1) == len(plan):  # all 1
             rows = self._rows_of(tuple(plan))
-            tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in plan),
-                                 dtype=np.int32, count=len(plan))
+            tokens, positions = self.steady.arrays(plan)
             batch = self.cache.prepare_decode(rows, tokens)
-            if plan is self._steady:
-                self._decode_tokens = (plan, tokens)
+            self.steady.prepared(plan, tokens, positions)
             return batch
         return self.cache.prepare(self.step_tokens(plan))
 
     def step_inputs(self, plan: dict[Sequence, int]) -> StepInputs:
         """The model's inputs for `plan` (prepared last): a steady decode step's from the
-        token array `prepare` built (every sequence sampled, no per-sequence slicing)."""
-        steady, tokens = self._decode_tokens
-        if plan is steady:
-            return StepInputs.decode(list(plan), tokens)
-        return StepInputs.of(plan)
+        token and position arrays `prepare` used (`SteadyDecode.inputs`)."""
+        return self.steady.inputs(plan)
 
     def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
         """The cache's ``prepare`` mapping of a plan: each sequence's tokens to compute."""
@@ -338,6 +330,7 @@ class Scheduler:
         ``max_tokens``; finished samples' blocks are freed. Returns the requests whose
         last sample this finished."""
         now, finished = time.perf_counter(), []
+        self.steady.carry_over(samples, self._last_batch[0])
         for seq, token, logprobs in samples:
             tokens, request = seq.token_ids, seq.request  # read once: this runs every token
             tokens.append(token)

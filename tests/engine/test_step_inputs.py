@@ -45,11 +45,12 @@ def _same(fast: StepInputs, slow: StepInputs) -> None:
 @given(seed=st.integers(0, 2**16), layout=st.sampled_from(sorted(LAYOUTS)),
        num_blocks=st.integers(14, 40))
 def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
-    """Random prompts arriving over time, chunked prefills, finishes and preemptions (small
-    pools): every step's inputs from `step_inputs` equal `StepInputs.of` of the plan, and the
-    steady decode path is taken (so the test compares something)."""
+    """Random prompts arriving over time, chunked prefills, finishes, aborts and preemptions
+    (small pools): every step's inputs from `step_inputs` equal `StepInputs.of` of the plan,
+    and the steady decode path is taken, with its arrays carried from the step before (so
+    the test compares something)."""
     rng = random.Random(seed)
-    scheduler, steady = _scheduler(layout, num_blocks), []
+    scheduler, steady, carried = _scheduler(layout, num_blocks), [], []
     made = StepInputs.decode
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StepInputs, "decode",
@@ -60,9 +61,12 @@ def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
                 tokens = [rng.randrange(300) for _ in range(rng.randint(1, 20))]
                 scheduler.add(Sequence(Request(request_id, tokens, params, 0.0), 0, tokens,
                                        None))
+            if scheduler.running and rng.random() < 0.1:  # a client's abort between steps
+                scheduler.abort(rng.choice(scheduler.running))
             plan = scheduler.schedule()
             if not plan:
                 continue
+            carried.append(scheduler.steady.carried)
             scheduler.prepare(plan)
             _same(scheduler.step_inputs(plan), StepInputs.of(plan))
             scheduler.advance(plan)
@@ -70,7 +74,14 @@ def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
                        if seq.num_computed == len(seq.token_ids)]
             scheduler.update_from_output(samples, frozenset())
             scheduler.cache.check()
+            tables = scheduler.cache.tables
+            for seq in scheduler.running:  # the cache holds the tokens the sequences computed
+                row = scheduler.cache.rows_of([seq.seq_id])[0]
+                assert tables.num_tokens[row] == seq.num_computed, seq.seq_id
+                assert tables.token_ids[row, :seq.num_computed].tolist() == \
+                    seq.token_ids[:seq.num_computed], seq.seq_id
     assert steady or not scheduler.has_work, "no steady decode step was compared"
+    assert any(carried) or not steady, "no steady step was carried from the one before"
 
 
 def test_decode_inputs_are_positions_and_last_tokens():
@@ -91,6 +102,48 @@ def test_decode_inputs_are_positions_and_last_tokens():
     assert inputs.tokens.tolist() == [40, 41] and inputs.positions.tolist() == [3, 2]
     assert inputs.logits_rows.tolist() == [0, 1] and inputs.sampled == list(plan)
     assert inputs.prompt_rows == []
+
+
+def _steady_pair(scheduler: Scheduler) -> list[Sequence]:
+    """Two requests admitted, prefilled and decoded once: the next plan is steady and its
+    arrays carried from the step before."""
+    for request_id, tokens in enumerate(([5, 6, 7], [8, 9])):
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        scheduler.add(Sequence(Request(request_id, tokens, params, 0.0), 0, list(tokens), None))
+    for step in range(2):
+        plan = scheduler.schedule()
+        scheduler.prepare(plan)
+        scheduler.advance(plan)
+        scheduler.update_from_output([(seq, 40 + 10 * step + seq.request.request_id, None)
+                                      for seq in plan], frozenset())
+    return list(scheduler.running)
+
+
+def test_carry_follows_the_running_sequences_not_their_count():
+    """A running sequence aborted and another's sample forked in between (same count, other
+    sequences): the next step's inputs are the running ones', not the carried arrays."""
+    scheduler = _scheduler("full", 32)
+    first, second = _steady_pair(scheduler)
+    scheduler.abort(first)
+    child = Sequence(second.request, 1, list(second.token_ids), None)
+    scheduler.add_children(second, [child])
+    plan = scheduler.schedule()
+    assert list(plan) == [second, child] and not scheduler.steady.carried
+    scheduler.prepare(plan)
+    _same(scheduler.step_inputs(plan), StepInputs.of(plan))
+    assert scheduler.step_inputs(plan).tokens.tolist() == [51, 51]
+
+
+def test_carried_step_has_the_sampled_tokens_at_the_next_positions():
+    """A steady step after a steady step: the carried arrays are each sequence's last
+    sample at its computed count."""
+    scheduler = _scheduler("full", 32)
+    _steady_pair(scheduler)
+    plan = scheduler.schedule()
+    assert scheduler.steady.carried
+    scheduler.prepare(plan)
+    inputs = scheduler.step_inputs(plan)
+    assert inputs.tokens.tolist() == [50, 51] and inputs.positions.tolist() == [4, 3]
 
 
 @pytest.mark.parametrize("n", [1, 3])
