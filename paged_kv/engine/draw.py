@@ -10,25 +10,57 @@ from collections import abc
 import torch
 
 from .request import Sequence
-from .sampling import sample_rows, token_logprobs
+from .sampling import SamplingParams, sample_groups, sample_rows, token_logprobs
 
 # one sampled token: its sequence, the token, its log-probabilities (when asked for)
 Sample = tuple[Sequence, int, dict[int, float] | None]
 
 
+class DrawSetup:
+    """What drawing a batch of sequences needs from them, kept for the next batch of the
+    same sequences in the same order (a steady decode step draws the same running
+    sequences every step): their parameters and generators, whether none asks for
+    log-probabilities, and the rows `sample_rows` draws by top-k (`sample_groups`).
+
+    Valid for the same sequences because `SamplingParams` is frozen and a sequence's
+    request and generator never change; the batch is compared by identity, in C.
+    """
+
+    def __init__(self) -> None:
+        self._seqs: list[Sequence] = []
+        # (vocabulary, parameters, generators, no log-probabilities, rows by top-k)
+        self._setup: tuple[int, list[SamplingParams], list[torch.Generator | None], bool,
+                           dict[int, list[int]]] | None = None
+
+    def of(self, seqs: list[Sequence], vocab: int) -> tuple[
+            int, list[SamplingParams], list[torch.Generator | None], bool, dict[int, list[int]]]:
+        """The setup of `seqs` drawn from `vocab` tokens: the last one when `seqs` are the
+        same sequences in the same order, else made now (and kept)."""
+        setup = self._setup
+        if setup is None or setup[0] != vocab or seqs != self._seqs:
+            params = [seq.request.params for seq in seqs]
+            setup = self._setup = (vocab, params, [seq.generator for seq in seqs],
+                                   all(p.logprobs is None for p in params),
+                                   sample_groups(params, vocab))
+            self._seqs = list(seqs)
+        return setup
+
+
 def draw_rows(logits: torch.Tensor, seqs: abc.Sequence[Sequence],
-              rows: abc.Sequence[int] | None = None) -> list[Sample]:
+              rows: abc.Sequence[int] | None = None, setup: DrawSetup | None = None,
+              ) -> list[Sample]:
     """One batched `sample_rows` call drawing each of `seqs` from its row of `logits`
     (``rows[i]`` for ``seqs[i]``; None: row i), with each token's log-probabilities when its
-    request asks for them."""
+    request asks for them (`setup`: the caller's, kept across its steps)."""
     if not seqs:
         return []
     # every row once, in order: the common case needs no copy
     drawn = (logits if rows is None or list(rows) == list(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
-    params = [seq.request.params for seq in seqs]
-    picked = sample_rows(drawn, params, [seq.generator for seq in seqs])
-    if all(p.logprobs is None for p in params):  # the common case: tuples built in C
+    seqs = seqs if type(seqs) is list else list(seqs)
+    _, params, generators, plain, groups = (setup or DrawSetup()).of(seqs, logits.shape[-1])
+    picked = sample_rows(drawn, params, generators, groups)
+    if plain:  # the common case: tuples built in C
         return list(zip(seqs, picked, itertools.repeat(None)))
     return [(seq, token, None if p.logprobs is None else
              token_logprobs(logits[row], token, p.logprobs))

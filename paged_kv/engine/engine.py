@@ -14,7 +14,7 @@ from .._checks import check_retain
 from ..core.cache import PagedKVCache
 from ..parts import EnginePart, build_parts, close_parts
 from .config import EngineConfig
-from .draw import Sample, by_request, draw_rows
+from .draw import DrawSetup, Sample, by_request, draw_rows
 from .errors import EngineDeadError
 from .limits import check_request
 from .metrics import EngineMetrics, engine_stats
@@ -97,6 +97,7 @@ class Engine:
         self._next_id = 0
         self._requests: dict[int, Request] = {}  # unfinished, by id
         self._unforked: set[int] = set()  # requests of n > 1 whose samples are not forked
+        self._draw_setup = DrawSetup()  # the last batch's sampling setup, for the same next
         self._seed_source = torch.Generator().manual_seed(0)
         self._seeds: abc.Iterator[int] = iter(())  # drawn from it, not yet given out
         self._dead: str | None = None  # why the engine cannot step any more
@@ -343,7 +344,7 @@ class Engine:
         requests whose own call fails."""
         states = [(t.generator, t.generator.get_state()) for t in seqs if t.generator]
         try:
-            return draw_rows(logits, seqs, rows)
+            return draw_rows(logits, seqs, rows, self._draw_setup)
         except Exception as exc:
             parts = by_request(dict(zip(seqs, range(len(seqs)) if rows is None else rows,
                                         strict=True)))

@@ -105,8 +105,10 @@ def sample(logits: torch.Tensor, params: SamplingParams,
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> list[int]:
-    """Pick one token per row of ``logits [rows, vocab]``, row i as ``params[i]`` says.
+                generators: Sequence[torch.Generator | None],
+                groups: dict[int, list[int]] | None = None) -> list[int]:
+    """Pick one token per row of ``logits [rows, vocab]``, row i as ``params[i]`` says
+    (`groups`: `sample_groups` of `params` and the vocabulary, when the caller kept it).
 
     Temperature, top-k and top-p run on all rows at once; each drawn row takes one uniform
     number from its own generator (rows without one share a single draw), so a row's token
@@ -116,16 +118,23 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     (the same arithmetic whatever else is in the batch).
     """
     picked = greedy_tokens(logits)
-    vocab = logits.shape[-1]
-    groups: dict[int, list[int]] = {}  # top-k (0: the whole vocabulary) -> rows
-    for i, p in enumerate(params):
-        if p.temperature != 0:
-            groups.setdefault(p.top_k if 0 < p.top_k < vocab else 0, []).append(i)
+    if groups is None:
+        groups = sample_groups(params, logits.shape[-1])
     for top_k, rows in groups.items():
         for i, token in zip(rows, _sample_group(logits, rows, top_k, params, generators),
                             strict=True):
             picked[i] = token
     return picked
+
+
+def sample_groups(params: Sequence[SamplingParams], vocab: int) -> dict[int, list[int]]:
+    """The rows `sample_rows` draws (temperature > 0) by their top-k (0: the whole
+    vocabulary of `vocab` tokens), in order; greedy rows are in none."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            groups.setdefault(p.top_k if 0 < p.top_k < vocab else 0, []).append(i)
+    return groups
 
 
 def _sample_group(logits: torch.Tensor, rows: list[int], top_k: int,

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv.engine import sampling
+from paged_kv.engine.draw import DrawSetup, draw_rows
+from paged_kv.engine.request import Request, Sequence
 from paged_kv.engine.sampling import SamplingParams, greedy_tokens, sample_rows
 
 
@@ -95,3 +97,34 @@ def test_top_k_past_the_vocabulary_keeps_every_token():
     picked = sample_rows(logits, params, [torch.Generator().manual_seed(0), None, None])
     assert picked[1] in torch.topk(logits[1], 2).indices.tolist()
     assert picked[2] == int(logits[2].argmax())
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_a_kept_draw_setup_draws_as_a_fresh_one(seed):
+    """Batches of the same length drawn one after another through one kept `DrawSetup`
+    (the same sequences again, reordered, or others with other parameters): each batch's
+    tokens and log-probabilities equal a fresh setup's (the same generator states)."""
+    rng = np.random.default_rng(seed)
+    choices = [SamplingParams(), SamplingParams(temperature=0.9, seed=1),
+               SamplingParams(temperature=1.2, top_k=3, seed=2),
+               SamplingParams(temperature=0.8, logprobs=2, seed=3)]
+    pool = []
+    for i in range(8):
+        params = choices[int(rng.integers(len(choices)))]
+        request = Request(i, [1, 2], params, 0.0)
+        generator = None if params.seed is None else torch.Generator().manual_seed(i)
+        pool.append(Sequence(request, 0, [1, 2], generator))
+    kept = DrawSetup()
+    batch = list(rng.choice(8, size=4, replace=False))
+    for _ in range(6):
+        if rng.random() < 0.5:  # else the same batch again
+            batch = list(rng.choice(8, size=4, replace=False))
+        seqs = [pool[i] for i in batch]
+        logits = torch.from_numpy(rng.standard_normal((4, 40)).astype(np.float32))
+        states = [s.generator.get_state() for s in seqs if s.generator is not None]
+        fresh = draw_rows(logits, seqs)
+        for state, seq in zip(states, [s for s in seqs if s.generator is not None],
+                              strict=True):
+            seq.generator.set_state(state)
+        assert draw_rows(logits, seqs, None, kept) == fresh

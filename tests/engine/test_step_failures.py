@@ -112,8 +112,8 @@ def test_a_sampling_error_fails_only_its_request(model, monkeypatch):
     want = [alone(model, p, params) for p, params in good]
     real = draw_module.sample_rows
 
-    def sample_rows(logits, params, generators):
-        tokens = real(logits, params, generators)  # draws first: the retry must undo it
+    def sample_rows(logits, params, generators, groups=None):
+        tokens = real(logits, params, generators, groups)  # draws first: the retry must undo it
         if any(p.seed == 13 for p in params):
             raise RuntimeError("sampling blew up")
         return tokens
