@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections import abc
+from typing import NamedTuple
 
 import torch
 
@@ -16,11 +17,21 @@ from .sampling import SamplingParams, sample_groups, sample_rows, token_logprobs
 Sample = tuple[Sequence, int, dict[int, float] | None]
 
 
+class Setup(NamedTuple):
+    """What drawing a batch needs from its sequences (`DrawSetup.of`)."""
+
+    vocab: int
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    plain: bool  # none asks for log-probabilities
+    groups: dict[int, list[int]]  # the rows `sample_rows` draws, by top-k (`sample_groups`)
+    seeded: list[torch.Generator]  # the generators that are not None, in order
+
+
 class DrawSetup:
-    """What drawing a batch of sequences needs from them, kept for the next batch of the
-    same sequences in the same order (a steady decode step draws the same running
-    sequences every step): their parameters and generators, whether none asks for
-    log-probabilities, and the rows `sample_rows` draws by top-k (`sample_groups`).
+    """What drawing a batch of sequences needs from them (`Setup`), kept for the next
+    batch of the same sequences in the same order (a steady decode step draws the same
+    running sequences every step).
 
     Valid for the same sequences because `SamplingParams` is frozen and a sequence's
     request and generator never change; the batch is compared by identity, in C.
@@ -28,20 +39,19 @@ class DrawSetup:
 
     def __init__(self) -> None:
         self._seqs: list[Sequence] = []
-        # (vocabulary, parameters, generators, no log-probabilities, rows by top-k)
-        self._setup: tuple[int, list[SamplingParams], list[torch.Generator | None], bool,
-                           dict[int, list[int]]] | None = None
+        self._setup: Setup | None = None
 
-    def of(self, seqs: list[Sequence], vocab: int) -> tuple[
-            int, list[SamplingParams], list[torch.Generator | None], bool, dict[int, list[int]]]:
+    def of(self, seqs: list[Sequence], vocab: int) -> Setup:
         """The setup of `seqs` drawn from `vocab` tokens: the last one when `seqs` are the
         same sequences in the same order, else made now (and kept)."""
         setup = self._setup
-        if setup is None or setup[0] != vocab or seqs != self._seqs:
+        if setup is None or setup.vocab != vocab or seqs != self._seqs:
             params = [seq.request.params for seq in seqs]
-            setup = self._setup = (vocab, params, [seq.generator for seq in seqs],
-                                   all(p.logprobs is None for p in params),
-                                   sample_groups(params, vocab))
+            generators = [seq.generator for seq in seqs]
+            setup = self._setup = Setup(vocab, params, generators,
+                                        all(p.logprobs is None for p in params),
+                                        sample_groups(params, vocab),
+                                        [g for g in generators if g is not None])
             self._seqs = list(seqs)
         return setup
 
@@ -58,7 +68,7 @@ def draw_rows(logits: torch.Tensor, seqs: abc.Sequence[Sequence],
     drawn = (logits if rows is None or list(rows) == list(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
     seqs = seqs if type(seqs) is list else list(seqs)
-    _, params, generators, plain, groups = (setup or DrawSetup()).of(seqs, logits.shape[-1])
+    params, generators, plain, groups = (setup or DrawSetup()).of(seqs, logits.shape[-1])[1:5]
     picked = sample_rows(drawn, params, generators, groups)
     if plain:  # the common case: tuples built in C
         return list(zip(seqs, picked, itertools.repeat(None)))

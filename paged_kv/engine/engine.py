@@ -342,7 +342,8 @@ class Engine:
         """The tokens of `seqs` from their `logits` rows (`rows`; None: row i for the i-th)
         in one batched call; when the call fails, request by request, failing only the
         requests whose own call fails."""
-        states = [(t.generator, t.generator.get_state()) for t in seqs if t.generator]
+        seeded = self._draw_setup.of(seqs, logits.shape[-1]).seeded  # kept: no pass a step
+        states = [(generator, generator.get_state()) for generator in seeded]
         try:
             return draw_rows(logits, seqs, rows, self._draw_setup)
         except Exception as exc:
