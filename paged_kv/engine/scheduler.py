@@ -331,15 +331,18 @@ class Scheduler:
         last sample this finished."""
         now, finished = time.perf_counter(), []
         self.steady.carry_over(samples, self._last_batch[0])
-        for seq, token, logprobs in samples:
+        # a carried step's appends run in C, and only the samples that may stop come back
+        stepped = self.steady.append(samples, now, eos_token_ids)
+        for seq, token, logprobs in samples if stepped is None else stepped:
             tokens, request = seq.token_ids, seq.request  # read once: this runs every token
-            tokens.append(token)
-            seq.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[token]
+            if stepped is None:
+                tokens.append(token)
+                seq.token_times.append(now)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs)
+                    seq.cumulative_logprob += logprobs[token]
             params = request.params
             if token in params.stop_token_ids or (token in eos_token_ids
                                                   and not params.ignore_eos):

@@ -11,12 +11,30 @@ over the sequences at all.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+from typing import NamedTuple
+
 import numpy as np
 
 from .inputs import StepInputs
 from .request import Sequence
 
 Plan = dict[Sequence, int]
+Sample = tuple[Sequence, int, dict[int, float] | None]
+
+
+class _Appends(NamedTuple):
+    """A carried batch's per-sequence lists and limits, made once per batch
+    (`SteadyDecode.append`)."""
+
+    seqs: tuple[Sequence, ...]
+    tokens: list[list[int]]  # each sequence's `token_ids` (appended in place)
+    times: list[list[float]]  # each sequence's `token_times`
+    max_len: np.ndarray  # [B] int64 `Sequence.max_len`
+    eos: np.ndarray  # [B] bool: its request stops at the model's EOS (not ``ignore_eos``)
+    stops: np.ndarray  # [B] bool: its request has stop tokens
+    plain: bool  # no request asks for log-probabilities
 
 
 class SteadyDecode:
@@ -39,6 +57,7 @@ class SteadyDecode:
             None, np.empty(0, np.int32), np.empty(0, np.int64))
         # the next step's: (its sequences, [B] int32 tokens, [B] int64 positions)
         self._carry: tuple[tuple[Sequence, ...], np.ndarray, np.ndarray] | None = None
+        self._appends: _Appends | None = None  # the last carried batch's lists
 
     def start(self, batch: tuple[Sequence, ...], budget: int) -> bool:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
@@ -75,8 +94,7 @@ class SteadyDecode:
             return StepInputs.decode(list(plan), tokens, positions)
         return StepInputs.of(plan)
 
-    def carry_over(self, samples: list[tuple[Sequence, int, dict[int, float] | None]],
-                   batch: tuple[Sequence, ...]) -> None:
+    def carry_over(self, samples: list[Sample], batch: tuple[Sequence, ...]) -> None:
         """Carry this step's arrays to the next when its plan was steady and prepared as
         such (its sequences `batch`, in row order) and `samples` are those sequences' one
         sample each, in order; else drop the carry."""
@@ -86,3 +104,41 @@ class SteadyDecode:
             seqs, tokens, _ = zip(*samples, strict=True)
             if seqs == batch:
                 self._carry = (seqs, np.array(tokens, dtype=np.int32), positions + 1)
+
+    def append(self, samples: list[Sample], now: float, eos_token_ids: frozenset[int],
+               ) -> Iterable[Sample] | None:
+        """`Scheduler.update_from_output`'s appends for a carried step (after
+        `carry_over`): each sample's token and `now` appended to its sequence, in C, and the
+        samples that may stop returned, in order (a stop token's or EOS's request, or at its
+        length), for the scheduler's own checks. None, appending nothing, for any other step
+        (the scheduler appends): one not carried, whose samples are not the carried batch's,
+        or one asking for log-probabilities.
+
+        A carried step's sequences were all sampled in the step before, so each request's
+        first token time is set already."""
+        carry = self._carry
+        if not self.carried or carry is None or self._prepared[0] is not self.plan:
+            return None
+        seqs, tokens, positions = carry
+        appends = self._appends
+        if appends is None or appends.seqs != seqs:
+            appends = self._appends = _appends_of(seqs)
+        if not appends.plain:
+            return None
+        list(map(list.append, appends.tokens, tokens.tolist()))
+        list(map(list.append, appends.times, itertools.repeat(now)))
+        # each sequence's length is now its next position + 1
+        may_stop = (positions + 1 >= appends.max_len) | appends.stops
+        if eos_token_ids:
+            may_stop |= appends.eos & np.isin(tokens, list(eos_token_ids))
+        return map(samples.__getitem__, np.flatnonzero(may_stop).tolist())
+
+
+def _appends_of(seqs: tuple[Sequence, ...]) -> _Appends:
+    """The lists and limits of a carried batch, read once from its sequences."""
+    params = [seq.request.params for seq in seqs]
+    return _Appends(seqs, [seq.token_ids for seq in seqs], [seq.token_times for seq in seqs],
+                    np.fromiter((seq.max_len for seq in seqs), np.int64, len(seqs)),
+                    np.fromiter((not p.ignore_eos for p in params), bool, len(params)),
+                    np.fromiter((bool(p.stop_token_ids) for p in params), bool, len(params)),
+                    all(p.logprobs is None for p in params))

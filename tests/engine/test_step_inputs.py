@@ -17,6 +17,7 @@ from paged_kv.engine import SamplingParams, StepOutput, TinyLlamaConfig
 from paged_kv.engine.inputs import StepInputs
 from paged_kv.engine.request import Request, Sequence
 from paged_kv.engine.scheduler import Scheduler
+from paged_kv.engine.steady import SteadyDecode
 
 from ..conftest import make_engine
 from .conftest import prompt
@@ -102,6 +103,48 @@ def test_decode_inputs_are_positions_and_last_tokens():
     assert inputs.tokens.tolist() == [40, 41] and inputs.positions.tolist() == [3, 2]
     assert inputs.logits_rows.tolist() == [0, 1] and inputs.sampled == list(plan)
     assert inputs.prompt_rows == []
+
+
+def _drive(scheduler: Scheduler, seed: int, eos: frozenset[int]) -> list[tuple]:
+    """Random arrivals (random stop tokens, EOS or not, lengths), aborts and steps with
+    random samples from a small vocabulary; what each step finished and every sequence's
+    state after it."""
+    rng, seqs, record = random.Random(seed), [], []
+    for request_id in range(40):
+        if rng.random() < 0.3 or request_id < 3:
+            params = SamplingParams(max_tokens=rng.randint(1, 12),
+                                    ignore_eos=rng.random() < 0.5,
+                                    stop_token_ids=tuple(rng.sample(range(12), rng.randint(0, 2))))
+            tokens = [rng.randrange(12) for _ in range(rng.randint(1, 20))]
+            seqs.append(Sequence(Request(request_id, tokens, params, 0.0), 0, tokens, None))
+            scheduler.add(seqs[-1])
+        if scheduler.running and rng.random() < 0.05:
+            scheduler.abort(rng.choice(scheduler.running))
+        plan = scheduler.schedule()
+        if plan:
+            scheduler.prepare(plan)
+            scheduler.advance(plan)
+            samples = [(seq, rng.randrange(12), None) for seq in plan
+                       if seq.num_computed == len(seq.token_ids)]
+            finished = scheduler.update_from_output(samples, eos)
+            record.append(([r.request_id for r in finished],
+                           [(s.seq_id, list(s.token_ids), len(s.token_times), s.finish_reason,
+                             s.request.first_token_time is not None) for s in seqs]))
+    return record
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), eos=st.sampled_from([frozenset(), frozenset({3}),
+                                                         frozenset({3, 7})]))
+def test_carried_appends_finish_as_the_general_path(seed, eos):
+    """The same random arrivals, samples, stop tokens, EOS and aborts through a scheduler
+    whose carried steps append in C and one that appends every step in Python: the same
+    finished requests each step, the same tokens, token times and finish reasons."""
+    fast = _drive(_scheduler("full", 40), seed, eos)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SteadyDecode, "append", lambda *a: None)
+        slow = _drive(_scheduler("full", 40), seed, eos)
+    assert fast == slow
 
 
 def _steady_pair(scheduler: Scheduler) -> list[Sequence]:
