@@ -140,6 +140,28 @@ class CheckpointPolicy:
                 return slot
         return None
 
+    def evict_retier(self, tier: int, previous: int, lower: int) -> int | None:
+        """`evict_below(tier)`, then, when it evicted and `previous` (-1: none) is another
+        written checkpoint, `retier_written(previous, lower)`: the same heap and ranks as
+        those two calls, in one. A decode step's offer evicts for its row's new newest
+        checkpoint and lowers the row's one before (~64 a step at 1,024 rows): one call,
+        and the re-ranked entry takes the victim's (stale) place on top without a test."""
+        heap, rank = self._heap, self._rank
+        while heap:
+            entry = heap[0]
+            slot = entry & _SLOT
+            if rank.get(slot) != entry:
+                heapq.heappop(heap)  # stale: removed, touched or re-tiered since
+            elif entry >> _TIER > tier:
+                return None
+            else:
+                del rank[slot]  # so a `previous` that is the victim is re-ranked no more
+                if (ranked := rank.get(previous)) is not None:
+                    rank[previous] = entry = lower << _TIER | ranked & _USE_AND_SLOT
+                    heapq.heapreplace(heap, entry)  # the top is the victim's: stale now
+                return slot
+        return None
+
     def admits(self, tier: int, victim: int) -> bool:
         """Whether a new checkpoint of `tier` ranks above `victim` (so `victim` may go for
         it): a higher tier, or the same tier and newer (it always is)."""

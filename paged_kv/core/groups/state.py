@@ -238,19 +238,34 @@ class StateSlots:
         each goes through `offer`."""
         if self.shares is not None:
             return [self.offer(*offer) for offer in offers]
+        taken, evicted = self._offer_each(offers)
+        self.num_written += len(taken) - taken.count(None)
+        self.num_evicted += evicted
+        return taken
+
+    def _offer_each(self, offers: list[tuple[bytes, int, int, bool, int]],
+                    ) -> tuple[list[int | None], int]:
+        """`offer_all`'s loop without tenants: each offer's slot or None, and how many
+        checkpoints it evicted (the counts are the caller's)."""
         free, slot_of, key_of, tiers = self._free, self._slot_of, self._key_of, self._tier
         pending, latest, latest_of = self._pending, self._latest, self._latest_of
-        evict_below, retier = self.policy.evict_below, self.policy.retier_written
+        evict_retier, retier = self.policy.evict_retier, self.policy.retier_written
         interval, taken, events, evicted = self.interval, [], self.events, 0
         for key, position, row, shared, _ in offers:
             if key in slot_of:
                 taken.append(None)
                 continue
-            tier = SHARED if shared else LATEST
+            # the row's newest checkpoint drops a tier (found first: an eviction re-ranks
+            # it in the same policy call, unless it is the victim)
+            tier, previous, lower = SHARED if shared else LATEST, latest.get(row), -1
+            if previous is not None and tiers[previous] == LATEST:
+                lower = INTERVAL if interval and key_of[previous][1] % interval == 0 else DENSE
             if free:
                 slot = free.pop()
+                if lower >= 0:
+                    retier(previous, lower)
             else:  # `_slot_for` then `_evicted`, inlined (the policy removed it already)
-                slot = evict_below(tier)
+                slot = evict_retier(tier, previous if lower >= 0 else -1, lower)
                 if slot is None:
                     taken.append(None)
                     continue
@@ -260,20 +275,16 @@ class StateSlots:
                 if (owner := latest_of.pop(slot, None)) is not None:
                     del latest[owner]
                 evicted += 1
+                previous = None if slot == previous else previous
             slot_of[key], key_of[slot], tiers[slot] = slot, (key, position), tier
             pending.setdefault(row, []).append(key)
-            previous = latest.get(row)
             if previous is not None:
-                if tiers[previous] == LATEST:
-                    lower = INTERVAL if interval and key_of[previous][1] % interval == 0 else DENSE
+                if lower >= 0:
                     tiers[previous] = lower
-                    retier(previous, lower)
                 latest_of.pop(previous, None)
             latest[row], latest_of[slot] = slot, row
             taken.append(slot)
-        self.num_written += len(taken) - taken.count(None)
-        self.num_evicted += evicted
-        return taken
+        return taken, evicted
 
     def _retier(self, slot: int, tier: int) -> None:
         self._tier[slot] = tier
