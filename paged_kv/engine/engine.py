@@ -293,7 +293,7 @@ class Engine:
         for part in self.parts if finished else ():  # e.g. a prefill's lease, before the
             for request in finished:  # request's last output is emitted
                 part.finished(request)
-        emit_samples(samples, finished)
+        emit_samples(samples, finished, self.scheduler.steady.outputs(finished))
         watching = [part for part in self.parts if part.wants_events]
         if watching:  # e.g. the blocks this step wrote, copied out; the index's changes
             events = self.cache.take_events()

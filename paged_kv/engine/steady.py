@@ -35,6 +35,9 @@ class _Appends(NamedTuple):
     eos: np.ndarray  # [B] bool: its request stops at the model's EOS (not ``ignore_eos``)
     stops: np.ndarray  # [B] bool: its request has stop tokens
     plain: bool  # no request asks for log-probabilities
+    # (listeners, request ids, sample indexes) when every request has a listener and one
+    # sample (a sample then finishes only with its request): `SteadyDecode.outputs`
+    listeners: tuple[list, list[int], list[int]] | None
 
 
 class SteadyDecode:
@@ -58,6 +61,7 @@ class SteadyDecode:
         # the next step's: (its sequences, [B] int32 tokens, [B] int64 positions)
         self._carry: tuple[tuple[Sequence, ...], np.ndarray, np.ndarray] | None = None
         self._appends: _Appends | None = None  # the last carried batch's lists
+        self._appended: list[int] | None = None  # this step's tokens, when `append` ran
 
     def start(self, batch: tuple[Sequence, ...], budget: int) -> bool:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
@@ -116,7 +120,7 @@ class SteadyDecode:
 
         A carried step's sequences were all sampled in the step before, so each request's
         first token time is set already."""
-        carry = self._carry
+        carry, self._appended = self._carry, None
         if not self.carried or carry is None or self._prepared[0] is not self.plan:
             return None
         seqs, tokens, positions = carry
@@ -125,7 +129,8 @@ class SteadyDecode:
             appends = self._appends = _appends_of(seqs)
         if not appends.plain:
             return None
-        list(map(list.append, appends.tokens, tokens.tolist()))
+        self._appended = appended = tokens.tolist()
+        list(map(list.append, appends.tokens, appended))
         list(map(list.append, appends.times, itertools.repeat(now)))
         # each sequence's length is now its next position + 1
         may_stop = (positions + 1 >= appends.max_len) | appends.stops
@@ -133,12 +138,26 @@ class SteadyDecode:
             may_stop |= appends.eos & np.isin(tokens, list(eos_token_ids))
         return map(samples.__getitem__, np.flatnonzero(may_stop).tolist())
 
+    def outputs(self, finished: list) -> tuple[list, list[int], list[int], list[int]] | None:
+        """``(listeners, request ids, sample indexes, tokens)`` of this step's samples, in
+        order, when `append` made its appends, every request has a listener and one
+        sample, and none finished (`finished`: the requests `update_from_output` returned):
+        each output is then plain (no finish reason, no request output); else None."""
+        appends = self._appends
+        if self._appended is None or finished or appends.listeners is None:
+            return None
+        return (*appends.listeners, self._appended)
+
 
 def _appends_of(seqs: tuple[Sequence, ...]) -> _Appends:
     """The lists and limits of a carried batch, read once from its sequences."""
     params = [seq.request.params for seq in seqs]
+    listeners = [seq.request.on_output for seq in seqs]
+    plain_outputs = None not in listeners and all(p.n == 1 for p in params)
     return _Appends(seqs, [seq.token_ids for seq in seqs], [seq.token_times for seq in seqs],
                     np.fromiter((seq.max_len for seq in seqs), np.int64, len(seqs)),
                     np.fromiter((not p.ignore_eos for p in params), bool, len(params)),
                     np.fromiter((bool(p.stop_token_ids) for p in params), bool, len(params)),
-                    all(p.logprobs is None for p in params))
+                    all(p.logprobs is None for p in params),
+                    (listeners, [seq.request.request_id for seq in seqs],
+                     [seq.index for seq in seqs]) if plain_outputs else None)

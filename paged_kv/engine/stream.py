@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import time
 
 from .draw import Sample
@@ -10,11 +13,23 @@ from .outputs import StepOutput
 from .request import Request, Sequence
 
 
-def emit_samples(samples: list[Sample], finished: list[Request]) -> None:
+def emit_samples(samples: list[Sample], finished: list[Request],
+                 plain: tuple[list, list[int], list[int], list[int]] | None = None) -> None:
     """Stream each sample's new token, in order; a request this step finished (`finished`,
     as `Scheduler.update_from_output` returned it) carries its whole `RequestOutput` on the
     output of the sample that finished it (its last finished sample here), as if each
-    sample had been updated and emitted in turn."""
+    sample had been updated and emitted in turn.
+
+    `plain`: ``(listeners, request ids, sample indexes, tokens)`` of the samples when
+    every output is plain (`SteadyDecode.outputs`): the outputs are then made and handed
+    over in C, with no pass over the samples in Python."""
+    if plain is not None:
+        listeners, request_ids, indexes, tokens = plain
+        outputs = map(tuple.__new__, itertools.repeat(StepOutput), zip(
+            request_ids, indexes, map(list, zip(tokens)), itertools.repeat(None),
+            itertools.repeat(None)))
+        collections.deque(map(operator.call, listeners, outputs), maxlen=0)
+        return
     last = {}  # request id -> the index of its sample that finished it
     if finished:
         ended = {request.request_id for request in finished}

@@ -210,3 +210,45 @@ def test_each_request_gets_one_final_output_on_its_last_sample(model, n):
         for completion in finals[0].output.outputs:
             mine = [t for o in outs if o.index == completion.index for t in o.new_token_ids]
             assert mine == completion.token_ids
+
+
+def _streams(model, silent: int | None, plain: bool, used: list[bool]) -> dict[int, list]:
+    """Five requests decoding together, finishing apart (lengths, a stop token), request
+    `silent` without a listener: each listener's outputs, with carried steps' plain
+    outputs handed over in C (`plain`) or every sample emitted in Python; `used` gets
+    whether each step's outputs went the C way."""
+    engine = make_engine(model, num_blocks=64, block_size=8)
+    streams: dict[int, list[tuple]] = {}
+
+    def keep(out: StepOutput) -> None:
+        streams.setdefault(out.request_id, []).append(
+            (out.index, out.new_token_ids, out.finish_reason, out.output is not None))
+
+    for i in range(5):
+        params = SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True,
+                                stop_token_ids=(7,) if i == 4 else ())
+        engine.add_request(prompt(5 + i, i, CONFIG.vocab_size), params,
+                           on_output=None if i == silent else keep)
+    made = SteadyDecode.outputs
+
+    def outputs(self, finished):
+        out = made(self, finished)
+        used.append(out is not None)
+        return out if plain else None
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SteadyDecode, "outputs", outputs)
+        while engine.has_unfinished_requests:
+            engine.step()
+    return streams
+
+
+@pytest.mark.parametrize("silent", [None, 2])
+def test_plain_outputs_stream_as_the_general_path(model, silent):
+    """Every listener gets the same outputs whether carried steps hand them over in C or
+    each sample is emitted in Python, and the C path ran."""
+    used: list[bool] = []
+    fast = _streams(model, silent, True, used)
+    assert any(used), "no step's outputs went the C way"
+    assert fast == _streams(model, silent, False, [])
+    assert all(outs[-1][3] for outs in fast.values())  # each ends with its request output
