@@ -61,7 +61,8 @@ class SteadyDecode:
         # the next step's: (its sequences, [B] int32 tokens, [B] int64 positions)
         self._carry: tuple[tuple[Sequence, ...], np.ndarray, np.ndarray] | None = None
         self._appends: _Appends | None = None  # the last carried batch's lists
-        self._appended: list[int] | None = None  # this step's tokens, when `append` ran
+        self._sampled: tuple[int, ...] = ()  # the tokens `carry_over` carried, as ints
+        self._appended: tuple[int, ...] | None = None  # the same, once `append` ran
 
     def start(self, batch: tuple[Sequence, ...], budget: int) -> bool:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
@@ -108,6 +109,7 @@ class SteadyDecode:
             seqs, tokens, _ = zip(*samples, strict=True)
             if seqs == batch:
                 self._carry = (seqs, np.array(tokens, dtype=np.int32), positions + 1)
+                self._sampled = tokens
 
     def append(self, samples: list[Sample], now: float, eos_token_ids: frozenset[int],
                ) -> Iterable[Sample] | None:
@@ -129,7 +131,7 @@ class SteadyDecode:
             appends = self._appends = _appends_of(seqs)
         if not appends.plain:
             return None
-        self._appended = appended = tokens.tolist()
+        self._appended = appended = self._sampled
         list(map(list.append, appends.tokens, appended))
         list(map(list.append, appends.times, itertools.repeat(now)))
         # each sequence's length is now its next position + 1
@@ -138,7 +140,8 @@ class SteadyDecode:
             may_stop |= appends.eos & np.isin(tokens, list(eos_token_ids))
         return map(samples.__getitem__, np.flatnonzero(may_stop).tolist())
 
-    def outputs(self, finished: list) -> tuple[list, list[int], list[int], list[int]] | None:
+    def outputs(self, finished: list,
+                ) -> tuple[list, list[int], list[int], tuple[int, ...]] | None:
         """``(listeners, request ids, sample indexes, tokens)`` of this step's samples, in
         order, when `append` made its appends, every request has a listener and one
         sample, and none finished (`finished`: the requests `update_from_output` returned):

@@ -14,7 +14,8 @@ from .request import Request, Sequence
 
 
 def emit_samples(samples: list[Sample], finished: list[Request],
-                 plain: tuple[list, list[int], list[int], list[int]] | None = None) -> None:
+                 plain: tuple[list, list[int], list[int], tuple[int, ...]] | None = None,
+                 ) -> None:
     """Stream each sample's new token, in order; a request this step finished (`finished`,
     as `Scheduler.update_from_output` returned it) carries its whole `RequestOutput` on the
     output of the sample that finished it (its last finished sample here), as if each
