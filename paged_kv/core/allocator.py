@@ -363,8 +363,8 @@ class BlockAllocator:
         stored = self._prefix.insert(keys, block_ids, pieces, parents, token_ids,
                                      self._eviction.tag if tag is None else tag)
         if stored is not None:
-            self._protected[list(stored[0])] = True
-            self._events.append(("stored", *stored))
+            self._protected[stored[0]] = True  # the joined blocks' array: no list to convert
+            self._events.append(("stored", *stored[1:]))
 
     def unregister(self, block_ids: Iterable[int] | np.ndarray) -> int:
         """Take `block_ids` out of the prefix index (those not indexed are skipped): their

@@ -33,7 +33,7 @@ class PrefixIndex:
     Examples
     --------
     >>> index = PrefixIndex(4)
-    >>> index.insert([b"k"], [2], [b"tok"], [b""], b"tok", lambda *args: None)
+    >>> index.insert([b"k"], [2], [b"tok"], [b""], b"tok", lambda *args: None)[1:]
     ((2,), (b'k',), (b'',), b'tok')
     >>> index.lookup(b"k", b"tok"), index.block_hash(2), index.block_hash(3)
     (2, b'k', None)
@@ -117,8 +117,9 @@ class PrefixIndex:
         Returns
         -------
         tuple or None
-            The blocks that joined, their keys, their parents (tuples) and their token
-            bytes: a stored event's fields; None when none joined.
+            The blocks that joined (``[n]`` int64), then a stored event's fields: the same
+            blocks, their keys and their parents (tuples) and their token bytes; None when
+            none joined.
         """
         index = self._index
         if not index.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
@@ -140,7 +141,7 @@ class PrefixIndex:
         self._key_of.update(zip(block_ids, keys, strict=True))
         self._tokens_of.update(zip(block_ids, pieces, strict=True))
         self.indexed[ids] = True
-        return tuple(block_ids), tuple(keys), tuple(parents), token_ids
+        return ids, tuple(block_ids), tuple(keys), tuple(parents), token_ids
 
     def remove(self, block_ids: list[int]) -> list[bytes]:
         """Take indexed `block_ids` (distinct) out of the index; returns their keys."""
