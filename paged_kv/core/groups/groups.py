@@ -364,8 +364,11 @@ class LayerGroup:
         if not filled:
             return
         rows, columns, keys, parents, pieces = zip(*filled, strict=True)
-        suffix = group_suffix(self.index)
-        allocator.register_keyed(self.tables.block_ids[list(rows), list(columns)].tolist(),
+        suffix, count = group_suffix(self.index), len(rows)
+        # typed arrays from the tuples: indexing by lists has numpy discover each int's
+        # type first (~25 k instructions more for a step's ~64 blocks at 1,024 rows)
+        rows, columns = np.fromiter(rows, np.intp, count), np.fromiter(columns, np.intp, count)
+        allocator.register_keyed(self.tables.block_ids[rows, columns].tolist(),
                                  [key + suffix for key in keys], list(pieces),
                                  [parent + suffix for parent in parents])
 

@@ -207,7 +207,7 @@ class StateGroup(CheckpointExport, LayerGroup):
         taken = [offer[2] for offer in offers]
         ends = [offer[1] for offer in offers]
         tensors = (torch.from_numpy(self.slots.live_of(rows)),
-                   torch.from_numpy(self._position_of(rows)[taken] if decode and taken
+                   torch.from_numpy(self._position_of(rows).take(taken) if decode and taken
                                     # a block fills at a row's one token: its place
                                     else self._emit_tokens(rows, old, counts, taken, ends)),
                    torch.from_numpy(np.array(slots, dtype=np.int64)))

@@ -97,7 +97,8 @@ def index_filled_blocks(allocator: BlockAllocator, tables: PageTables, filled: n
     keys = allocator.register_blocks(blocks, parents, data, pieces)
     tables.set_chains(rows, keys)
     if out is not None and rows:  # each block filled the row's last column: its length's
-        columns = (tables.num_tokens[rows] // tables.block_size - 1).tolist()
+        # `take` of the list: typed as intp at once (indexing by it discovers each type)
+        columns = (tables.num_tokens.take(rows) // tables.block_size - 1).tolist()
         out.extend(zip(rows, columns, keys, parents, pieces, strict=True))
 
 
