@@ -41,9 +41,10 @@ class _Appends(NamedTuple):
 
 
 class SteadyDecode:
-    """The scheduler's record of its steady decode steps (`Scheduler` is its one caller:
+    """The scheduler's record of its steady decode steps (`Scheduler` is its one writer:
     `start` in its planning, `arrays` and `prepared` in `prepare`, `inputs` for the model,
-    `carry_over` in `update_from_output`).
+    `carry_over` and `append` in `update_from_output`; the engine reads `outputs` to
+    stream the step).
 
     The carry is valid while the running sequences are the carried ones in the same order:
     the scheduler is the one writer of their tokens and computed counts, and only
