@@ -126,19 +126,9 @@ class CheckpointPolicy:
         """`victim` (no exclusion), removed when a new checkpoint of `tier` ranks above it
         (`admits`); else None (no checkpoint, or none ranks at or below `tier`). The same
         heap and ranks as those three calls, in one: a step offers a checkpoint per block
-        that fills (~64 a decode step at 1,024 rows), each evicting one."""
-        heap, rank = self._heap, self._rank
-        while heap:
-            entry = heap[0]
-            slot = entry & _SLOT
-            if rank.get(slot) != entry:
-                heapq.heappop(heap)  # stale: removed, touched or re-tiered since
-            elif entry >> _TIER > tier:
-                return None
-            else:
-                del rank[slot]
-                return slot
-        return None
+        that fills (~64 a decode step at 1,024 rows), each evicting one: `evict_retier`
+        with no checkpoint to lower."""
+        return self.evict_retier(tier, -1, 0)
 
     def evict_retier(self, tier: int, previous: int, lower: int) -> int | None:
         """`evict_below(tier)`, then, when it evicted and `previous` (-1: none) is another
