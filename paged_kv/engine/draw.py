@@ -57,18 +57,20 @@ class DrawSetup:
 
 
 def draw_rows(logits: torch.Tensor, seqs: abc.Sequence[Sequence],
-              rows: abc.Sequence[int] | None = None, setup: DrawSetup | None = None,
+              rows: abc.Sequence[int] | None = None, setup: Setup | None = None,
               ) -> list[Sample]:
     """One batched `sample_rows` call drawing each of `seqs` from its row of `logits`
     (``rows[i]`` for ``seqs[i]``; None: row i), with each token's log-probabilities when its
-    request asks for them (`setup`: the caller's, kept across its steps)."""
+    request asks for them (`setup`: theirs, from the caller's `DrawSetup`; else made here)."""
     if not seqs:
         return []
     # every row once, in order: the common case needs no copy
     drawn = (logits if rows is None or list(rows) == list(range(len(logits)))
              else logits.index_select(0, torch.tensor(rows)))
     seqs = seqs if type(seqs) is list else list(seqs)
-    params, generators, plain, groups = (setup or DrawSetup()).of(seqs, logits.shape[-1])[1:5]
+    if setup is None:
+        setup = DrawSetup().of(seqs, logits.shape[-1])
+    params, generators, plain, groups = setup[1:5]
     picked = sample_rows(drawn, params, generators, groups)
     if plain:  # the common case: tuples built in C
         return list(zip(seqs, picked, itertools.repeat(None)))

@@ -342,10 +342,10 @@ class Engine:
         """The tokens of `seqs` from their `logits` rows (`rows`; None: row i for the i-th)
         in one batched call; when the call fails, request by request, failing only the
         requests whose own call fails."""
-        seeded = self._draw_setup.of(seqs, logits.shape[-1]).seeded  # kept: no pass a step
-        states = [(generator, generator.get_state()) for generator in seeded]
+        setup = self._draw_setup.of(seqs, logits.shape[-1])  # kept: no pass a step
+        states = [(generator, generator.get_state()) for generator in setup.seeded]
         try:
-            return draw_rows(logits, seqs, rows, self._draw_setup)
+            return draw_rows(logits, seqs, rows, setup)
         except Exception as exc:
             parts = by_request(dict(zip(seqs, range(len(seqs)) if rows is None else rows,
                                         strict=True)))

@@ -124,7 +124,7 @@ class SteadyDecode:
         A carried step's sequences were all sampled in the step before, so each request's
         first token time is set already."""
         carry, self._appended = self._carry, None
-        if not self.carried or carry is None or self._prepared[0] is not self.plan:
+        if not self.carried or carry is None:  # (a carry is only made of a prepared plan)
             return None
         seqs, tokens, positions = carry
         appends = self._appends

@@ -127,4 +127,4 @@ def test_a_kept_draw_setup_draws_as_a_fresh_one(seed):
         for state, seq in zip(states, [s for s in seqs if s.generator is not None],
                               strict=True):
             seq.generator.set_state(state)
-        assert draw_rows(logits, seqs, None, kept) == fresh
+        assert draw_rows(logits, seqs, None, kept.of(seqs, logits.shape[-1])) == fresh
