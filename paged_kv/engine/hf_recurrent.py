@@ -18,7 +18,7 @@ import torch
 
 from ..core.batch import StepBatch
 from ..core.cache import PagedKVCache
-from ..core.groups.state import StateBatch
+from ..core.groups.state_batch import StateBatch
 from ..integrations.hf_layers import ModelLayers
 from ..integrations.hf_support import UnsupportedModelError
 from ..integrations.mixers import Mixer, mixer_of

@@ -24,12 +24,10 @@ do). A slot is in exactly one state:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from ...errors import OutOfBlocksError, PagedKVError, ensure
 from .checkpoints import DENSE, INTERVAL, LATEST, SHARED, CheckpointPolicy
@@ -46,37 +44,6 @@ class OutOfStateSlotsError(OutOfBlocksError):
             self, f"{what}: out of state slots: requested {requested}, only {free} "
                   f"obtainable (free + evictable checkpoints); free finished sequences, "
                   f"preempt one, or raise num_state_slots")
-
-
-@dataclasses.dataclass(frozen=True)
-class StateBatch:
-    """A step's recurrent-state entry in ``StepBatch.groups`` (at the state group's index).
-
-    Attributes
-    ----------
-    slots : torch.Tensor
-        ``[B]`` int64 live slot of each row, in the step's row order: a layer reads its
-        initial states there and writes its final states back.
-    emit_tokens : torch.Tensor
-        ``[E]`` int64 index, in the step's packed token order, of each token after which a
-        checkpoint is saved (the last token of a block that filled in the step).
-    emit_slots : torch.Tensor
-        ``[E]`` int64 the checkpoint slot each of those states goes to.
-    """
-
-    slots: torch.Tensor
-    emit_tokens: torch.Tensor
-    emit_slots: torch.Tensor
-
-    @property
-    def batch_size(self) -> int:
-        """Rows of the step."""
-        return self.slots.shape[0]
-
-    @property
-    def num_emitted(self) -> int:
-        """States the step saves as checkpoints (``E``)."""
-        return self.emit_slots.shape[0]
 
 
 class StateSlots:
@@ -108,9 +75,11 @@ class StateSlots:
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
-        self._tier: dict[int, int] = {}                  # checkpoint slot -> its tier
+        # checkpoint slot -> its tier, and that slot -> the row it is newest of (-1: none
+        # / not a checkpoint); lists by slot, not dicts: an offer reads and writes both
+        self._tier: list[int] = [-1] * num_slots
         self._latest: dict[int, int] = {}                # row -> its newest checkpoint slot
-        self._latest_of: dict[int, int] = {}             # that slot -> its row
+        self._latest_of: list[int] = [-1] * num_slots
         self.num_written = self.num_hits = self.num_evicted = 0  # checkpoints, so far
         # ("stored" | "removed", slot, key): a checkpoint became servable or went, for the
         # tiers and KV events (bounded as the allocator's events: a user who never drains
@@ -184,7 +153,9 @@ class StateSlots:
         keeps the `LATEST` tier (a finished request's next turn starts there)."""
         self._free.append(self._live.pop(row))
         self._live_by_row[row] = -1
-        self._latest_of.pop(self._latest.pop(row, -1), None)
+        slot = self._latest.pop(row, -1)
+        if slot >= 0:
+            self._latest_of[slot] = -1
 
     def served(self, slot: int) -> None:
         """A checkpoint was copied into an admitted sequence's live slot: it is used now,
@@ -223,7 +194,7 @@ class StateSlots:
             if self._tier[previous] == LATEST:
                 sparse = self.interval and self._key_of[previous][1] % self.interval == 0
                 self._retier(previous, INTERVAL if sparse else DENSE)
-            self._latest_of.pop(previous, None)
+            self._latest_of[previous] = -1
         self._latest[row], self._latest_of[slot] = slot, row
         self.num_written += 1
         return slot
@@ -257,8 +228,8 @@ class StateSlots:
                 continue
             # the row's newest checkpoint drops a tier (found first: an eviction re-ranks
             # it in the same policy call, unless it is the victim)
-            tier, previous, lower = SHARED if shared else LATEST, latest.get(row), -1
-            if previous is not None and tiers[previous] == LATEST:
+            tier, previous, lower = SHARED if shared else LATEST, latest.get(row, -1), -1
+            if previous >= 0 and tiers[previous] == LATEST:
                 lower = INTERVAL if interval and key_of[previous][1] % interval == 0 else DENSE
             if free:
                 slot = free.pop()
@@ -270,18 +241,18 @@ class StateSlots:
                     taken.append(None)
                     continue
                 old, _ = key_of.pop(slot)
-                del slot_of[old], tiers[slot]
+                del slot_of[old]  # its tier and newest-of entries are written below
                 events.append(("removed", slot, old))
-                if (owner := latest_of.pop(slot, None)) is not None:
+                if (owner := latest_of[slot]) >= 0:
                     del latest[owner]
                 evicted += 1
-                previous = None if slot == previous else previous
+                previous = -1 if slot == previous else previous
             slot_of[key], key_of[slot], tiers[slot] = slot, (key, position), tier
             pending.setdefault(row, []).append(key)
-            if previous is not None:
+            if previous >= 0:
                 if lower >= 0:
                     tiers[previous] = lower
-                latest_of.pop(previous, None)
+                latest_of[previous] = -1
             latest[row], latest_of[slot] = slot, row
             taken.append(slot)
         return taken, evicted
@@ -299,9 +270,15 @@ class StateSlots:
             return
         if len(pending) < len(rows):  # a decode step: few rows took any
             stepped = self._stepped(rows)
-            rows = [row for row in pending if row in stepped]  # in the pending order
-        slot_of, pop = self._slot_of, pending.pop
-        keys = [key for row in rows for key in pop(row, ())]
+            rows = (None if stepped.issuperset(pending)  # each stepped: a set test in C
+                    else [row for row in pending if row in stepped])  # in the pending order
+        if rows is None:
+            keys = [key for keys in pending.values() for key in keys]
+            pending.clear()
+        else:
+            pop = pending.pop
+            keys = [key for row in rows for key in pop(row, ())]
+        slot_of = self._slot_of
         if keys:
             self._servable_all([slot_of[key] for key in keys], keys)
 
@@ -384,7 +361,8 @@ class StateSlots:
             if self._key_of[slot][1] <= num_tokens:
                 self._servable(slot)
                 continue
-            del self._slot_of[key], self._key_of[slot], self._tier[slot]
+            del self._slot_of[key], self._key_of[slot]
+            self._tier[slot] = -1
             self._unlatest(slot)
             self._free.append(slot)
             if self.shares is not None:
@@ -398,7 +376,8 @@ class StateSlots:
     def _evicted(self, slot: int) -> None:
         """`slot`'s checkpoint, gone from the policy, leaves the index (an eviction)."""
         key, _ = self._key_of.pop(slot)
-        del self._slot_of[key], self._tier[slot]
+        del self._slot_of[key]
+        self._tier[slot] = -1
         if self.shares is not None:
             self.shares.remove(slot)
         self.events.append(("removed", slot, key))
@@ -407,8 +386,8 @@ class StateSlots:
 
     def _unlatest(self, slot: int) -> None:
         """`slot` is no checkpoint now: no row's newest."""
-        row = self._latest_of.pop(slot, None)
-        if row is not None:
+        row, self._latest_of[slot] = self._latest_of[slot], -1
+        if row >= 0:
             del self._latest[row]
 
     # -- checking -------------------------------------------------------------------------
@@ -430,23 +409,29 @@ class StateSlots:
         ensure(sorted(pending + written) == sorted(self._key_of)
                and len(self.policy) == len(written),
                "a checkpoint is neither pending nor evictable, or both")
-        ensure(self._tier.keys() == self._key_of.keys()
-               and all(self._tier[slot] == self.policy.tier_of(slot) for slot in written),
+        tiers = self._tiers()
+        ensure(tiers.keys() == self._key_of.keys()
+               and all(tiers[slot] == self.policy.tier_of(slot) for slot in written),
                "a checkpoint's tier is lost or out of step with the policy")
-        ensure(all(self._latest_of.get(slot) == row for row, slot in self._latest.items())
-               and len(self._latest) == len(self._latest_of)
+        latest_of = {slot: row for slot, row in enumerate(self._latest_of) if row >= 0}
+        ensure(all(latest_of.get(slot) == row for row, slot in self._latest.items())
+               and len(self._latest) == len(latest_of)
                and set(self._latest) <= set(self._live)
-               and set(self._latest_of) <= set(self._key_of), "newest checkpoints out of step")
+               and set(latest_of) <= set(self._key_of), "newest checkpoints out of step")
         every = self._free + live + list(self._key_of)
         ensure(len(every) == len(set(every)) == self.num_slots,
                "free, live and checkpoint slots do not partition the slab")
         ensure(self.shares is None or self.shares.matches(set(self._key_of)),
                "checkpoint tenants out of step with the checkpoints")
 
+    def _tiers(self) -> dict[int, int]:
+        """``{slot: tier}`` of every checkpoint (pending ones included)."""
+        return {slot: tier for slot, tier in enumerate(self._tier) if tier >= 0}
+
     def snapshot(self) -> tuple:
         """Comparable copy of the bookkeeping (for tests of rejected calls)."""
         return (tuple(self._free), tuple(sorted(self._live.items())),
-                tuple(sorted(self._key_of.items())), tuple(sorted(self._tier.items())),
+                tuple(sorted(self._key_of.items())), tuple(sorted(self._tiers().items())),
                 tuple(sorted(self._latest.items())),
                 tuple(sorted((row, tuple(keys)) for row, keys in self._pending.items())),
                 tuple(sorted(s for s in self._key_of if s in self.policy)),

@@ -46,7 +46,8 @@ from ..step.parse import Step
 from ..step.plan import Admission, StepPlan
 from .groups import Filled, LayerGroup
 from .rules import group_key, group_suffix
-from .state import OutOfStateSlotsError, StateBatch, StateSlots
+from .state import OutOfStateSlotsError, StateSlots
+from .state_batch import StateBatch
 from .state_export import CheckpointExport
 from .state_slab import StateSlab
 from .state_tenants import CheckpointShares
