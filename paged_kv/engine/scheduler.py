@@ -176,11 +176,14 @@ class Scheduler:
         """Admit waiting sequences, oldest first, while slots, blocks and `budget` last: each
         planned once (its prompt's keys come with it, hashed at most once), tested with the
         cache's one capacity rule against what this step has reserved, then added."""
+        used = -1  # `_num_slots`, counted once (a pass over the running sequences) and
+        #            then kept: each admission takes the slots it was tested for
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             # a request's samples are forked together once its prompt is computed
             slots = seq.request.params.n if not seq.request.samples[1:] else 1
-            if self._num_slots() + slots > self.max_num_seqs:
+            used = self._num_slots() if used < 0 else used
+            if used + slots > self.max_num_seqs:
                 return
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
             admission = self._plan_admission(seq, min(self._step_tokens(seq), budget), reuse)
@@ -202,6 +205,7 @@ class Scheduler:
                 self.reports.admitted(seq, admission, hit)
             seq.num_computed, seq.status = hit, Status.RUNNING
             self.running.append(seq)
+            used += slots  # itself, and the samples to fork off it (`_num_slots`)
             step[seq] = admission.count
             self._reserved += admission.requested
             budget -= admission.count
