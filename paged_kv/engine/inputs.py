@@ -43,9 +43,14 @@ class StepInputs:
         """The inputs of any plan (``{sequence: new tokens}``), one pass over it."""
         tokens, positions, logits_rows, sampled = [], [], [], []
         for seq, n in plan.items():
-            tokens += seq.token_ids[seq.num_computed: seq.num_computed + n]
-            positions += range(seq.num_computed, seq.num_computed + n)
-            if seq.num_computed + n == len(seq.token_ids):  # caught up: its next token is due
+            start, ids = seq.num_computed, seq.token_ids
+            if n == 1:  # a decoding sequence (most of a mixed step's): no slice, no range
+                tokens.append(ids[start])
+                positions.append(start)
+            else:
+                tokens += ids[start: start + n]
+                positions += range(start, start + n)
+            if start + n == len(ids):  # caught up: its next token is due
                 logits_rows.append(len(tokens) - 1)
                 sampled.append(seq)
         prompt_rows = _prompt_logprob_rows(plan)  # their logits follow the sampled rows

@@ -85,6 +85,33 @@ def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
     assert any(carried) or not steady, "no steady step was carried from the one before"
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_general_inputs_are_each_plans_tokens_in_order(data):
+    """`StepInputs.of` of a random plan mixing decoding sequences (one token), prefill
+    chunks and sequences catching up: each sequence's tokens and positions from its
+    computed count, packed in the plan's order; the caught-up ones sampled at their last
+    token's row (a plain reference built token by token)."""
+    plan, tokens, positions, rows, sampled = {}, [], [], [], []
+    for request_id in range(data.draw(st.integers(1, 12))):
+        ids = data.draw(st.lists(st.integers(0, 299), min_size=1, max_size=12))
+        seq = Sequence(Request(request_id, ids, SamplingParams(max_tokens=4), 0.0), 0,
+                       list(ids), None)
+        seq.num_computed = data.draw(st.integers(0, len(ids) - 1))
+        n = data.draw(st.integers(1, len(ids) - seq.num_computed))
+        plan[seq] = n
+        for position in range(seq.num_computed, seq.num_computed + n):
+            tokens.append(ids[position])
+            positions.append(position)
+        if seq.num_computed + n == len(ids):
+            rows.append(len(tokens) - 1)
+            sampled.append(seq)
+    inputs = StepInputs.of(plan)
+    assert inputs.tokens.tolist() == tokens and inputs.positions.tolist() == positions
+    assert inputs.logits_rows.tolist() == rows and inputs.sampled == sampled
+    assert inputs.prompt_rows == []
+
+
 def test_decode_inputs_are_positions_and_last_tokens():
     """Two sequences caught up but for one token: their last tokens at their positions,
     every row sampled, no prompt rows."""
