@@ -213,8 +213,9 @@ class BlockAllocator:
     def _unindex(self, evicted: list[int]) -> list[bytes]:
         """Take evicted blocks (the policy's, no longer cached) out of the index; returns
         their keys (the policy's ``forget``)."""
-        gone = self._prefix.remove(evicted)
-        self._protected[evicted] = False
+        ids = np.array(evicted, dtype=np.int64)  # converted once for both flag arrays
+        gone = self._prefix.remove(evicted, ids)
+        self._protected[ids] = False
         self._events.append(("evicted", evicted, gone))
         return gone
 

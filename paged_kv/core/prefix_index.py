@@ -143,13 +143,14 @@ class PrefixIndex:
         self.indexed[ids] = True
         return ids, tuple(block_ids), tuple(keys), tuple(parents), token_ids
 
-    def remove(self, block_ids: list[int]) -> list[bytes]:
-        """Take indexed `block_ids` (distinct) out of the index; returns their keys."""
+    def remove(self, block_ids: list[int], ids: np.ndarray | None = None) -> list[bytes]:
+        """Take indexed `block_ids` (distinct) out of the index; returns their keys.
+        `ids`: the same ids as an int64 array, when the caller has one."""
         gone = list(map(self._key_of.__getitem__, block_ids))
         index = self._index
         for key in gone:
             del index[key]
-        self.indexed[np.array(block_ids, dtype=np.int64)] = False
+        self.indexed[np.array(block_ids, dtype=np.int64) if ids is None else ids] = False
         return gone
 
     def clear(self) -> None:

@@ -41,9 +41,6 @@ class StepCommitter:
         self._device = config.device
         self._indexing = config.enable_prefix_caching
         self._offsets = np.arange(config.block_size)  # a slot's offset in its block
-        # the last rows array a decode step gathered, and the first row of the ascending
-        # run it is (-1: not one)
-        self._run: tuple[np.ndarray | None, int] = (None, -1)
 
     # -- admission ------------------------------------------------------------------------
     def add_row(self, plan: Admission) -> int:
@@ -134,25 +131,9 @@ class StepCommitter:
         elif self._indexing and filled.shape[1]:
             index_filled_blocks(self._allocator, tables, filled, filled_tokens, out)
         return StepBatch.from_host(
-            step.seq_ids, self._gather(rows, max_blocks), num_blocks, seq_lens,
+            step.seq_ids, tables.gather(rows, max_blocks), num_blocks, seq_lens,
             np.arange(rows.size + 1, dtype=np.int32), slots, rows.size, 1, self._block_size,
             self._device, max_seq_len=max_len)
-
-    def _gather(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """``[B, width]`` copy of the block-table rows `rows`. Rows in one ascending run
-        (a running set admitted together, as it decodes) copy as one slice, ~2x faster
-        than a row gather; whether they do is worked out once per rows array (a decode
-        step repeats the one `rows_of` gave, which the cache keeps read-only)."""
-        block_ids = self._tables.block_ids
-        if rows is not self._run[0] or rows.flags.writeable:  # a writable one may change
-            run = (rows.size > 0 and int(rows[-1]) - int(rows[0]) == rows.size - 1
-                   and bool((np.diff(rows) == 1).all()))
-            self._run = (rows, int(rows[0]) if run else -1)
-        first = self._run[1]
-        if first >= 0:
-            return block_ids[first: first + rows.size, :width].copy()
-        # slicing columns first makes the row gather a contiguous-row take (~1.5x faster)
-        return block_ids[:, :width][rows]
 
     def _commit_one(self, step: Step, new_ids: np.ndarray) -> StepBatch:
         tables, block_size = self._tables, self._block_size
