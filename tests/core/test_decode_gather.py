@@ -1,6 +1,7 @@
-"""The decode step's block-table gather: rows in one ascending run copy as one slice, any
-other order row by row; both give each row's blocks (`PageTables.block_ids`), whatever
-order `rows_of` is asked in, step after step (the run is worked out once per rows array)."""
+"""The decode step's block-table gather (`PageTables.gather`: a compiled loop, or without
+numba rows in one ascending run as one slice and any other order row by row) gives each
+row's blocks (`PageTables.block_ids`), whatever order `rows_of` is asked in, step after
+step."""
 
 from __future__ import annotations
 
