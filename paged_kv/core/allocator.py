@@ -248,11 +248,15 @@ class BlockAllocator:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        if not unique:
+        owners = self._refcount[ids]
+        # a block of one owner is in `block_ids` once, so when each has one the ids are
+        # distinct without the caller's promise (a window's give-back of a decode step's
+        # ~64 blocks: ~19 us against ~30 us)
+        if not unique and not (owners == 1).all():
             np.subtract.at(self._refcount, ids, 1)
             left = self._refcount[ids]
         else:  # one gather and one scatter, not a read-modify-write per use
-            left = self._refcount[ids] - 1
+            unique, left = True, owners - 1
             self._refcount[ids] = left
         indexed = self._indexed[ids]
         if left.any():  # some blocks keep owners: only the unowned are released
