@@ -39,17 +39,27 @@ class StepInputs:
     prompt_rows: list[tuple[Request, int, int]]
 
     @staticmethod
-    def of(plan: dict[Sequence, int]) -> StepInputs:
-        """The inputs of any plan (``{sequence: new tokens}``), one pass over it."""
+    def of(plan: dict[Sequence, int], new_tokens: dict | None = None) -> StepInputs:
+        """The inputs of any plan (``{sequence: new tokens}``), one pass over it. With
+        `new_tokens` (a dict), the same pass puts each sequence's tokens to compute in it
+        under its ``seq_id``: the cache's `prepare` mapping of the plan
+        (`Scheduler.step_tokens`), without a second pass over the plan (~0.2 ms at 1,024
+        sequences)."""
         tokens, positions, logits_rows, sampled = [], [], [], []
         for seq, n in plan.items():
             start, ids = seq.num_computed, seq.token_ids
             if n == 1:  # a decoding sequence (most of a mixed step's): no slice, no range
-                tokens.append(ids[start])
+                token = ids[start]
+                tokens.append(token)
                 positions.append(start)
+                if new_tokens is not None:
+                    new_tokens[seq.seq_id] = [token]
             else:
-                tokens += ids[start: start + n]
+                chunk = ids[start: start + n]
+                tokens += chunk
                 positions += range(start, start + n)
+                if new_tokens is not None:
+                    new_tokens[seq.seq_id] = chunk
             if start + n == len(ids):  # caught up: its next token is due
                 logits_rows.append(len(tokens) - 1)
                 sampled.append(seq)

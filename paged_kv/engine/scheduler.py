@@ -306,7 +306,9 @@ class Scheduler:
             batch = self.cache.prepare_decode(rows, tokens)
             self.steady.prepared(plan, tokens, positions)
             return batch
-        return self.cache.prepare(self.step_tokens(plan))
+        new_tokens: dict = {}  # the model's inputs and the cache's mapping in one pass
+        self.steady.prepared_general(plan, StepInputs.of(plan, new_tokens))
+        return self.cache.prepare(new_tokens)
 
     def step_inputs(self, plan: dict[Sequence, int]) -> StepInputs:
         """The model's inputs for `plan` (prepared last): a steady decode step's from the

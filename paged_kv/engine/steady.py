@@ -59,6 +59,9 @@ class SteadyDecode:
         # that plan once prepared: (plan, [B] int32 tokens, [B] int64 positions)
         self._prepared: tuple[Plan | None, np.ndarray, np.ndarray] = (
             None, np.empty(0, np.int32), np.empty(0, np.int64))
+        # any other plan once prepared, and its model inputs (made in the same pass as
+        # the cache's mapping: `Scheduler.prepare`)
+        self._general: tuple[Plan | None, StepInputs | None] = (None, None)
         # the next step's: (its sequences, [B] int32 tokens, [B] int64 positions)
         self._carry: tuple[tuple[Sequence, ...], np.ndarray, np.ndarray] | None = None
         self._appends: _Appends | None = None  # the last carried batch's lists
@@ -91,14 +94,22 @@ class SteadyDecode:
                                         len(plan))
             self._prepared = (plan, tokens, positions)
 
+    def prepared_general(self, plan: Plan, inputs: StepInputs) -> None:
+        """`plan`, not a decode step, is being prepared; `inputs` are its model inputs,
+        made from the sequences as they are now (their tokens and computed counts change
+        only after the model ran: `advance`, `update_from_output`)."""
+        self._general = (plan, inputs)
+
     def inputs(self, plan: Plan) -> StepInputs:
         """The model's inputs for `plan` (prepared last): a steady step's from its arrays
-        (every sequence sampled, no per-sequence slicing), any other through
-        `StepInputs.of`."""
+        (every sequence sampled, no per-sequence slicing), another step's as its
+        preparation made them, any other plan's through `StepInputs.of`."""
         prepared, tokens, positions = self._prepared
         if plan is prepared:
             return StepInputs.decode(list(plan), tokens, positions)
-        return StepInputs.of(plan)
+        general, inputs = self._general
+        self._general = (None, None)  # used once: the next plan is another
+        return inputs if plan is general else StepInputs.of(plan)
 
     def carry_over(self, samples: list[Sample], batch: tuple[Sequence, ...]) -> None:
         """Carry this step's arrays to the next when its plan was steady and prepared as

@@ -69,6 +69,8 @@ def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
                 continue
             carried.append(scheduler.steady.carried)
             scheduler.prepare(plan)
+            # a general plan's inputs come from its preparation's pass: made before the
+            # cache's step, compared after it
             _same(scheduler.step_inputs(plan), StepInputs.of(plan))
             scheduler.advance(plan)
             samples = [(seq, rng.randrange(300), None) for seq in plan
@@ -110,6 +112,12 @@ def test_general_inputs_are_each_plans_tokens_in_order(data):
     assert inputs.tokens.tolist() == tokens and inputs.positions.tolist() == positions
     assert inputs.logits_rows.tolist() == rows and inputs.sampled == sampled
     assert inputs.prompt_rows == []
+    # the cache's mapping made in the same pass: each sequence's tokens to compute
+    new_tokens: dict = {}
+    _same(StepInputs.of(plan, new_tokens), inputs)
+    assert new_tokens == {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
+                          for seq, n in plan.items()}
+    assert list(new_tokens) == [seq.seq_id for seq in plan]
 
 
 def test_decode_inputs_are_positions_and_last_tokens():
