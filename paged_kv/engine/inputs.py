@@ -46,6 +46,10 @@ class StepInputs:
         (`Scheduler.step_tokens`), without a second pass over the plan (~0.2 ms at 1,024
         sequences)."""
         tokens, positions, logits_rows, sampled = [], [], [], []
+        # (sequence, its first row, its tokens) of each one that may compute a prompt
+        # position a later prompt token follows: any but a caught-up one-token row (its
+        # position is its last token's, at or past the prompt's last)
+        chunks = []
         for seq, n in plan.items():
             start, ids = seq.num_computed, seq.token_ids
             if n == 1:  # a decoding sequence (most of a mixed step's): no slice, no range
@@ -55,6 +59,7 @@ class StepInputs:
                 if new_tokens is not None:
                     new_tokens[seq.seq_id] = [token]
             else:
+                chunks.append((seq, len(tokens), n))
                 chunk = ids[start: start + n]
                 tokens += chunk
                 positions += range(start, start + n)
@@ -63,7 +68,9 @@ class StepInputs:
             if start + n == len(ids):  # caught up: its next token is due
                 logits_rows.append(len(tokens) - 1)
                 sampled.append(seq)
-        prompt_rows = _prompt_logprob_rows(plan)  # their logits follow the sampled rows
+            elif n == 1:
+                chunks.append((seq, len(tokens) - 1, 1))
+        prompt_rows = _prompt_logprob_rows(chunks)  # their logits follow the sampled rows
         return StepInputs(_long_tensor(tokens), _long_tensor(positions),
                           _long_tensor(logits_rows + [row for _, row, _ in prompt_rows]),
                           sampled, prompt_rows)
@@ -85,17 +92,18 @@ def _long_tensor(values: list[int]) -> torch.Tensor:
         else torch.zeros(0, dtype=torch.int64)
 
 
-def _prompt_logprob_rows(plan: dict[Sequence, int]) -> list[tuple[Request, int, int]]:
+def _prompt_logprob_rows(chunks: list[tuple[Sequence, int, int]],
+                         ) -> list[tuple[Request, int, int]]:
     """``(request, row in this step's tokens, prompt token that row predicts)`` for each
     prompt position whose log-probabilities are asked for and not yet recorded (a
-    recomputed one is not recorded twice)."""
-    rows, offset = [], 0
-    for seq, n in plan.items():
+    recomputed one is not recorded twice), from ``(sequence, its first row, its tokens)``
+    of the plan's sequences that may compute one, in plan order."""
+    rows = []
+    for seq, offset, n in chunks:
         request = seq.request
         if request.params.prompt_logprobs is not None and seq.index == 0:
             prompt = request.prompt_token_ids
             first = max(seq.num_computed, len(request.prompt_logprobs) - 1)
             rows += [(request, offset + position - seq.num_computed, prompt[position + 1])
                      for position in range(first, min(seq.num_computed + n, len(prompt) - 1))]
-        offset += n
     return rows

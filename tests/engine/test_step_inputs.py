@@ -287,3 +287,43 @@ def test_plain_outputs_stream_as_the_general_path(model, silent):
     assert any(used), "no step's outputs went the C way"
     assert fast == _streams(model, silent, False, [])
     assert all(outs[-1][3] for outs in fast.values())  # each ends with its request output
+
+
+def _prompt_rows_reference(plan: dict[Sequence, int]) -> list[tuple]:
+    """Every prompt position a plan computes whose log-probabilities are asked for and not
+    recorded, row by row over the whole plan (the pass before it was folded into `of`)."""
+    rows, offset = [], 0
+    for seq, n in plan.items():
+        request = seq.request
+        if request.params.prompt_logprobs is not None and seq.index == 0:
+            recorded = len(request.prompt_logprobs) - 1
+            for position in range(seq.num_computed, seq.num_computed + n):
+                if position >= recorded and position + 1 < len(request.prompt_token_ids):
+                    rows.append((request, offset + position - seq.num_computed,
+                                 request.prompt_token_ids[position + 1]))
+        offset += n
+    return rows
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_prompt_logprob_rows_are_found_in_the_inputs_pass(data):
+    """Random plans of prompts asking for prompt log-probabilities or not, some already
+    recorded in part (a recomputation), in chunks of one token or more, decoding
+    sequences, and forked samples: the prompt rows `of` finds in its pass are those of a
+    token-by-token pass over every sequence of the plan, and they follow the sampled rows."""
+    plan = {}
+    for request_id in range(data.draw(st.integers(1, 10))):
+        prompt_ids = data.draw(st.lists(st.integers(0, 299), min_size=1, max_size=10))
+        outputs = data.draw(st.lists(st.integers(0, 299), max_size=4))
+        params = SamplingParams(max_tokens=8, prompt_logprobs=data.draw(
+            st.sampled_from([None, 0, 2])))
+        request = Request(request_id, prompt_ids, params, 0.0)
+        request.prompt_logprobs = [None] * data.draw(st.integers(0, len(prompt_ids)))
+        seq = Sequence(request, data.draw(st.integers(0, 1)), prompt_ids + outputs, None)
+        seq.num_computed = data.draw(st.integers(0, len(seq.token_ids) - 1))
+        plan[seq] = data.draw(st.integers(1, len(seq.token_ids) - seq.num_computed))
+    inputs = StepInputs.of(plan)
+    assert inputs.prompt_rows == _prompt_rows_reference(plan)
+    rows = [row for _, row, _ in inputs.prompt_rows]
+    assert inputs.logits_rows.tolist() == inputs.logits_rows.tolist()[:len(inputs.sampled)] + rows
