@@ -56,7 +56,7 @@ from .layer_access import LayerAccess
 from .load_cached import load_blocks
 from .page_table import PageTables
 from .pool import KVPool
-from .step.parse import Step, decode_columns, parse_step, tokens_to_array
+from .step.parse import Step, decode_columns, parse_rows, parse_step, tokens_to_array
 from .step.prefix import forget_unwritten
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)
@@ -369,6 +369,40 @@ class PagedKVCache(Admissions, LayerAccess):
         step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
         return self._step(step, "prepare_decode()", decode=True,
                           forecast=self._current_forecast(step.rows))
+
+    def prepare_rows(self, rows: np.ndarray, counts: np.ndarray | torch.Tensor,
+                     token_ids: np.ndarray | torch.Tensor) -> StepBatch:
+        """`prepare` given as arrays, for any step whose token ids are known: a mixed
+        step's decoding rows beside its prefill chunks, with no mapping made of every row.
+
+        Parameters
+        ----------
+        rows : np.ndarray
+            ``[B]`` row handles from `rows_of` (each sequence once, resident).
+        counts : np.ndarray or torch.Tensor
+            ``[B]`` int, each row's new tokens (at least one).
+        token_ids : np.ndarray or torch.Tensor
+            ``[counts.sum()]`` int, the new tokens, row after row in the order of `rows`.
+
+        Returns
+        -------
+        StepBatch
+            As `prepare` of ``{seq_id: its tokens}`` in the order of `rows`, and the same
+            state changes (copy-on-write, prefix indexing, all or nothing).
+
+        Examples
+        --------
+        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+        ...                                  block_size=4, num_blocks=8))
+        >>> for s in ("a", "b"):
+        ...     _ = cache.add_sequence(s, [1, 2, 3])
+        >>> _ = cache.prepare({"a": [1, 2, 3]})
+        >>> rows = cache.rows_of(["a", "b"])
+        >>> cache.prepare_rows(rows, np.array([1, 3]), np.array([7, 1, 2, 3])).slot_mapping.tolist()
+        [7, 8, 9, 10]
+        """
+        rows, seq_ids = self._tables.resolve_rows("prepare_rows()", rows)
+        return self._step(parse_rows(seq_ids, rows, counts, token_ids), "prepare_rows()")
 
     def _current_forecast(self, rows: np.ndarray) -> DecodeForecast | None:
         """The layout's forecast that `num_blocks_needed` made of `rows` (resolved from
