@@ -330,8 +330,10 @@ class PagedKVCache(Admissions, LayerAccess):
         return rows
 
     def prepare_decode(self, rows: np.ndarray, token_ids: np.ndarray | torch.Tensor | None,
-                       ) -> StepBatch:
-        """`prepare` for one new token per sequence, given as arrays: the decode step.
+                       counts: np.ndarray | torch.Tensor | None = None) -> StepBatch:
+        """`prepare` given as arrays: one new token per sequence (the decode step), or
+        `counts` each (a mixed step: a running batch's decoding rows beside new prompts'
+        chunks, with no ``{seq_id: tokens}`` mapping made of every row).
 
         Parameters
         ----------
@@ -339,50 +341,10 @@ class PagedKVCache(Admissions, LayerAccess):
             ``[B]`` row handles from `rows_of` (each sequence once, resident).
         token_ids : np.ndarray or torch.Tensor or None
             ``[B]`` int, the new token of each row; None when the ids are unknown (as a
-            count of 1 in `prepare`: those rows' blocks are never indexed for reuse).
-
-        Returns
-        -------
-        StepBatch
-            As `prepare` of ``{seq_id: [token]}`` in the order of `rows`, and the same
-            state changes (copy-on-write, prefix indexing, all or nothing).
-
-        Examples
-        --------
-        >>> cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
-        ...                                  block_size=4, num_blocks=8))
-        >>> for s in ("a", "b"):
-        ...     _ = cache.add_sequence(s, [1, 2, 3])
-        ...     _ = cache.prepare({s: [1, 2, 3]})
-        >>> rows = cache.rows_of(["a", "b"])
-        >>> cache.prepare_decode(rows, np.array([7, 8])).slot_mapping.tolist()
-        [7, 11]
-        """
-        rows, seq_ids = self._tables.resolve_rows("prepare_decode()", rows)
-        known = token_ids is not None
-        tokens = _NO_TOKENS  # ids unknown
-        if known:
-            tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
-            if tokens.shape != rows.shape:
-                raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
-                                 f"(one per row), got {tokens.shape}")
-        step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
-        return self._step(step, "prepare_decode()", decode=True,
-                          forecast=self._current_forecast(step.rows))
-
-    def prepare_rows(self, rows: np.ndarray, counts: np.ndarray | torch.Tensor,
-                     token_ids: np.ndarray | torch.Tensor) -> StepBatch:
-        """`prepare` given as arrays, for any step whose token ids are known: a mixed
-        step's decoding rows beside its prefill chunks, with no mapping made of every row.
-
-        Parameters
-        ----------
-        rows : np.ndarray
-            ``[B]`` row handles from `rows_of` (each sequence once, resident).
-        counts : np.ndarray or torch.Tensor
-            ``[B]`` int, each row's new tokens (at least one).
-        token_ids : np.ndarray or torch.Tensor
-            ``[counts.sum()]`` int, the new tokens, row after row in the order of `rows`.
+            count of 1 in `prepare`: those rows' blocks are never indexed for reuse). With
+            `counts`: ``[counts.sum()]``, each row's tokens after the row before's (known).
+        counts : np.ndarray or torch.Tensor, optional
+            ``[B]`` int, each row's new tokens (at least one); None: one each.
 
         Returns
         -------
@@ -396,13 +358,29 @@ class PagedKVCache(Admissions, LayerAccess):
         ...                                  block_size=4, num_blocks=8))
         >>> for s in ("a", "b"):
         ...     _ = cache.add_sequence(s, [1, 2, 3])
-        >>> _ = cache.prepare({"a": [1, 2, 3]})
+        ...     _ = cache.prepare({s: [1, 2, 3]})
         >>> rows = cache.rows_of(["a", "b"])
-        >>> cache.prepare_rows(rows, np.array([1, 3]), np.array([7, 1, 2, 3])).slot_mapping.tolist()
-        [7, 8, 9, 10]
+        >>> cache.prepare_decode(rows, np.array([7, 8])).slot_mapping.tolist()
+        [7, 11]
+        >>> _ = cache.add_sequence("c", [1, 2])
+        >>> rows = cache.rows_of(["a", "b", "c"])  # two decoding, one prompt of two tokens
+        >>> batch = cache.prepare_decode(rows, np.array([9, 9, 1, 2]), counts=[1, 1, 2])
+        >>> batch.slot_mapping.tolist()
+        [12, 16, 20, 21]
         """
-        rows, seq_ids = self._tables.resolve_rows("prepare_rows()", rows)
-        return self._step(parse_rows(seq_ids, rows, counts, token_ids), "prepare_rows()")
+        rows, seq_ids = self._tables.resolve_rows("prepare_decode()", rows)
+        if counts is not None:
+            return self._step(parse_rows(seq_ids, rows, counts, token_ids), "prepare_decode()")
+        known = token_ids is not None
+        tokens = _NO_TOKENS  # ids unknown
+        if known:
+            tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
+            if tokens.shape != rows.shape:
+                raise ValueError(f"prepare_decode(): token_ids: expected shape {rows.shape} "
+                                 f"(one per row), got {tokens.shape}")
+        step = Step(seq_ids, rows, *decode_columns(rows.size, known), tokens)
+        return self._step(step, "prepare_decode()", decode=True,
+                          forecast=self._current_forecast(step.rows))
 
     def _current_forecast(self, rows: np.ndarray) -> DecodeForecast | None:
         """The layout's forecast that `num_blocks_needed` made of `rows` (resolved from

@@ -86,6 +86,20 @@ class StepInputs:
                           torch.arange(len(seqs)), seqs, [])
 
 
+    @staticmethod
+    def joined(seqs: list[Sequence], tokens: np.ndarray, positions: np.ndarray,
+               rest: StepInputs) -> StepInputs:
+        """The inputs of a mixed step: `seqs` decoding first, as in `decode` (``tokens``
+        and ``positions [len(seqs)]``, each sampled), then the other sequences' inputs
+        `rest` (`of` of them alone), their rows after the decoding ones."""
+        k = len(seqs)
+        return StepInputs(torch.cat((torch.from_numpy(tokens.astype(np.int64)), rest.tokens)),
+                          torch.cat((torch.from_numpy(positions), rest.positions)),
+                          torch.cat((torch.arange(k), rest.logits_rows + k)),
+                          seqs + rest.sampled,
+                          [(request, row + k, token) for request, row, token in rest.prompt_rows])
+
+
 def _long_tensor(values: list[int]) -> torch.Tensor:
     """``[len(values)]`` int64 from a list of ints, a third of `torch.tensor`'s cost."""
     return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values \

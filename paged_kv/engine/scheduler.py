@@ -54,6 +54,7 @@ class Scheduler:
         # the same batch, whose ids tuple is then reused (no per-sequence rebuild, and the
         # cache's `rows_of` compares it by identity)
         self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
+        self._decode_rows = np.empty(0, dtype=np.int64)  # the last all-decode plan's rows
         self.steady = SteadyDecode()  # the steady decode step's arrays, and their carry
 
     @property
@@ -70,9 +71,7 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_swapped(step, budget)
             self._schedule_waiting(step, budget)
-        # steady while nothing joined the running sequences' all-decode plan
-        steady = self.steady.plan
-        self.steady.plan = step if steady is not None and len(step) == len(steady) else None
+        self.steady.planned(step)
         return step
 
     def _available(self, step_blocks: int) -> int:
@@ -87,7 +86,8 @@ class Scheduler:
             batch = tuple(running)
             if self.steady.start(batch, left) or self._all_decode():  # no per-sequence plan
                 plan, left = dict.fromkeys(running, 1), left - len(running)
-                needs = self.cache.num_blocks_needed(self._rows_of(batch))
+                self._decode_rows = self._rows_of(batch)
+                needs = self.cache.num_blocks_needed(self._decode_rows)
                 self.steady.plan = plan
             else:
                 plan = []
@@ -299,13 +299,19 @@ class Scheduler:
     def prepare(self, plan: dict[Sequence, int]) -> StepBatch:
         """The cache's batch for `plan`: one token per sequence (the steady decode state)
         through the array API, its rows resolved once per running set (`rows_of` returns
-        the same handle while the set is unchanged); any other step through `prepare`."""
+        the same handle while the set is unchanged); a mixed step (the running sequences'
+        decode, then new prompts' chunks) through `prepare_decode` with counts, its
+        decoding rows as a decode step's (their handles from its planning: a row stays
+        where it is while others join); any other step through `prepare`."""
         if plan is self.steady.plan or list(plan.values()).count(1) == len(plan):  # all 1
             rows = self._rows_of(tuple(plan))
             tokens, positions = self.steady.arrays(plan)
             batch = self.cache.prepare_decode(rows, tokens)
             self.steady.prepared(plan, tokens, positions)
             return batch
+        decoding = self.steady.decoding(plan)
+        if decoding:  # the running sequences decoding, then new prompts: their rows as arrays
+            return self.steady.prepare_mixed(self.cache, plan, decoding, self._decode_rows)
         new_tokens: dict = {}  # the model's inputs and the cache's mapping in one pass
         self.steady.prepared_general(plan, StepInputs.of(plan, new_tokens))
         return self.cache.prepare(new_tokens)

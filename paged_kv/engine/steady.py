@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from ..core.batch import StepBatch
 from .inputs import StepInputs
 from .request import Sequence
+
+if TYPE_CHECKING:
+    from ..core.cache import PagedKVCache
 
 Plan = dict[Sequence, int]
 Sample = tuple[Sequence, int, dict[int, float] | None]
@@ -55,6 +59,8 @@ class SteadyDecode:
 
     def __init__(self) -> None:
         self.plan: Plan | None = None  # the last plan the scheduler made steady
+        # the last mixed plan, and how many of its first sequences decode (`planned`)
+        self._mixed: tuple[Plan | None, int] = (None, 0)
         self.carried = False  # that plan's arrays are the carry
         # that plan once prepared: (plan, [B] int32 tokens, [B] int64 positions)
         self._prepared: tuple[Plan | None, np.ndarray, np.ndarray] = (
@@ -75,6 +81,46 @@ class SteadyDecode:
         self.carried = (self._carry is not None and len(batch) <= budget
                         and batch == self._carry[0])  # identities compared, in C
         return self.carried
+
+    def planned(self, step: Plan) -> None:
+        """The scheduler's whole plan `step`, whose first sequences are the running ones'
+        all-decode plan (`plan`, when it made one): steady when nothing joined it; else a
+        mixed plan, whose first ``len(plan)`` sequences decode (`decoding`)."""
+        decode, self.plan, self._mixed = self.plan, None, (None, 0)
+        if decode is not None and len(step) == len(decode):
+            self.plan = step
+        elif decode is not None:
+            self._mixed = (step, len(decode))
+
+    def decoding(self, plan: Plan) -> int:
+        """How many of `plan`'s first sequences decode, when it is the last mixed plan
+        (else 0): each has one token left, its last, and is sampled after it."""
+        mixed, count = self._mixed
+        return count if plan is mixed else 0
+
+    def prepare_mixed(self, cache: PagedKVCache, plan: Plan, decoding: int,
+                      rows: np.ndarray) -> StepBatch:
+        """The cache's batch for a mixed `plan` through `PagedKVCache.prepare_decode`: its
+        first `decoding` sequences (``rows``: their row handles) each take their last token
+        at their computed count, from the carry when it is theirs, else in two passes in C;
+        the other sequences' chunks follow (`StepInputs.of` of them alone). The model's
+        inputs are kept for `inputs`: the decoding part made as a decode step's."""
+        seqs = list(itertools.islice(plan, decoding))
+        if self.carried:  # the running sequences are the carried ones
+            _, tokens, positions = self._carry
+        else:
+            tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in seqs), np.int32,
+                                 decoding)
+            positions = np.fromiter((seq.num_computed for seq in seqs), np.int64, decoding)
+        tail = dict(itertools.islice(plan.items(), decoding, None))
+        rest = StepInputs.of(tail)
+        counts = np.ones(len(plan), dtype=np.int64)
+        counts[decoding:] = list(tail.values())
+        batch = cache.prepare_decode(
+            np.concatenate((rows, cache.rows_of([seq.seq_id for seq in tail]))),
+            np.concatenate((tokens, rest.tokens.numpy().astype(np.int32))), counts)
+        self._general = (plan, StepInputs.joined(seqs, tokens, positions, rest))
+        return batch
 
     def arrays(self, plan: Plan) -> tuple[np.ndarray, np.ndarray | None]:
         """``[B]`` int32 tokens of a plan of one token per sequence (each one's first not

@@ -46,16 +46,29 @@ def _same(fast: StepInputs, slow: StepInputs) -> None:
 @given(seed=st.integers(0, 2**16), layout=st.sampled_from(sorted(LAYOUTS)),
        num_blocks=st.integers(14, 40))
 def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
+    _compare_steps(seed, layout, num_blocks)
+
+
+def test_mixed_steps_were_compared():
+    """The random schedules above include mixed steps (running sequences decoding while a
+    new prompt is prefilled), made through `prepare_decode` with counts and `StepInputs.joined`."""
+    assert sum(_compare_steps(seed, layout, 24) for seed in range(4)
+               for layout in sorted(LAYOUTS)) > 0
+
+
+def _compare_steps(seed: int, layout: str, num_blocks: int) -> int:
     """Random prompts arriving over time, chunked prefills, finishes, aborts and preemptions
     (small pools): every step's inputs from `step_inputs` equal `StepInputs.of` of the plan,
     and the steady decode path is taken, with its arrays carried from the step before (so
-    the test compares something)."""
+    the test compares something); returns how many mixed steps it made."""
     rng = random.Random(seed)
-    scheduler, steady, carried = _scheduler(layout, num_blocks), [], []
-    made = StepInputs.decode
+    scheduler, steady, carried, mixed = _scheduler(layout, num_blocks), [], [], []
+    made, joined = StepInputs.decode, StepInputs.joined
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StepInputs, "decode",
                       staticmethod(lambda *a: steady.append(1) or made(*a)))
+        patch.setattr(StepInputs, "joined",
+                      staticmethod(lambda *a: mixed.append(1) or joined(*a)))
         for request_id in range(40):
             if rng.random() < 0.3 or request_id < 3:
                 params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True)
@@ -85,6 +98,7 @@ def test_steady_decode_inputs_match_the_general_path(seed, layout, num_blocks):
                     seq.token_ids[:seq.num_computed], seq.seq_id
     assert steady or not scheduler.has_work, "no steady decode step was compared"
     assert any(carried) or not steady, "no steady step was carried from the one before"
+    return len(mixed)
 
 
 @settings(max_examples=60, deadline=None)

@@ -176,20 +176,20 @@ def _parse_mixed(seq_ids: tuple, rows: np.ndarray, values: list) -> Step:
 
 def parse_rows(seq_ids: tuple | RowNames, rows: np.ndarray, counts: object,
                token_ids: object) -> Step:
-    """Validate `prepare_rows`' arrays (the rows already resolved: `seq_ids` are theirs)
-    without changing anything: ``[B]`` counts of at least one token each, and their
-    ``[sum(counts)]`` token ids packed row after row."""
+    """Validate `prepare_decode`'s arrays with counts (the rows already resolved: `seq_ids`
+    are theirs) without changing anything: ``[B]`` counts of at least one token each, and
+    their ``[sum(counts)]`` token ids packed row after row."""
     counts = np.asarray(counts.numpy() if isinstance(counts, torch.Tensor) else counts)
     if counts.shape != rows.shape or counts.dtype.kind not in "iu":
-        raise TypeError(f"prepare_rows(): counts: expected {rows.size} ints (one per row), "
+        raise TypeError(f"prepare_decode(): counts: expected {rows.size} ints (one per row), "
                         f"got dtype {counts.dtype} and shape {counts.shape}")
     if counts.min() < 1:
         names = seq_ids if type(seq_ids) is tuple else seq_ids.resolve()  # `RowNames`
         seq_id = names[int(counts.argmin())]
-        raise ValueError(f"prepare_rows(): sequence {seq_id!r} has {counts.min()} new tokens; "
+        raise ValueError(f"prepare_decode(): sequence {seq_id!r} has {counts.min()} new tokens; "
                          f"give at least one")
-    tokens = tokens_to_array("prepare_rows(): token_ids", token_ids)
+    tokens = tokens_to_array("prepare_decode(): token_ids", token_ids)
     if tokens.size != counts.sum():
-        raise ValueError(f"prepare_rows(): token_ids: expected {counts.sum()} (the counts' "
+        raise ValueError(f"prepare_decode(): token_ids: expected {counts.sum()} (the counts' "
                          f"sum), got {tokens.size}")
     return Step(seq_ids, rows, counts.astype(np.int64), np.ones(rows.size, dtype=bool), tokens)

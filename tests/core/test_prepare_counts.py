@@ -1,8 +1,8 @@
-"""`PagedKVCache.prepare_rows` (a step as arrays: row handles, counts, packed token ids) is
-`prepare` of the same ``{seq_id: tokens}`` mapping: on random admissions, mixed steps,
-forks and frees over one group and over full, window and state groups, two caches return
-the same batches or errors and end in the same state; and bad arrays are refused, naming
-what was wrong, with the cache left exactly as it was."""
+"""`PagedKVCache.prepare_decode` with counts (a step as arrays: row handles, packed token
+ids, counts) is `prepare` of the same ``{seq_id: tokens}`` mapping: on random admissions,
+mixed steps, forks and frees over one group and over full, window and state groups, two
+caches return the same batches or errors and end in the same state; and bad arrays are
+refused, naming what was wrong, with the cache left exactly as it was."""
 
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def _apply(cache: PagedKVCache, op: tuple, step: int, arrays: bool) -> object:
             if not new:
                 return None
             if arrays:
-                batch = cache.prepare_rows(cache.rows_of(list(new)),
-                                           np.array([len(t) for t in new.values()]),
-                                           np.array([t for ts in new.values() for t in ts]))
+                batch = cache.prepare_decode(cache.rows_of(list(new)),
+                                             np.array([t for ts in new.values() for t in ts]),
+                                             counts=np.array([len(t) for t in new.values()]))
             else:
                 batch = cache.prepare(new)
         elif kind == "fork":
@@ -77,7 +77,7 @@ def _apply(cache: PagedKVCache, op: tuple, step: int, arrays: bool) -> object:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @settings(max_examples=80, deadline=None)
 @given(num_blocks=st.integers(10, 40), ops=st.lists(_op, max_size=25))
-def test_prepare_rows_is_prepare_of_the_same_mapping(layout, num_blocks, ops):
+def test_prepare_decode_with_counts_is_prepare_of_the_same_mapping(layout, num_blocks, ops):
     caches = [_cache(layout, num_blocks) for _ in range(2)]
     for step, op in enumerate(ops):
         outcomes = [_apply(cache, op, step, arrays) for cache, arrays in
@@ -101,7 +101,7 @@ def test_bad_arrays_are_refused_and_change_nothing(counts, tokens, error, words)
         cache.admit(seq, [1, 2, 3])
     rows, before = cache.rows_of(["a", "b"]), snapshot(cache)
     with pytest.raises(error, match=re.escape(words)):
-        cache.prepare_rows(rows, np.array(counts), np.array(tokens))
+        cache.prepare_decode(rows, np.array(tokens), np.array(counts))
     assert_same_snapshot(before, snapshot(cache))
 
 
@@ -113,5 +113,5 @@ def test_freed_rows_are_refused():
     cache.free("b")
     before = snapshot(cache)
     with pytest.raises(ValueError, match="not resident"):
-        cache.prepare_rows(rows, np.array([1, 1]), np.array([4, 5]))
+        cache.prepare_decode(rows, np.array([4, 5]), np.array([1, 1]))
     assert_same_snapshot(before, snapshot(cache))
