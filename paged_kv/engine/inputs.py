@@ -1,6 +1,6 @@
 """`StepInputs`: a step's model inputs (token ids, positions, the rows whose logits are
-sampled) made from its plan, in general or, for the steady decode step, from arrays the
-scheduler has already built."""
+sampled) made from its plan, in general or, for the steady decode step and a mixed step's
+decoding part, from arrays the scheduler has already built."""
 
 from __future__ import annotations
 
@@ -84,7 +84,6 @@ class StepInputs:
         whose logits predict no prompt token."""
         return StepInputs(torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(positions),
                           torch.arange(len(seqs)), seqs, [])
-
 
     @staticmethod
     def joined(seqs: list[Sequence], tokens: np.ndarray, positions: np.ndarray,

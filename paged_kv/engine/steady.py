@@ -7,6 +7,12 @@ inputs are then two ``[B]`` arrays, the tokens and their positions, which the ca
 or, when the step before was steady too and every one of its sequences got its one sample
 in order, carried over from it: the sampled tokens at the next positions, with no pass
 over the sequences at all.
+
+A *mixed* step (the running sequences decoding, then new prompts' chunks behind them: a
+loaded server's usual step, as requests finish and arrive every step) takes its decoding
+part the same way: its tokens and positions as arrays, the cache's step as arrays
+(`PagedKVCache.prepare_decode` with counts), and only the new prompts through
+`StepInputs.of`.
 """
 
 from __future__ import annotations
@@ -45,10 +51,11 @@ class _Appends(NamedTuple):
 
 
 class SteadyDecode:
-    """The scheduler's record of its steady decode steps (`Scheduler` is its one writer:
-    `start` in its planning, `arrays` and `prepared` in `prepare`, `inputs` for the model,
-    `carry_over` and `append` in `update_from_output`; the engine reads `outputs` to
-    stream the step).
+    """The scheduler's record of its steady decode steps and of its mixed steps' decoding
+    part (`Scheduler` is its one writer: `start` and `planned` in its planning, `arrays`
+    and `prepared`, `decoding` and `prepare_mixed`, or `prepared_general` in `prepare`,
+    `inputs` for the model, `carry_over` and `append` in `update_from_output`; the engine
+    reads `outputs` to stream the step).
 
     The carry is valid while the running sequences are the carried ones in the same order:
     the scheduler is the one writer of their tokens and computed counts, and only
