@@ -1,7 +1,7 @@
 """The engine's decode steps through the array API (`Scheduler.prepare` and the scheduler's
-block count on `rows_of` handles) equal the mapping API they replaced: same tokens, same
-preemptions, same cache state after every step, forks (copy-on-write) and a pool small
-enough to preempt included."""
+block count on `rows_of` handles), mixed steps' decoding parts included, equal the mapping
+API they replaced: same tokens, same preemptions, same cache state after every step, forks
+(copy-on-write) and a pool small enough to preempt included."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_array_decode_steps_equal_mapping_steps(num_blocks):
     engines = [make_engine(model, num_blocks=num_blocks, block_size=4, max_num_seqs=6,
                            max_num_batched_tokens=24, num_threads=1) for _ in range(2)]
     _mapping_only(engines[1])
+    steady, mixed = engines[0].scheduler.steady, []  # the mixed steps' array path, counted
+    prepare_mixed = steady.prepare_mixed
+    steady.prepare_mixed = lambda *args: mixed.append(1) or prepare_mixed(*args)
     generator = torch.Generator().manual_seed(3)
     for i in range(8):
         prompt = torch.randint(0, model.config.vocab_size, (int(3 + 5 * (i % 4)),),
@@ -58,3 +61,4 @@ def test_array_decode_steps_equal_mapping_steps(num_blocks):
     preemptions = [engine.stats().num_preemptions for engine in engines]
     assert preemptions[0] == preemptions[1]
     assert (preemptions[0] > 0) == (num_blocks == 12), "the small pool preempts"
+    assert mixed, "no mixed step (decoding sequences beside an admission) was compared"
