@@ -22,6 +22,7 @@ from ..core.cache import PagedKVCache
 from ..core.step.plan import Admission, fits
 from ..errors import OutOfBlocksError
 from ..keys import block_keys, root_hash
+from .fetches import TierFetches
 from .inputs import StepInputs
 from .limits import catch_up_tokens
 from .misses import CacheReports
@@ -29,7 +30,7 @@ from .request import Request, Sequence, Status
 from .steady import SteadyDecode
 
 
-class Scheduler:
+class Scheduler(TierFetches):
     """Decides each step's ``{sequence: number of new tokens}``; the only caller of the cache's
     add / free / swap for sequences."""
 
@@ -66,7 +67,7 @@ class Scheduler:
         """This step's new tokens per sequence; may preempt, swap in, and admit."""
         step: dict[Sequence, int] = {}
         if self.loading:
-            self._land_fetches()
+            self.land_fetches()
         preempted, budget = self._schedule_running(step)
         if not preempted:
             budget = self._schedule_swapped(step, budget)
@@ -188,7 +189,7 @@ class Scheduler:
             reuse = seq.request.params.prompt_logprobs is None  # else compute every position
             admission = self._plan_admission(seq, min(self._step_tokens(seq), budget), reuse)
             if reuse and self.tiers is not None and not seq.tiered \
-                    and self._start_fetch(seq, admission):
+                    and self.start_fetch(seq, admission):
                 self.waiting.popleft()  # loading while the others step
                 continue
             # the cache's one capacity number for this tenant (its own reservation counts)
@@ -220,51 +221,6 @@ class Scheduler:
         if len(admission.keys) > len(seq.block_keys):
             seq.block_keys = admission.keys
         return admission
-
-    def _start_fetch(self, seq: Sequence, admission: Admission) -> bool:
-        """Ask the tiers for the prompt's full blocks the device lacks (under the keys the
-        admission carries); True when a fetch started (`seq` is loading). A hand-off's
-        request (``request.peer``, unsettled) asks its prefill engine instead, through the
-        same fetch path; with nothing to ask, its hand-off is settled at once."""
-        seq.tiered = True
-        parent, keys, tokens = admission.missing(self.cache.config.block_size)
-        peer = seq.request.peer
-        if peer is None or peer.settled:
-            seq.fetch = self.tiers.start_fetch(keys, tokens, parent)
-        elif keys:  # a hand-off: from the prefill engine, until its lease ends
-            seq.fetch = self.tiers.start_peer_fetch(keys, tokens, parent, peer, peer.deadline)
-        else:  # every block it could load is on the device already
-            peer.role.settle(seq.request, None, 0)
-            seq.fetch = None
-        if seq.fetch is None:
-            return False
-        seq.status = Status.LOADING
-        self.loading.append(seq)
-        return True
-
-    def _land_fetches(self) -> None:
-        """Finished fetches load their blocks as cached device blocks (sparing a block per
-        running sequence); expired ones are given up. Either way the sequence waits at the
-        front again, where admission finds the loaded prefix like any cached one."""
-        still, back = [], []
-        for seq in self.loading:
-            loaded = 0
-            if seq.fetch.done:
-                spare = self.cache.allocator.num_obtainable_blocks - len(self.running)
-                loaded = self.tiers.land(seq.fetch, spare)
-            elif seq.fetch.expired:
-                self.tiers.fell_back(seq.fetch)
-            else:
-                still.append(seq)
-                continue
-            seq.request.fetch_report = (dict(getattr(seq.fetch, "loaded", None) or {}),
-                                        getattr(seq.fetch, "failure", None))
-            peer = getattr(seq.fetch, "peer", None)  # a hand-off's: its role settles it
-            settled = peer is None or peer.role.settle(seq.request, seq.fetch, loaded)
-            seq.fetch, seq.status = None, Status.WAITING
-            (back if settled else self.failed).append(seq)
-        self.loading = still
-        self.waiting.extendleft(reversed(back))
 
     def _preempt(self, seq: Sequence) -> None:
         """Make room: swap `seq` to the host pool, or free it to be recomputed later."""
