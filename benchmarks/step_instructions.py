@@ -13,6 +13,11 @@ and prints the count over STEPS. Before the counted run it builds a small steppe
 same kind in a process of its own, so numba's compiled row loops are cached: compiling them
 calls `functools.reduce` too, and those calls would be counted.
 
+``--kind mixed`` counts a loaded server's usual step instead of the steady one: the
+engine's step after one running request was aborted and one 128-token prompt arrived (off
+the count; `benchmarks/step_churn.py`'s "in and gone" step), each step inside a
+`functools.reduce` of its own.
+
 Runs of one tree agree to about +-0.5 M instructions at 1,024 sequences (object addresses
 move dict and set probing): compare trees by more than that, or by several runs. Another
 tree (a ``git worktree``): ``PYTHONPATH=TREE python TREE/benchmarks/step_instructions.py``.
@@ -33,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 
-KINDS = ("cache", "scheduler", "engine")
+KINDS = ("cache", "scheduler", "engine", "mixed")
 
 
 def _steps(kind: str, groups: int, seqs: int, steps: int) -> None:
@@ -41,12 +46,40 @@ def _steps(kind: str, groups: int, seqs: int, steps: int) -> None:
     inside the one `functools.reduce` that switches collection on."""
     from paged_kv.bench.workloads.step_scale import DecodeStepper, trace_prompts
 
+    if kind == "mixed":
+        _mixed_steps(groups, seqs, steps)
+        return
     stepper = DecodeStepper(kind, groups, trace_prompts(seqs), steps + 4)
     stepper.step()
     stepper.step()
     gc.collect()
     gc.disable()
     functools.reduce(lambda acc, _: stepper.step(), range(steps), 0)
+
+
+def _mixed_steps(groups: int, seqs: int, steps: int) -> None:
+    """The ``mixed`` kind: the engine's step (as ``engine``) after one running request was
+    aborted and one 128-token prompt of the trace arrived (`benchmarks/step_churn.py`'s
+    "in and gone" step, a loaded server's usual one): the abort and the arrival off the
+    count, each step inside a one-item `functools.reduce` of its own."""
+    from paged_kv.bench.workloads.step_scale import DecodeStepper, trace_prompts
+    from paged_kv.engine.sampling import SamplingParams
+
+    prompts = trace_prompts(seqs + steps + 2)
+    stepper = DecodeStepper("engine", groups, prompts[:seqs], 3 * steps + 8)
+    engine, running = stepper.engine, stepper.scheduler.running
+    params = SamplingParams(max_tokens=4 * steps, ignore_eos=True, temperature=0.0)
+    for step in range(steps + 2):  # two untimed, then the counted ones
+        if step == 2:
+            gc.collect()
+            gc.disable()
+        engine.abort(running[(37 * step) % len(running)].request.request_id)
+        engine.add_request(list(prompts[seqs + step][:128]), params,
+                           on_output=stepper.outputs.append)
+        if step < 2:
+            stepper.step()
+        else:
+            functools.reduce(lambda acc, _: stepper.step(), range(1), 0)
 
 
 def count(kind: str, groups: int, seqs: int, steps: int) -> float:
