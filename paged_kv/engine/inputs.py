@@ -42,9 +42,8 @@ class StepInputs:
     def of(plan: dict[Sequence, int], new_tokens: dict | None = None) -> StepInputs:
         """The inputs of any plan (``{sequence: new tokens}``), one pass over it. With
         `new_tokens` (a dict), the same pass puts each sequence's tokens to compute in it
-        under its ``seq_id``: the cache's `prepare` mapping of the plan
-        (`Scheduler.step_tokens`), without a second pass over the plan (~0.2 ms at 1,024
-        sequences)."""
+        under its ``seq_id``: the cache's `prepare` mapping of the plan, without a second
+        pass over the plan (~0.2 ms at 1,024 sequences)."""
         tokens, positions, logits_rows, sampled = [], [], [], []
         # (sequence, its first row, its tokens) of each one that may compute a prompt
         # position a later prompt token follows: any but a caught-up one-token row (its

@@ -277,11 +277,6 @@ class Scheduler(TierFetches):
         token and position arrays `prepare` used (`SteadyDecode.inputs`)."""
         return self.steady.inputs(plan)
 
-    def step_tokens(self, plan: dict[Sequence, int]) -> dict[tuple[int, int], list[int]]:
-        """The cache's ``prepare`` mapping of a plan: each sequence's tokens to compute."""
-        return {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
-                for seq, n in plan.items()}
-
     def advance(self, plan: dict[Sequence, int],
                 prompt_logprobs: list[tuple[Request, dict[int, float]]] = ()) -> None:
         """The model wrote the K/V of `plan`'s tokens: they are computed now; record the

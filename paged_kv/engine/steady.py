@@ -18,7 +18,7 @@ part the same way: its tokens and positions as arrays, the cache's step as array
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -116,9 +116,7 @@ class SteadyDecode:
         if self.carried:  # the running sequences are the carried ones
             _, tokens, positions = self._carry
         else:
-            tokens = np.fromiter((seq.token_ids[seq.num_computed] for seq in seqs), np.int32,
-                                 decoding)
-            positions = np.fromiter((seq.num_computed for seq in seqs), np.int64, decoding)
+            tokens, positions = _next_tokens(seqs), _computed(seqs)
         tail = dict(itertools.islice(plan.items(), decoding, None))
         rest = StepInputs.of(tail)
         counts = np.ones(len(plan), dtype=np.int64)
@@ -136,15 +134,13 @@ class SteadyDecode:
         if plan is self.plan and self.carried:  # the last step's samples
             _, tokens, positions = self._carry
             return tokens, positions
-        return np.fromiter((seq.token_ids[seq.num_computed] for seq in plan), dtype=np.int32,
-                           count=len(plan)), None
+        return _next_tokens(plan), None
 
     def prepared(self, plan: Plan, tokens: np.ndarray, positions: np.ndarray | None) -> None:
         """`plan` was prepared with `tokens` (`arrays`): kept for `inputs` when steady."""
         if plan is self.plan:
             if positions is None:
-                positions = np.fromiter((seq.num_computed for seq in plan), np.int64,
-                                        len(plan))
+                positions = _computed(plan)
             self._prepared = (plan, tokens, positions)
 
     def prepared_general(self, plan: Plan, inputs: StepInputs) -> None:
@@ -215,6 +211,17 @@ class SteadyDecode:
         if self._appended is None or finished or appends.listeners is None:
             return None
         return (*appends.listeners, self._appended)
+
+
+def _next_tokens(seqs: Collection[Sequence]) -> np.ndarray:
+    """``[B]`` int32: each sequence's first token not computed (a decoding one's last)."""
+    return np.fromiter((seq.token_ids[seq.num_computed] for seq in seqs), np.int32,
+                       len(seqs))
+
+
+def _computed(seqs: Collection[Sequence]) -> np.ndarray:
+    """``[B]`` int64: each sequence's computed count (its next token's position)."""
+    return np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
 
 
 def _appends_of(seqs: tuple[Sequence, ...]) -> _Appends:

@@ -21,7 +21,9 @@ CONFIG = TinyLlamaConfig(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
 def _mapping_only(engine) -> None:
     """Make `engine`'s scheduler count and prepare every step through the mapping API."""
     scheduler, cache = engine.scheduler, engine.cache
-    scheduler.prepare = lambda plan: cache.prepare(scheduler.step_tokens(plan))
+    scheduler.prepare = lambda plan: cache.prepare(
+        {seq.seq_id: seq.token_ids[seq.num_computed: seq.num_computed + n]
+         for seq, n in plan.items()})
     scheduler._blocks_needed = lambda plan: (
         cache.num_blocks_needed({seq.seq_id: n for seq, n in plan}) if plan else 0)
 

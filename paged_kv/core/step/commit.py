@@ -173,7 +173,7 @@ class StepCommitter:
             index_full_blocks(self._allocator, tables, rows, old_lens, new_lens,
                               self._block_size)
         num_blocks = tables.num_blocks[rows]
-        block_tables = tables.block_ids[:, : int(num_blocks.max())][rows]
+        block_tables = tables.gather(rows, int(num_blocks.max()))
         return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
                                      step.counts, self._block_size, self._device)
 
