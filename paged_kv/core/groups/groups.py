@@ -185,10 +185,10 @@ class LayerGroup:
         """Commit a checked plan as the leading group; its batch, and (with `report`: other
         groups mirror its blocks) the blocks that filled, as `filled_blocks` finds them,
         when its commit found them itself (a decode step without copies indexes them in
-        one pass), else None."""
+        one pass; a step with a decode head, its head's), else None."""
         filled: list[Filled] | None = [] if report else None
         batch = self.committer.commit(plan, filled)
-        return batch, (filled if plan.new_blocks is None else None)
+        return batch, (filled if plan.new_blocks is None or plan.head else None)
 
     def needed_per_row(self, step: Step) -> np.ndarray:
         """``[B]`` blocks each row of `step` takes in the group (before any give-back)."""

@@ -109,13 +109,15 @@ class GroupLayout:
                     credit, columns)
         mirrored = self.config.enable_prefix_caching and len(self.groups) > 1
         # a decode step's leading commit reports the blocks that filled (one pass, no
-        # per-row read of the chains); any other step finds them after it, from the
-        # lengths and the rows' chains before it: a window leader gives back the blocks a
-        # filling one chains from, and a block it fills chains from the last key even
-        # where that block was not indexed (recomputed while another row's is)
+        # per-row read of the chains), and so does a step's decode head; any other rows'
+        # are found after it, from the lengths and the rows' chains before it: a window
+        # leader gives back the blocks a filling one chains from, and a block it fills
+        # chains from the last key even where that block was not indexed (recomputed
+        # while another row's is)
         found = mirrored and plans[0].new_blocks is not None
-        old_lens = tables.num_tokens[rows].copy() if found else None
-        chains = tables.chains(rows.tolist()) if found else None
+        rest = rows[plans[0].head:] if found else None
+        old_lens = tables.num_tokens[rest] if found else None  # a gather: a copy already
+        chains = tables.chains(rest.tolist()) if found else None
         for group, (moving, upto), between in zip(self.groups, releases, columns,
                                                   strict=True):
             if between:
@@ -123,8 +125,8 @@ class GroupLayout:
         first, filled = self.leader.commit_leading(plans[0], mirrored)
         if not mirrored:
             filled = []
-        elif found:
-            filled = filled_blocks(allocator, tables, rows, old_lens, chains)
+        elif found:  # the head's, then the rest's: in row order
+            filled = (filled or []) + filled_blocks(allocator, tables, rest, old_lens, chains)
         batches = (first, *(group.commit_step(plan, filled) for group, plan in zip(
             self.groups[1:], plans[1:], strict=True)))
         for group in self.groups[1:]:

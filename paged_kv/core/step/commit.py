@@ -105,8 +105,9 @@ class StepCommitter:
         that filled with known ids; returns the step's batch.
 
         With `filled` (a list) a decode step without copies (``plan.new_blocks is None``)
-        appends the blocks it indexed to it, as `index_filled_blocks` says; other steps
-        leave it alone (`paged_kv.core.groups.groups.filled_blocks` finds theirs)."""
+        appends the blocks it indexed to it, as `index_filled_blocks` says, and so does a
+        step with a decode head (`StepPlan.head`) for its head's rows; other steps and
+        rows are left to `paged_kv.core.groups.groups.filled_blocks`."""
         new_ids = (self._allocator.allocate(plan.requested) if plan.requested else _NONE)
         if plan.new_blocks is None:
             return self._commit_decode(plan.step, new_ids, filled)
@@ -119,6 +120,8 @@ class StepCommitter:
             self._allocator.free(sources, unique=len(sources) == 1)
         if plan.step.rows.size == 1:
             return self._commit_one(plan.step, new_ids)
+        if plan.head:
+            return self._commit_split(plan, new_ids, filled)
         return self._commit_rows(plan, new_ids)
 
     def _commit_decode(self, step: Step, new_ids: np.ndarray, out: list | None) -> StepBatch:
@@ -158,11 +161,21 @@ class StepCommitter:
                                    count, block_size, self._device, max_seq_len=new_len)
 
     def _commit_rows(self, plan: StepPlan, new_ids: np.ndarray) -> StepBatch:
-        tables, step = self._tables, plan.step
-        rows = step.rows
+        step = plan.step
+        new_lens = self._extend_rows(step, plan.new_blocks, new_ids)
+        num_blocks = self._tables.num_blocks[step.rows]
+        block_tables = self._tables.gather(step.rows, int(num_blocks.max()))
+        return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
+                                     step.counts, self._block_size, self._device)
+
+    def _extend_rows(self, step: Step, new_blocks: np.ndarray, new_ids: np.ndarray,
+                     ) -> np.ndarray:
+        """Give each row of `step` its `new_blocks` (from `new_ids`, in row order) and its
+        tokens, and index the blocks that filled with known ids; ``[B]`` the new lengths."""
+        tables, rows = self._tables, step.rows
         old_lens = tables.num_tokens[rows]
         new_lens = old_lens + step.counts
-        tables.append_blocks(rows, plan.new_blocks, new_ids)
+        tables.append_blocks(rows, new_blocks, new_ids)
         tables.set_num_tokens(rows, new_lens)
         if step.token_ids.size:
             tables.set_token_ids(step.token_rows, step.token_positions(old_lens),
@@ -172,10 +185,28 @@ class StepCommitter:
         if self._indexing:
             index_full_blocks(self._allocator, tables, rows, old_lens, new_lens,
                               self._block_size)
-        num_blocks = tables.num_blocks[rows]
+        return new_lens
+
+    def _commit_split(self, plan: StepPlan, new_ids: np.ndarray,
+                      filled: list | None) -> StepBatch:
+        """A step whose first `plan.head` rows take one token each as a decode step (the
+        compiled loop, their filled blocks indexed in one batch and reported in `filled`),
+        the rest as `_commit_rows` does; one batch of all, in row order. The new blocks go
+        to the rows in row order, as `_commit_rows` gives them (after any copies)."""
+        tables, step, head = self._tables, plan.step, plan.head
+        rows, opened = step.rows, int(plan.new_blocks[:head].sum())
+        _, head_blocks, head_lens, _, _, found, found_tokens = tables.commit_decode(
+            rows[:head], step.token_ids[:head], new_ids[:opened])
+        if self._indexing and found.shape[1]:
+            index_filled_blocks(self._allocator, tables, found, found_tokens, filled)
+        rest = Step(step.seq_ids, rows[head:], step.counts[head:], step.has_ids[head:],
+                    step.token_ids[head:])  # (seq_ids unread by `_extend_rows`)
+        rest_lens = self._extend_rows(rest, plan.new_blocks[head:], new_ids[opened:])
+        num_blocks = np.concatenate((head_blocks, tables.num_blocks[rest.rows]))
         block_tables = tables.gather(rows, int(num_blocks.max()))
-        return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
-                                     step.counts, self._block_size, self._device)
+        return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks,
+                                     np.concatenate((head_lens, rest_lens)), step.counts,
+                                     self._block_size, self._device)
 
 
 def admission_batch(seq_id: SeqId, ids: np.ndarray, end: int, count: int, new_ids: np.ndarray,

@@ -37,6 +37,9 @@ from .prefix import find_prefix
 
 _NONE = np.empty(0, dtype=np.int64)
 _NO_COPIES = (_NONE, _NONE, _NONE)
+# the fewest leading one-token rows a step commits as a decode step (`StepPlan.head`):
+# below it the split's fixed cost (two commits, a joined batch) outweighs the compiled loop
+MIN_DECODE_HEAD = 16
 
 
 class StepPlan(NamedTuple):
@@ -55,6 +58,13 @@ class StepPlan(NamedTuple):
     copies : tuple of np.ndarray
         Copy-on-write: ``[C]`` rows, the column of each row's partly filled last block, and
         that block (the copy's source).
+    head : int
+        How many of the step's first rows take one known token each and copy no block: a
+        mixed step's decoding rows (a running batch's, before new prompts' chunks), which
+        the commit takes as a decode step (`PageTables.commit_decode`, its blocks indexed
+        as a decode step's) and the rest as any step. 0: none (a decode step's plan, a
+        single row, or fewer than `MIN_DECODE_HEAD`); their `new_blocks` are counted all
+        the same, and `copies` are only the other rows'.
     """
 
     step: Step
@@ -62,6 +72,7 @@ class StepPlan(NamedTuple):
     new_blocks: np.ndarray | None
     copies: tuple[np.ndarray, np.ndarray, np.ndarray] = _NO_COPIES
     revived: int = 0  # a step revives no cached block
+    head: int = 0
 
     def per_sequence(self) -> np.ndarray:
         """``[B]`` int64 blocks each sequence takes (a copy counted for the one making it)."""
@@ -231,7 +242,7 @@ class StepPlanner:
                 return StepPlan(step, requested, None)
         if step.rows.size == 1:
             return self._plan_one(step)
-        return self._plan_rows(step)
+        return self._plan_rows(step, self._decode_head(step) if fast else 0)
 
     def _plan_one(self, step: Step) -> StepPlan:
         # scalar arithmetic: array bookkeeping costs more than it saves at B = 1
@@ -246,13 +257,31 @@ class StepPlanner:
             return StepPlan(step, need + 1, np.array([need]), copies)
         return StepPlan(step, need, np.array([need]))
 
-    def _plan_rows(self, step: Step) -> StepPlan:
+    def _decode_head(self, step: Step) -> int:
+        """How many of `step`'s first rows the commit may take as a decode step
+        (`StepPlan.head`): the leading rows of one known token each, when there are at
+        least `MIN_DECODE_HEAD` of them and none writes into a protected block; else 0."""
+        counts = step.counts
+        if counts.size < MIN_DECODE_HEAD or counts[0] != 1:
+            return 0
+        single = (counts == 1) & step.has_ids
+        head = single.size if single.all() else int(single.argmin())
+        if head < MIN_DECODE_HEAD or head == counts.size:  # all one token: not a mixed step
+            return 0
+        # the compiled count of a decode step (-1: a row must copy on write)
+        if self._tables.plan_decode(step.rows[:head], self._allocator.protected) < 0:
+            return 0
+        return head
+
+    def _plan_rows(self, step: Step, head: int = 0) -> StepPlan:
         rows, block_size = step.rows, self._block_size
         old_lens = self._tables.num_tokens[rows]
         old_num_blocks = self._tables.num_blocks[rows]
         new_blocks = -(-(old_lens + step.counts) // block_size) - old_num_blocks
-        copies = self._plan_copies(rows, old_lens, old_num_blocks)
-        return StepPlan(step, int(new_blocks.sum()) + len(copies[0]), new_blocks, copies)
+        # the head writes into no protected block (`_decode_head`): no copy to look for
+        copies = self._plan_copies(rows[head:], old_lens[head:], old_num_blocks[head:])
+        return StepPlan(step, int(new_blocks.sum()) + len(copies[0]), new_blocks, copies,
+                        head=head)
 
     def _plan_copies(self, rows: np.ndarray, old_lens: np.ndarray,
                      old_num_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
