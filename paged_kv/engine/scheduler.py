@@ -57,6 +57,9 @@ class Scheduler(TierFetches):
         self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
         self._decode_rows = np.empty(0, dtype=np.int64)  # the last all-decode plan's rows
         self.steady = SteadyDecode()  # the steady decode step's arrays, and their carry
+        # request id -> request of n > 1 added whose samples may not all be forked yet
+        # (pruned by `_num_slots`): while it is empty, the running sequences are the slots
+        self._forking: dict[int, Request] = {}
 
     @property
     def has_work(self) -> bool:
@@ -168,7 +171,15 @@ class Scheduler(TierFetches):
         return catch_up_tokens(self.cache.config, len(seq.token_ids), left)
 
     def _num_slots(self) -> int:
-        """Running sequences plus the samples still to be forked off them."""
+        """Running sequences plus the samples still to be forked off them: their count
+        alone while no request added has samples left to fork (no pass over them; a
+        request leaves the record once forked or retired)."""
+        if self._forking:
+            self._forking = {key: request for key, request in self._forking.items()
+                             if request.params.n > len(request.samples)
+                             and request.samples[0].finish_reason is None}
+        if not self._forking:
+            return len(self.running)
         return len(self.running) + sum(
             seq.request.params.n - len(seq.request.samples) for seq in self.running
             if seq.index == 0 and seq.request.params.n > len(seq.request.samples))
@@ -250,6 +261,8 @@ class Scheduler(TierFetches):
                                             root_hash(request.salt))
         seq.block_keys = request.block_keys
         request.samples.append(seq)
+        if request.params.n > len(request.samples):  # its other samples fork off it later
+            self._forking[request.request_id] = request
         self.waiting.append(seq)
 
     def prepare(self, plan: dict[Sequence, int]) -> StepBatch:

@@ -64,3 +64,47 @@ def test_slots_never_exceed_max_num_seqs(seed, max_num_seqs):
             scheduler.update_from_output([(seq, rng.randrange(50), None) for seq in plan
                                           if seq.num_computed == len(seq.token_ids)],
                                          frozenset())
+
+
+def _slots_by_pass(scheduler: Scheduler) -> int:
+    """The running sequences and the samples still to fork off them, counted over them."""
+    return len(scheduler.running) + sum(
+        seq.request.params.n - len(seq.request.samples) for seq in scheduler.running
+        if seq.index == 0 and seq.request.params.n > len(seq.request.samples))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), max_num_seqs=st.integers(2, 9))
+def test_the_slot_count_is_the_count_over_the_running_sequences(seed, max_num_seqs):
+    """Requests of one to three samples arrive, are admitted, forked once their prompt is
+    computed (as the engine forks them), decode, finish, are preempted or aborted: after
+    every step the scheduler's count (its running sequences alone while no request has
+    samples left to fork) is the count over the running sequences."""
+    rng, scheduler = random.Random(seed), _scheduler(max_num_seqs)
+    requests = []
+    for step in range(40):
+        if rng.random() < 0.5:
+            _add(scheduler, step, n=rng.randint(1, 3), length=rng.randint(1, 9))
+            requests.append(scheduler.waiting[-1].request)
+        if requests and rng.random() < 0.15:
+            scheduler.abort_request(requests.pop(rng.randrange(len(requests))))
+        if scheduler.running and rng.random() < 0.1:
+            scheduler._preempt(scheduler.running[-1])
+        plan = scheduler.schedule()
+        assert scheduler._num_slots() == _slots_by_pass(scheduler)
+        if not plan:
+            continue
+        scheduler.prepare(plan)
+        scheduler.advance(plan)
+        samples = []
+        for seq in [seq for seq in plan if seq.num_computed == len(seq.token_ids)]:
+            request = seq.request
+            if seq.index == 0 and request.params.n > len(request.samples):
+                children = [Sequence(request, i, list(seq.token_ids), None)
+                            for i in range(1, request.params.n)]
+                scheduler.add_children(seq, children)
+                samples += [(child, rng.randrange(50), None) for child in children]
+            samples.append((seq, rng.randrange(50), None))
+        scheduler.update_from_output(samples, frozenset())
+        assert scheduler._num_slots() == _slots_by_pass(scheduler)
+    assert scheduler._num_slots() == _slots_by_pass(scheduler)
