@@ -17,7 +17,8 @@ So validate-then-commit rests on one number, ``plan.requested`` (with ``plan.rev
 cached blocks an admission's prefix hits take out of the obtainable ones). The plan and
 the commit each take one of three shapes for speed (a decode step of known tokens with no
 copy in a few array ops or compiled loops, a single sequence in scalar arithmetic, anything
-else with arrays); they agree by construction, and the tests compare them.
+else with arrays, whose leading one-token rows may commit as a decode step: `StepPlan.head`);
+they agree by construction, and the tests compare them.
 """
 
 from __future__ import annotations
