@@ -37,12 +37,27 @@ _op = st.one_of(
 )
 
 
-def _cache(layout: str, num_blocks: int) -> PagedKVCache:
+def layout_cache(layout: str, num_blocks: int, num_state_slots: int = 16) -> PagedKVCache:
+    """A cache of `LAYOUTS[layout]` (the state slots only where it has a state group)."""
     kinds = LAYOUTS[layout]
     return PagedKVCache(CacheConfig(
         num_layers=max(len(kinds), 1), num_kv_heads=1, head_dim=2, block_size=BLOCK,
         num_blocks=num_blocks, dtype=torch.float32, layer_kinds=kinds,
-        num_state_slots=16 if kinds else 0))
+        num_state_slots=num_state_slots if kinds else 0))
+
+
+def outcome(batch) -> tuple:
+    """What two caches' batches must agree on: tables, slots, sequences, lengths, offsets."""
+    return (batch.block_tables.tolist(), batch.slot_mapping.tolist(), batch.seq_ids,
+            batch.seq_lens.tolist(), batch.query_start_loc.tolist())
+
+
+def fork_or_free(cache: PagedKVCache, kind: str, args: list) -> None:
+    """A ``fork`` (parent, child) or ``free`` (sequence) operation of the step tests."""
+    if kind == "fork":
+        cache.fork(*args)
+    else:
+        cache.free(args[0])
 
 
 def _apply(cache: PagedKVCache, op: tuple, step: int, arrays: bool) -> object:
@@ -62,23 +77,19 @@ def _apply(cache: PagedKVCache, op: tuple, step: int, arrays: bool) -> object:
                                              counts=np.array([len(t) for t in new.values()]))
             else:
                 batch = cache.prepare(new)
-        elif kind == "fork":
-            cache.fork(*args)
-            return None
         else:
-            cache.free(args[0])
+            fork_or_free(cache, kind, args)
             return None
     except (KeyError, ValueError, OutOfBlocksError) as exc:
         return type(exc).__name__
-    return (batch.block_tables.tolist(), batch.slot_mapping.tolist(), batch.seq_ids,
-            batch.seq_lens.tolist(), batch.query_start_loc.tolist())
+    return outcome(batch)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @settings(max_examples=80, deadline=None)
 @given(num_blocks=st.integers(10, 40), ops=st.lists(_op, max_size=25))
 def test_prepare_decode_with_counts_is_prepare_of_the_same_mapping(layout, num_blocks, ops):
-    caches = [_cache(layout, num_blocks) for _ in range(2)]
+    caches = [layout_cache(layout, num_blocks) for _ in range(2)]
     for step, op in enumerate(ops):
         outcomes = [_apply(cache, op, step, arrays) for cache, arrays in
                     zip(caches, (False, True), strict=True)]
@@ -96,7 +107,7 @@ def test_prepare_decode_with_counts_is_prepare_of_the_same_mapping(layout, num_b
     ([1, 2], [5, -6, 7], ValueError, "token_ids"),
 ])
 def test_bad_arrays_are_refused_and_change_nothing(counts, tokens, error, words):
-    cache = _cache("full, window and state", 16)
+    cache = layout_cache("full, window and state", 16)
     for seq in ("a", "b"):
         cache.admit(seq, [1, 2, 3])
     rows, before = cache.rows_of(["a", "b"]), snapshot(cache)
@@ -106,7 +117,7 @@ def test_bad_arrays_are_refused_and_change_nothing(counts, tokens, error, words)
 
 
 def test_freed_rows_are_refused():
-    cache = _cache("one group", 16)
+    cache = layout_cache("one group", 16)
     for seq in ("a", "b"):
         cache.admit(seq, [1, 2, 3])
     rows = cache.rows_of(["a", "b"])
