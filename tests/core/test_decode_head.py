@@ -2,8 +2,8 @@
 as a decode step, the rest as any step) changes nothing a caller can see: on random
 admissions (prefix hits among them), mixed steps, forks and frees over one group and over
 full, window and state groups, a cache that splits every such step and one that never
-does return the same batches or errors and end in the same state, and each operation
-gives the same events, block by block."""
+does return the same batches or errors, give the same events block by block, in order, and
+end in the same state."""
 
 from __future__ import annotations
 
@@ -94,12 +94,10 @@ def _run(layout: str, num_blocks: int, ops, split_at: int = 1) -> None:
                 patch.setattr(StepCommitter, "_commit_split", spy)
                 outcomes.append(_apply(cache, op, step))
         assert outcomes[0] == outcomes[1]
-        # each op's events, block by block: the split indexes its head's blocks in a call
-        # of their own, before the other rows' (the general path indexes the rows filling
-        # one new block first, then the others), so an event may list fewer blocks and
-        # rows' blocks come in another order (a row's own still parent first)
+        # each op's events, block by block and in order: the split indexes its head's
+        # blocks in a call of their own, so an event may list fewer blocks
         events = [_per_block(cache.take_events()) for cache in caches]
-        assert sorted(events[0]) == sorted(events[1])
+        assert events[0] == events[1]
         for found in events:
             stored = {entry[2]: i for i, entry in enumerate(found) if entry[0] == "stored"}
             assert all(stored.get(entry[3], -1) < i for i, entry in enumerate(found)

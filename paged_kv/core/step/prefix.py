@@ -106,18 +106,18 @@ def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.nd
                       old_lens: np.ndarray, new_lens: np.ndarray, block_size: int) -> None:
     """Enter every block a step filled with known ids (rows grew old_lens -> new_lens).
 
-    The rows that filled one block past the keys they were admitted with (a mixed step's
-    decoding rows: ~64 a step at 1,024 rows) are indexed in one batch, as a decode step's
-    are (`index_filled_blocks`: one hash each, one index update), not one row at a time
-    (~10 us a row); every other row through its own chain (`index_row_blocks`)."""
+    The rows that filled one block (a mixed step's decoding rows: ~64 a step at 1,024
+    rows) are indexed in one batch, in row order, as a decode step's are
+    (`index_filled_blocks`: one hash each, one index update), not one row at a time (~10 us
+    a row); every other row after them, through its own chain (`index_row_blocks`, which
+    reads the keys a row was admitted with instead of hashing them). A prompt row filling
+    one block is hashed again (~1 us): so the batch holds every one-block row, and a step
+    whose first rows commit as a decode step (`StepPlan.head`) indexes in the same order."""
     first_full, end_full = old_lens // block_size, new_lens // block_size
     filling = np.flatnonzero(end_full > first_full)
     if not filling.size:
         return
-    single = np.array([count == 1 and _unadmitted(tables.ahead(row), first)
-                       for row, first, count in zip(
-                           rows[filling].tolist(), first_full[filling].tolist(),
-                           (end_full - first_full)[filling].tolist(), strict=True)])
+    single = end_full[filling] - first_full[filling] == 1
     if single.any():
         batch = filling[single]
         batch_rows, columns = rows[batch], first_full[batch]
@@ -129,12 +129,6 @@ def index_full_blocks(allocator: BlockAllocator, tables: PageTables, rows: np.nd
         for i in filling[~single].tolist():
             index_row_blocks(allocator, tables, int(rows[i]), int(first_full[i]),
                              int(end_full[i]), block_size)
-
-
-def _unadmitted(ahead: tuple[list[bytes], bytes] | None, column: int) -> bool:
-    """Whether a row's block at `column` lies past the keys it was admitted with
-    (`PageTables.ahead`): it is hashed, no admitted key to reuse."""
-    return ahead is None or len(ahead[0]) <= column
 
 
 def index_row_blocks(allocator: BlockAllocator, tables: PageTables, row: int, first: int,
