@@ -197,7 +197,7 @@ OWNER_QUERIES = {
     "allocator": {"count_cached", "can_allocate", "block_hash", "lookup", "match", "snapshot",
                   "check_invariants", "obtainable"},
     "tables": {"rows_of", "resolve_rows", "chains", "chain", "root", "ahead", "rows", "check",
-               "blocks", "num_tokens_of", "owners", "snapshot"},
+               "blocks", "num_tokens_of", "owners", "snapshot", "plan_decode"},
 }
 
 
@@ -249,7 +249,7 @@ def test_owners_are_mutated_only_through_the_facade():
     outside the core, no module calls a mutator of either."""
     mutators = _owner_mutators()
     assert {"free", "allocate", "take_events", "register"} <= mutators["allocator"]
-    assert {"plan_decode", "extend_row", "add"} <= mutators["tables"]
+    assert {"commit_decode", "extend_row", "add"} <= mutators["tables"]
     bad = [f"{_name(path)}:{where}" for path in MODULES if not _is_core(_name(path))
            for where in owner_mutations(_tree(path), mutators)]
     assert not bad, f"owner mutations outside the core (add a facade operation): {bad}"
@@ -262,11 +262,11 @@ def test_owner_mutation_check_finds_direct_and_aliased_calls():
               "    allocator, n = cache.allocator, 1\n"
               "    allocator.free(x)\n"
               "    tables = self.cache.tables\n"
-              "    tables.plan_decode(x, None)\n"
+              "    tables.commit_decode(x, None, None)\n"
               "    return cache.allocator.can_allocate(n)\n")
     found = owner_mutations(ast.parse(source), _owner_mutators())
     assert found == ["3: self.cache.allocator.take_events", "5: allocator.free",
-                     "7: tables.plan_decode"]
+                     "7: tables.commit_decode"]
 
 
 # -- floors: each package imports only from its own floor or the ones below ----------------

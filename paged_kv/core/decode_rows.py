@@ -7,9 +7,9 @@ binds one of the two once per `PageTables`, and the tests run both against each 
 
 Every function works in place on the page tables' own arrays:
 
-- ``plan(rows, num_tokens, num_blocks, block_ids, protected, block_size)`` ->
-  ``(blocks to open, columns needed)``, or ``(-1, 0)`` when a row would write into a
-  protected (shared or indexed) block: copy-on-write, left to the general path.
+- ``plan(rows, num_tokens, num_blocks, block_ids, protected, block_size)`` -> blocks to
+  open, or -1 when a row would write into a protected (shared or indexed) block:
+  copy-on-write, left to the general path. Reads only.
 - ``commit(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
   block_size, slots, row_blocks, seq_lens, filled, filled_tokens)`` ->
   ``(rows that filled a block, most blocks of a row, longest row)``; for the i-th row that
@@ -65,10 +65,8 @@ def _plan_numpy(rows, num_tokens, num_blocks, block_ids, protected, block_size):
     # column -1 of an empty row is read but never used: its offset is 0
     last = block_ids[rows, (old_lens - 1) // block_size]
     if (protected[last] & in_place).any():
-        return -1, 0
-    opening = ~in_place
-    num_open = int(np.count_nonzero(opening))
-    return num_open, int(num_blocks[rows[opening]].max()) + 1 if num_open else 0
+        return -1
+    return int(np.count_nonzero(~in_place))
 
 
 def _commit_numpy(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,
@@ -124,19 +122,17 @@ NUMPY = DecodeOps(_plan_numpy, _commit_numpy, _find_bad_row_numpy, _gather_numpy
 
 # -- the compiled variant: the same contracts as plain loops ----------------------------
 def _plan_loop(rows, num_tokens, num_blocks, block_ids, protected, block_size):
-    """``(blocks to open, columns needed)``, or ``(-1, 0)`` when a row would write into a
-    protected (shared or indexed) block: copy-on-write, left to the general path."""
+    """Blocks to open, or -1 when a row would write into a protected (shared or indexed)
+    block: copy-on-write, left to the general path."""
     num_open = 0
-    columns = 0
     for i in range(rows.size):
         row = rows[i]
         length = num_tokens[row]
         if length % block_size == 0:
             num_open += 1
-            columns = max(columns, num_blocks[row] + 1)
         elif protected[block_ids[row, (length - 1) // block_size]]:
-            return -1, 0
-    return num_open, columns
+            return -1
+    return num_open
 
 
 def _commit_loop(rows, token_ids, new_ids, num_tokens, num_blocks, block_ids, token_table,

@@ -268,14 +268,10 @@ class PageTables:
     def plan_decode(self, rows: np.ndarray, protected: np.ndarray) -> int:
         """Blocks a decode step of `rows` (one token each) opens; -1 when a row would write
         into a block `protected` marks (shared or indexed), i.e. needs copy-on-write.
-
-        Grows the columns so `commit_decode` cannot run out of them (no visible change).
-        """
-        num_open, columns = self._decode.plan(rows, self._num_tokens, self._num_blocks,
-                                              self._block_ids, protected, self.block_size)
-        if columns > self._block_ids.shape[1]:
-            self._grow_columns(columns)
-        return num_open
+        Changes nothing (`commit_decode` grows the columns it needs): a plan, a count or a
+        step refused for want of blocks leaves the tables as they were."""
+        return self._decode.plan(rows, self._num_tokens, self._num_blocks, self._block_ids,
+                                 protected, self.block_size)
 
     def commit_decode(self, rows: np.ndarray, token_ids: np.ndarray | None,
                       block_ids: np.ndarray) -> tuple:
@@ -296,6 +292,8 @@ class PageTables:
             ``[F, block_size]`` int32 those blocks' token ids (garbage when unknown).
             Both are scratch, valid until the next call.
         """
+        if block_ids.size:  # rows open blocks: a row at the last column needs one more
+            self._columns_for_decode(rows)
         size = rows.size
         slots = np.empty(size, dtype=np.int64)
         num_blocks = np.empty(size, dtype=np.int64)
@@ -309,6 +307,16 @@ class PageTables:
             self.block_size, slots, num_blocks, seq_lens, self._filled, self._filled_tokens)
         return (slots, num_blocks, seq_lens, max_blocks, max_len,
                 self._filled[:, :num_filled], self._filled_tokens[:num_filled])
+
+    def _columns_for_decode(self, rows: np.ndarray) -> None:
+        """Grow the columns for a decode step of `rows` when a row opening a block (its
+        last one full) holds as many blocks as there are columns: one test a step, the
+        exact count only then (the compiled loop writes past no bound)."""
+        num_blocks = self._num_blocks[rows]
+        if num_blocks.max() < self._block_ids.shape[1]:
+            return
+        opening = self._num_tokens[rows] % self.block_size == 0
+        self._grow_columns(int(num_blocks[opening].max(initial=0)) + 1)
 
     def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
         """``[B, width]`` int32, a new copy of the first `width` block ids of `rows` (a
