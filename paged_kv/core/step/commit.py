@@ -161,17 +161,21 @@ class StepCommitter:
                                    count, block_size, self._device, max_seq_len=new_len)
 
     def _commit_rows(self, plan: StepPlan, new_ids: np.ndarray) -> StepBatch:
-        step = plan.step
-        new_lens = self._extend_rows(step, plan.new_blocks, new_ids)
-        num_blocks = self._tables.num_blocks[step.rows]
-        block_tables = self._tables.gather(step.rows, int(num_blocks.max()))
-        return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks, new_lens,
-                                     step.counts, self._block_size, self._device)
+        self._extend_rows(plan.step, plan.new_blocks, new_ids)
+        return self._rows_batch(plan.step)
 
-    def _extend_rows(self, step: Step, new_blocks: np.ndarray, new_ids: np.ndarray,
-                     ) -> np.ndarray:
+    def _rows_batch(self, step: Step) -> StepBatch:
+        """The batch of a committed step's rows, read off the tables as it left them."""
+        tables, rows = self._tables, step.rows
+        num_blocks = tables.num_blocks[rows]
+        block_tables = tables.gather(rows, int(num_blocks.max()))
+        return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks,
+                                     tables.num_tokens[rows], step.counts, self._block_size,
+                                     self._device)
+
+    def _extend_rows(self, step: Step, new_blocks: np.ndarray, new_ids: np.ndarray) -> None:
         """Give each row of `step` its `new_blocks` (from `new_ids`, in row order) and its
-        tokens, and index the blocks that filled with known ids; ``[B]`` the new lengths."""
+        tokens, and index the blocks that filled with known ids."""
         tables, rows = self._tables, step.rows
         old_lens = tables.num_tokens[rows]
         new_lens = old_lens + step.counts
@@ -185,7 +189,6 @@ class StepCommitter:
         if self._indexing:
             index_full_blocks(self._allocator, tables, rows, old_lens, new_lens,
                               self._block_size)
-        return new_lens
 
     def _commit_split(self, plan: StepPlan, new_ids: np.ndarray,
                       filled: list | None) -> StepBatch:
@@ -195,18 +198,14 @@ class StepCommitter:
         to the rows in row order, as `_commit_rows` gives them (after any copies)."""
         tables, step, head = self._tables, plan.step, plan.head
         rows, opened = step.rows, int(plan.new_blocks[:head].sum())
-        _, head_blocks, head_lens, _, _, found, found_tokens = tables.commit_decode(
-            rows[:head], step.token_ids[:head], new_ids[:opened])
+        *_, found, found_tokens = tables.commit_decode(rows[:head], step.token_ids[:head],
+                                                       new_ids[:opened])
         if self._indexing and found.shape[1]:
             index_filled_blocks(self._allocator, tables, found, found_tokens, filled)
         rest = Step(step.seq_ids, rows[head:], step.counts[head:], step.has_ids[head:],
                     step.token_ids[head:])  # (seq_ids unread by `_extend_rows`)
-        rest_lens = self._extend_rows(rest, plan.new_blocks[head:], new_ids[opened:])
-        num_blocks = np.concatenate((head_blocks, tables.num_blocks[rest.rows]))
-        block_tables = tables.gather(rows, int(num_blocks.max()))
-        return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks,
-                                     np.concatenate((head_lens, rest_lens)), step.counts,
-                                     self._block_size, self._device)
+        self._extend_rows(rest, plan.new_blocks[head:], new_ids[opened:])
+        return self._rows_batch(step)
 
 
 def admission_batch(seq_id: SeqId, ids: np.ndarray, end: int, count: int, new_ids: np.ndarray,
