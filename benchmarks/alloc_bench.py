@@ -397,6 +397,7 @@ class PagedKvAdapter:
 
     name = "paged_kv"
     enable_caching = True
+    reuse_block_tables = False  # the `_kept` adapters: block tables kept, as the engine's
 
     def __init__(self, mods, num_blocks, bs):
         import torch
@@ -404,7 +405,8 @@ class PagedKvAdapter:
         import paged_kv
         cfg = paged_kv.CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=bs,
                                    num_blocks=num_blocks + 1, dtype=torch.float32, device="cpu",
-                                   enable_prefix_caching=self.enable_caching)
+                                   enable_prefix_caching=self.enable_caching,
+                                   reuse_block_tables=self.reuse_block_tables)
         self.cache = paged_kv.PagedKVCache(cfg)
         self.bs = bs
 
@@ -489,11 +491,29 @@ class PagedKvGroupsAdapter(PagedKvArraysAdapter):
         cfg = paged_kv.CacheConfig(num_layers=3, num_kv_heads=1, head_dim=8, block_size=bs,
                                    num_blocks=2 * num_blocks + 1 + self.concurrency * (256 // bs + 2),
                                    dtype=torch.float32, device="cpu", enable_prefix_caching=True,
-                                   layer_kinds=kinds, num_state_slots=slots)
+                                   layer_kinds=kinds, num_state_slots=slots,
+                                   reuse_block_tables=self.reuse_block_tables)
         self.cache = paged_kv.PagedKVCache(cfg)
         self.bs = bs
 
     concurrency = 256  # set from --concurrency by main()
+
+
+class PagedKvArraysKeptAdapter(PagedKvArraysAdapter):
+    """`paged_kv_arrays` with `CacheConfig.reuse_block_tables`, as the engine's cache: a
+    decode step of the same requests updates the last step's block tables in place (the
+    harness drops each batch), instead of writing new ones."""
+
+    name = "paged_kv_arrays_kept"
+    reuse_block_tables = True
+
+
+class PagedKvGroupsKeptAdapter(PagedKvGroupsAdapter):
+    """`paged_kv_groups` with `CacheConfig.reuse_block_tables` (see
+    `PagedKvArraysKeptAdapter`)."""
+
+    name = "paged_kv_groups_kept"
+    reuse_block_tables = True
 
 
 NUM_TENANTS = 4
@@ -561,6 +581,8 @@ ADAPTERS = {
     "paged_kv_arrays": PagedKvArraysAdapter,
     "paged_kv_arrays_nocache": PagedKvArraysNoCacheAdapter,
     "paged_kv_groups": PagedKvGroupsAdapter,
+    "paged_kv_arrays_kept": PagedKvArraysKeptAdapter,
+    "paged_kv_groups_kept": PagedKvGroupsKeptAdapter,
     "paged_kv_salted": PagedKvSaltedAdapter,
     "paged_kv_salted_pool": PagedKvSaltedPoolAdapter,
     "paged_kv_tenants": PagedKvTenantsAdapter,

@@ -235,6 +235,15 @@ class CacheConfig:
         one slot holds every recurrent layer's states of one sequence
         (`state_bytes_per_slot`), as a resident sequence's live state or as a prefix
         checkpoint. At least 1 when `layer_kinds` has recurrent layers; 0 otherwise.
+    reuse_block_tables : bool
+        Keep each step's block tables and update them by the next step's changes (vLLM's
+        persistent block table; `paged_kv.core.step_table`) instead of giving every batch
+        tables of its own (False, the default). A decode step of the same rows then writes
+        the few entries that changed (rows that opened a block, blocks a window gave back),
+        not a new ``[B, max_blocks]`` table (1 MB at 1,024 rows of 4K tokens at most). In
+        exchange a batch's `block_tables` and host arrays are valid until the next step
+        only, which may update them in place: for a caller that drops each batch before
+        preparing the next, as the engine does (it turns this on).
 
     Examples
     --------
@@ -266,6 +275,7 @@ class CacheConfig:
     tenants: TenantPolicy | None = None
     num_state_slots: int = 0
     kv_rotation: bool = False
+    reuse_block_tables: bool = False
 
     def __post_init__(self) -> None:
         minimums = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1,
@@ -293,6 +303,9 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.tenants: expected a TenantPolicy or None, "
                                  f"got {type(self.tenants).__name__}")
             self.tenants.check(self.num_blocks)
+        if not isinstance(self.reuse_block_tables, bool):
+            raise ValueError(f"CacheConfig.reuse_block_tables: expected a bool, "
+                             f"got {self.reuse_block_tables!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"CacheConfig.enable_prefix_caching: expected a bool, "

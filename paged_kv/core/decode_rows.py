@@ -18,6 +18,10 @@ Every function works in place on the page tables' own arrays:
 - ``find_bad_row(rows, resident, seen, stamp)`` -> index of the first bad row or -1.
 - ``gather(block_ids, rows, width)`` -> ``[B, width]`` a new copy of the first `width`
   columns of `rows` (a step's block tables).
+- ``update(block_ids, rows, num_blocks, last_rows, table, kept)`` -> entries written, or
+  -1 (nothing written) when `table`, the block tables of `last_rows` as they held `kept`
+  blocks each, cannot become those of `rows` by appending: other rows or another order, a
+  row with fewer blocks, or more than the table's width (`paged_kv.core.step_table`).
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ except ImportError:  # the `fast` extra is not installed: numpy variant
 
 
 class DecodeOps(NamedTuple):
-    """One variant's three functions (see the module docstring)."""
+    """One variant's functions (see the module docstring)."""
 
     plan: object
     commit: object
     find_bad_row: object
     gather: object
+    update: object
 
 
 def default_compiled() -> bool:
@@ -117,7 +122,28 @@ def _gather_numpy(block_ids, rows, width):
     return block_ids[:, :width][rows]
 
 
-NUMPY = DecodeOps(_plan_numpy, _commit_numpy, _find_bad_row_numpy, _gather_numpy)
+def _update_numpy(block_ids, rows, num_blocks, last_rows, table, kept):
+    if last_rows.size != rows.size or not np.array_equal(last_rows, rows):
+        return -1
+    grown = np.flatnonzero(num_blocks != kept)
+    if not grown.size:
+        return 0
+    old, new = kept[grown], num_blocks[grown]
+    if (new < old).any() or new.max() > table.shape[1]:
+        return -1
+    if (new - old == 1).all():  # a decode step's: one block each
+        table[grown, old] = block_ids[rows[grown], old]
+    else:
+        owner = np.repeat(grown, new - old)
+        columns = np.arange(owner.size) - np.repeat(np.cumsum(new - old) - (new - old),
+                                                    new - old) + np.repeat(old, new - old)
+        table[owner, columns] = block_ids[rows[owner], columns]
+    kept[grown] = new
+    return int((new - old).sum())
+
+
+NUMPY = DecodeOps(_plan_numpy, _commit_numpy, _find_bad_row_numpy, _gather_numpy,
+                  _update_numpy)
 
 
 # -- the compiled variant: the same contracts as plain loops ----------------------------
@@ -196,7 +222,28 @@ def _gather_loop(block_ids, rows, width):
     return out
 
 
+def _update_loop(block_ids, rows, num_blocks, last_rows, table, kept):
+    """Append to `table` (the block tables of `last_rows`, `kept` blocks each) the blocks
+    `rows` gained since; -1, having written nothing, when it cannot (see the module
+    docstring). Two passes: a refusal must leave the table, which an earlier batch may
+    still read, as it was."""
+    if rows.size != last_rows.size:
+        return -1
+    for i in range(rows.size):
+        if rows[i] != last_rows[i] or num_blocks[i] < kept[i] \
+                or num_blocks[i] > table.shape[1]:
+            return -1
+    written = 0
+    for i in range(rows.size):
+        row = rows[i]
+        for j in range(kept[i], num_blocks[i]):
+            table[i, j] = block_ids[row, j]
+        written += num_blocks[i] - kept[i]
+        kept[i] = num_blocks[i]
+    return written
+
+
 _COMPILED = (DecodeOps(*(numba.njit(cache=True, nogil=True)(f)
                          for f in (_plan_loop, _commit_loop, _find_bad_row_loop,
-                                   _gather_loop)))
+                                   _gather_loop, _update_loop)))
              if numba is not None else None)

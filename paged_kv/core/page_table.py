@@ -20,6 +20,7 @@ from .._checks import read_only
 from ..errors import ensure
 from .batch import RowNames, SeqId
 from .decode_rows import decode_ops
+from .step_table import StepTable
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)  # the decode step's "ids unknown"
 
@@ -77,6 +78,7 @@ class PageTables:
         self._names: tuple = (-1, ())  # version, the owner of every row then
         self._filled = np.empty((2, 0), dtype=np.int64)  # commit_decode's scratch
         self._filled_tokens = np.empty((0, block_size), dtype=np.int32)
+        self._step_table: StepTable | None = None  # None: every batch gets a new table
         self._refresh_views()
 
     def _refresh_views(self) -> None:
@@ -245,6 +247,7 @@ class PageTables:
         blocks = self.blocks(seq_id)
         row = self._row_of.pop(seq_id)
         self._version += 1
+        self._forget_step()
         self._block_ids[row, : blocks.size] = 0
         self._num_blocks[row] = self._num_tokens[row] = 0
         self._swapped[row] = False
@@ -323,6 +326,23 @@ class PageTables:
         decode step's block tables; zero past each row's blocks)."""
         return self._decode.gather(self._block_ids, rows, width)
 
+    def batch_tables(self, rows: np.ndarray, num_blocks: np.ndarray, width: int) -> np.ndarray:
+        """A step's ``[B, width]`` int32 block tables of `rows` (``num_blocks`` their block
+        counts now, `width` the largest): `gather`, or with `reuse_step_tables` on, the last
+        step's table updated in place (valid until the next step)."""
+        if self._step_table is None:
+            return self._decode.gather(self._block_ids, rows, width)
+        return self._step_table.table(self._block_ids, rows, num_blocks, width, self._decode)
+
+    def reuse_step_tables(self, enabled: bool) -> None:
+        """Keep each step's block tables and update them by the next step's changes
+        (`paged_kv.core.step_table`), or (False) give every batch a table of its own."""
+        self._step_table = StepTable() if enabled else None
+
+    def _forget_step(self) -> None:
+        if self._step_table is not None:
+            self._step_table.forget()
+
     def extend_row(self, row: int, old_len: int, new_len: int, block_ids: np.ndarray,
                    token_ids: np.ndarray | None) -> None:
         """Grow one row from `old_len` to `new_len` tokens: append `block_ids`, record the
@@ -339,6 +359,8 @@ class PageTables:
     def replace_blocks(self, rows: np.ndarray, columns: np.ndarray, block_ids: np.ndarray) -> None:
         """Point entry ``columns[i]`` of row ``rows[i]`` at ``block_ids[i]`` (copy-on-write)."""
         self._block_ids[rows, columns] = block_ids
+        if self._step_table is not None:
+            self._step_table.replace(rows, columns, block_ids)
 
     def set_num_tokens(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
         """Set the token count of each of `rows` (columns grow to fit)."""
@@ -361,6 +383,7 @@ class PageTables:
         keep = -(-num_tokens // self.block_size)
         dropped = self._block_ids[row, keep: self._num_blocks[row]].astype(np.int64)
         self._block_ids[row, keep: self._num_blocks[row]] = 0
+        self._forget_step()
         self._num_blocks[row], self._num_tokens[row] = keep, num_tokens
         self._chain[row] = chain
         return dropped
@@ -372,6 +395,7 @@ class PageTables:
         self._swapped[row] = swapped
         self._resident[row] = not swapped
         self._version += 1
+        self._forget_step()
 
     def fork(self, parent: SeqId, child: SeqId) -> int:
         """Give `child` a copy of `parent`'s row; returns the child's row."""
@@ -405,6 +429,7 @@ class PageTables:
         self._seen = _pad_rows(self._seen, old)
         self._seq_of_row += [None] * old
         self._version += 1
+        self._forget_step()
         self._chain += [None] * old
         self._root += [None] * old
         self._ahead += [None] * old

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import abc
@@ -67,7 +68,11 @@ class Engine:
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__} "
                             f"(a CacheConfig goes in EngineConfig(cache=...))")
-        self.config = config = (config or EngineConfig()).sized_for(model)
+        config = (config or EngineConfig()).sized_for(model)
+        # each batch is run and dropped before the next step is prepared: the cache may
+        # update its block tables in place rather than write new ones each step
+        self.config = config = dataclasses.replace(config, cache=dataclasses.replace(
+            config.cache, reuse_block_tables=True))
         # CPU steps run on the cores other processes leave free (see paged_kv._threads)
         self._threads = (ThreadGovernor(config.num_threads) if config.cache.device.type
                          == "cpu" or config.num_threads is not None else None)

@@ -32,6 +32,7 @@ stepper of one size holds the same prompts and takes the same tokens.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -128,7 +129,8 @@ class DecodeStepper:
                          ) -> Callable[[], object]:
         """The ``cache`` and ``scheduler`` kinds: a `Scheduler` over its own cache, the
         prompts queued; returns its step."""
-        self.cache = PagedKVCache(config)
+        # the engine's cache keeps its block tables (each batch dropped in its step)
+        self.cache = PagedKVCache(dataclasses.replace(config, reuse_block_tables=True))
         self.scheduler = Scheduler(self.cache, max_num_seqs=len(prompts),
                                    max_num_batched_tokens=PREFILL_TOKENS,
                                    preemption="recompute")

@@ -85,6 +85,7 @@ class LayerGroup:
         own = (config if index == 0 or not config.enable_prefix_caching  # only group 0 hashes
                else dataclasses.replace(config, enable_prefix_caching=False))
         tables = PageTables(config.block_size, config.max_num_seqs, compiled=compiled)
+        tables.reuse_step_tables(config.reuse_block_tables)
         swap = None if host_allocator is None else SwapSpace(
             config.num_host_blocks, tables, allocator, pool, host_allocator)
         return cls(index, kind, layers, tables, StepPlanner(tables, allocator, own),

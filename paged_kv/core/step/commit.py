@@ -134,7 +134,7 @@ class StepCommitter:
         elif self._indexing and filled.shape[1]:
             index_filled_blocks(self._allocator, tables, filled, filled_tokens, out)
         return StepBatch.from_host(
-            step.seq_ids, tables.gather(rows, max_blocks), num_blocks, seq_lens,
+            step.seq_ids, tables.batch_tables(rows, num_blocks, max_blocks), num_blocks, seq_lens,
             np.arange(rows.size + 1, dtype=np.int32), slots, rows.size, 1, self._block_size,
             self._device, max_seq_len=max_len)
 
@@ -168,7 +168,7 @@ class StepCommitter:
         """The batch of a committed step's rows, read off the tables as it left them."""
         tables, rows = self._tables, step.rows
         num_blocks = tables.num_blocks[rows]
-        block_tables = tables.gather(rows, int(num_blocks.max()))
+        block_tables = tables.batch_tables(rows, num_blocks, int(num_blocks.max()))
         return StepBatch.from_arrays(step.seq_ids, block_tables, num_blocks,
                                      tables.num_tokens[rows], step.counts, self._block_size,
                                      self._device)
