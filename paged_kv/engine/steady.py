@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterable
+from collections.abc import Sequence as Ints  # (`Sequence` is the engine's)
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -78,8 +79,8 @@ class SteadyDecode:
         # the next step's: (its sequences, [B] int32 tokens, [B] int64 positions)
         self._carry: tuple[tuple[Sequence, ...], np.ndarray, np.ndarray] | None = None
         self._appends: _Appends | None = None  # the last carried batch's lists
-        self._sampled: tuple[int, ...] = ()  # the tokens `carry_over` carried, as ints
-        self._appended: tuple[int, ...] | None = None  # the same, once `append` ran
+        self._sampled: Ints[int] = ()  # the tokens `carry_over` carried, as ints
+        self._appended: Ints[int] | None = None  # the same, once `append` ran
 
     def start(self, batch: tuple[Sequence, ...], budget: int) -> bool:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
@@ -167,7 +168,11 @@ class SteadyDecode:
         plan, _, positions = self._prepared
         self._carry = None
         if samples and plan is not None and plan is self.plan and len(samples) == len(plan):
-            seqs, tokens, _ = zip(*samples, strict=True)
+            drawn = getattr(samples, "tokens", None)  # `draw.Samples`: kept as drawn
+            if drawn is not None and len(drawn) == len(samples):
+                seqs, tokens = tuple(samples.seqs), drawn
+            else:
+                seqs, tokens, _ = zip(*samples, strict=True)
             if seqs == batch:
                 self._carry = (seqs, np.array(tokens, dtype=np.int32), positions + 1)
                 self._sampled = tokens
@@ -202,7 +207,7 @@ class SteadyDecode:
         return map(samples.__getitem__, np.flatnonzero(may_stop).tolist())
 
     def outputs(self, finished: list,
-                ) -> tuple[list, list[int], list[int], tuple[int, ...]] | None:
+                ) -> tuple[list, list[int], list[int], Ints[int]] | None:
         """``(listeners, request ids, sample indexes, tokens)`` of this step's samples, in
         order, when `append` made its appends, every request has a listener and one
         sample, and none finished (`finished`: the requests `update_from_output` returned):

@@ -7,6 +7,7 @@ import collections
 import itertools
 import operator
 import time
+from collections import abc
 
 from .draw import Sample
 from .outputs import StepOutput
@@ -14,7 +15,7 @@ from .request import Request, Sequence
 
 
 def emit_samples(samples: list[Sample], finished: list[Request],
-                 plain: tuple[list, list[int], list[int], tuple[int, ...]] | None = None,
+                 plain: tuple[list, list[int], list[int], abc.Sequence[int]] | None = None,
                  ) -> None:
     """Stream each sample's new token, in order; a request this step finished (`finished`,
     as `Scheduler.update_from_output` returned it) carries its whole `RequestOutput` on the

@@ -43,6 +43,7 @@ import torch
 from ...config import CacheConfig, LayerKind, StateSpec
 from ...core.cache import PagedKVCache
 from ...engine.config import EngineConfig
+from ...engine.draw import Samples
 from ...engine.engine import Engine
 from ...engine.request import Request, Sequence
 from ...engine.sampling import SamplingParams
@@ -183,11 +184,13 @@ class DecodeStepper:
         return time.perf_counter() - start
 
 
-def model_samples(plan: dict[Sequence, int]) -> list[tuple[Sequence, int, None]]:
+def model_samples(plan: dict[Sequence, int]) -> Samples:
     """What the model and its sampler hand `Scheduler.update_from_output` after `plan`:
-    a token for each sequence whose next token is due (`output_token_id` of its position)."""
-    return [(seq, output_token_id(seq.request.request_id, len(seq.token_ids)), None)
-            for seq in plan if seq.num_computed == len(seq.token_ids)]
+    a token for each sequence whose next token is due (`output_token_id` of its position),
+    as the engine's sampler hands them (`Samples`: the sequences and tokens beside)."""
+    seqs = [seq for seq in plan if seq.num_computed == len(seq.token_ids)]
+    return Samples.of(seqs, [output_token_id(seq.request.request_id, len(seq.token_ids))
+                             for seq in seqs])
 
 
 def time_steps(stepper: DecodeStepper, num_steps: int) -> float:
