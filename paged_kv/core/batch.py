@@ -55,7 +55,9 @@ class StepBatch:
     slot_mapping : torch.Tensor
         ``[num_tokens]`` int64 slot of each new token (-1 = skip).
     block_tables : torch.Tensor
-        ``[B, max_blocks]`` int32 block ids; padding entries are the null block 0.
+        ``[B, max_blocks]`` int32 block ids; padding entries are the null block 0. With
+        `CacheConfig.reuse_block_tables` a decode step's is the cache's kept table, which
+        the next step updates in place: valid until then (`paged_kv.core.step_table`).
     seq_lens : torch.Tensor
         ``[B]`` int32 tokens per sequence after this step.
     query_start_loc : torch.Tensor
