@@ -240,10 +240,10 @@ class CacheConfig:
         persistent block table; `paged_kv.core.step_table`) instead of giving every batch
         tables of its own (False, the default). A decode step of the same rows then writes
         the few entries that changed (rows that opened a block, blocks a window gave back),
-        not a new ``[B, max_blocks]`` table (1 MB at 1,024 rows of 4K tokens at most). In
-        exchange a batch's `block_tables` and host arrays are valid until the next step
-        only, which may update them in place: for a caller that drops each batch before
-        preparing the next, as the engine does (it turns this on).
+        not a new ``[B, max_blocks]`` table (1 MB at 1,024 rows whose longest holds 4K
+        tokens). In exchange a batch's `block_tables` and host arrays are valid until the
+        next step only, which may update them in place: for a caller that drops each
+        batch before preparing the next, as the engine does (it turns this on).
 
     Examples
     --------

@@ -2,10 +2,11 @@
 changed (vLLM's persistent block table), instead of gathered afresh.
 
 A decode step's batch carries a ``[B, longest row's blocks]`` int32 table. Gathered afresh
-it is a new array each step: 1,024 rows x 258 columns is 1 MB written, ~80 us a step with
-the caches the rest of the step leaves cold, for one group. From one step to the next the
-same rows in the same order change in a few cells: the ~1 in `block_size` rows that open a
-block, and, in a window group, the blocks given back. Kept, the table costs those cells.
+it is a new array each step: 1,024 rows x 258 columns is 1 MB written, 0.04-0.06 ms a
+step per group in a three-group step at 1,024 rows (docs/benchmarks.md, round 10). From
+one step to the next the same rows in the same order change in a few cells: the ~1 in
+`block_size` rows that open a block, and, in a window group, the blocks given back. Kept,
+the table costs those cells.
 
 The price is the batch's lifetime: the table is updated in place by the next step, so a
 batch is valid until the next step only (as vLLM's and FlashInfer's step metadata). A
