@@ -331,7 +331,7 @@ class PageTables:
         counts now, `width` the largest): `gather`, or with `reuse_step_tables` on, the last
         step's table updated in place (valid until the next step)."""
         if self._step_table is None:
-            return self._decode.gather(self._block_ids, rows, width)
+            return self.gather(rows, width)
         return self._step_table.table(self._block_ids, rows, num_blocks, width, self._decode)
 
     def reuse_step_tables(self, enabled: bool) -> None:

@@ -37,13 +37,15 @@ _op = st.one_of(
 )
 
 
-def layout_cache(layout: str, num_blocks: int, num_state_slots: int = 16) -> PagedKVCache:
-    """A cache of `LAYOUTS[layout]` (the state slots only where it has a state group)."""
+def layout_cache(layout: str, num_blocks: int, num_state_slots: int = 16, *,
+                 compiled: bool | None = None, **fields) -> PagedKVCache:
+    """A cache of `LAYOUTS[layout]` (the state slots only where it has a state group);
+    `fields`: more `CacheConfig` fields, `compiled`: the page tables' variant."""
     kinds = LAYOUTS[layout]
     return PagedKVCache(CacheConfig(
         num_layers=max(len(kinds), 1), num_kv_heads=1, head_dim=2, block_size=BLOCK,
         num_blocks=num_blocks, dtype=torch.float32, layer_kinds=kinds,
-        num_state_slots=num_state_slots if kinds else 0))
+        num_state_slots=num_state_slots if kinds else 0, **fields), compiled=compiled)
 
 
 def outcome(batch) -> tuple:

@@ -14,13 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from paged_kv import CacheConfig, OutOfBlocksError, PagedKVCache
+from paged_kv import OutOfBlocksError, PagedKVCache
 from paged_kv.core.cache import snapshot
 from paged_kv.core.decode_rows import numba
 from paged_kv.core.step_table import StepTable
 
 from ..conftest import assert_same_snapshot
-from .test_prepare_counts import BLOCK, LAYOUTS, outcome
+from .test_prepare_counts import BLOCK, LAYOUTS, layout_cache, outcome
 
 NAMES = tuple("abcdef")
 VARIANTS = [False] + ([True] if numba is not None else [])  # the update in numpy, compiled
@@ -30,12 +30,8 @@ _KINDS = st.sampled_from(("decode",) * 8 + ("admit",) * 2 + ("mixed", "chunks", 
 
 def _cache(layout: str, num_blocks: int, reuse: bool,
            compiled: bool | None = None) -> PagedKVCache:
-    kinds = LAYOUTS[layout]
-    return PagedKVCache(CacheConfig(
-        num_layers=max(len(kinds), 1), num_kv_heads=1, head_dim=2, block_size=BLOCK,
-        num_blocks=num_blocks, dtype=torch.float32, layer_kinds=kinds,
-        num_state_slots=64 if kinds else 0, num_host_blocks=64, reuse_block_tables=reuse),
-        compiled=compiled)
+    return layout_cache(layout, num_blocks, 64, compiled=compiled, num_host_blocks=64,
+                        reuse_block_tables=reuse)
 
 
 def _draw_op(data, cache: PagedKVCache) -> tuple:
