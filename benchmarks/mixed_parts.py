@@ -6,7 +6,7 @@ new prompt arrived (a loaded server's usual step), part by part.
 `benchmarks/step_churn.py` times the mixed step whole ("in and gone"); this wraps its parts
 with `perf_counter` (the scheduler's phases and per-sequence passes, the cache's step and
 its groups' commits, the stream) in one engine over a model that does no work
-(`DecodeStepper("engine", ...)`), and prints each part's median ms per step over
+(`step_scale.MixedSteps`), and prints each part's median ms per step over
 ``--steps`` steps (the first four left out), largest first, beside the step's own median.
 Before each step one running request is aborted and one prompt of ``--prompt`` tokens is
 added, off the clock. Parts nest (a commit is inside the cache's step), so they do not sum
@@ -21,7 +21,7 @@ import gc
 import statistics
 import time
 
-from paged_kv.bench.workloads.step_scale import DecodeStepper, trace_prompts
+from paged_kv.bench.workloads.step_scale import MixedSteps
 from paged_kv.core.cache import PagedKVCache
 from paged_kv.core.groups.groups import LayerGroup
 from paged_kv.core.groups.layout import GroupLayout
@@ -30,7 +30,6 @@ from paged_kv.core.page_table import PageTables
 from paged_kv.core.step.commit import StepCommitter
 from paged_kv.engine import engine as engine_module
 from paged_kv.engine import steady
-from paged_kv.engine.sampling import SamplingParams
 from paged_kv.engine.scheduler import Scheduler
 
 # (owner, attribute, label): what is wrapped
@@ -71,10 +70,7 @@ def _wrap(spent: dict[str, float]) -> None:
 def measure(num_groups: int, num_seqs: int, num_steps: int, prompt: int,
             ) -> tuple[float, dict[str, float]]:
     """The mixed step's median seconds, and each part's."""
-    prompts = trace_prompts(num_seqs + num_steps + 2)
-    stepper = DecodeStepper("engine", num_groups, prompts[:num_seqs], 3 * num_steps + 8)
-    engine, running = stepper.engine, stepper.scheduler.running
-    params = SamplingParams(max_tokens=4 * num_steps, ignore_eos=True, temperature=0.0)
+    mixed = MixedSteps(num_groups, num_seqs, num_steps, prompt)
     spent: dict[str, float] = collections.defaultdict(float)
     _wrap(spent)
     steps, parts = [], collections.defaultdict(list)
@@ -82,11 +78,9 @@ def measure(num_groups: int, num_seqs: int, num_steps: int, prompt: int,
     gc.disable()
     try:
         for step in range(num_steps):
-            engine.abort(running[(37 * step) % len(running)].request.request_id)
-            engine.add_request(list(prompts[num_seqs + step][:prompt]), params,
-                               on_output=stepper.outputs.append)
+            mixed.churn(step)
             spent.clear()
-            seconds = stepper.step()
+            seconds = mixed.stepper.step()
             if step >= 4:
                 steps.append(seconds)
                 for label, value in spent.items():

@@ -28,8 +28,7 @@ import argparse
 import gc
 import statistics
 
-from paged_kv.bench.workloads.step_scale import DecodeStepper, trace_prompts
-from paged_kv.engine.sampling import SamplingParams
+from paged_kv.bench.workloads.step_scale import MixedSteps
 
 MODES = ("steady", "gone", "in and gone")
 
@@ -39,21 +38,15 @@ def time_modes(num_groups: int, num_seqs: int, num_steps: int, prompt: int,
     """Median seconds of `num_steps` engine steps of each mode (`MODES`) over `num_seqs`
     running sequences of a `num_groups`-group cache, one engine, the modes in turn;
     `turnover` requests go (and as many come) before each changed step."""
-    prompts = trace_prompts(num_seqs + num_steps * turnover)
-    stepper = DecodeStepper("engine", num_groups, prompts[:num_seqs], 3 * num_steps + 4)
-    engine, running = stepper.engine, stepper.scheduler.running
-    params = SamplingParams(max_tokens=4 * num_steps, ignore_eos=True, temperature=0.0)
+    mixed = MixedSteps(num_groups, num_seqs, num_steps, prompt, turnover)
+    stepper = mixed.stepper
     stepper.step()
     times: dict[str, float] = {}
     for mode in MODES:
         seconds = []
         for step in range(num_steps):
-            for k in range(turnover if mode != "steady" else 0):
-                # requests spread over the running set go; as many new ones come
-                engine.abort(running[(37 * step + k * 101) % len(running)].request.request_id)
-                if mode == MODES[2]:
-                    new = list(prompts[num_seqs + step * turnover + k][:prompt])
-                    engine.add_request(new, params, on_output=stepper.outputs.append)
+            if mode != "steady":
+                mixed.churn(step, arrivals=mode == MODES[2])
             seconds.append(stepper.step())
         times[mode] = statistics.median(seconds)
     return times

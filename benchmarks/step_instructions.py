@@ -62,20 +62,15 @@ def _mixed_steps(groups: int, seqs: int, steps: int) -> None:
     aborted and one 128-token prompt of the trace arrived (`benchmarks/step_churn.py`'s
     "in and gone" step, a loaded server's usual one): the abort and the arrival off the
     count, each step inside a one-item `functools.reduce` of its own."""
-    from paged_kv.bench.workloads.step_scale import DecodeStepper, trace_prompts
-    from paged_kv.engine.sampling import SamplingParams
+    from paged_kv.bench.workloads.step_scale import MixedSteps
 
-    prompts = trace_prompts(seqs + steps + 2)
-    stepper = DecodeStepper("engine", groups, prompts[:seqs], 3 * steps + 8)
-    engine, running = stepper.engine, stepper.scheduler.running
-    params = SamplingParams(max_tokens=4 * steps, ignore_eos=True, temperature=0.0)
+    mixed = MixedSteps(groups, seqs, steps)
+    stepper = mixed.stepper
     for step in range(steps + 2):  # two untimed, then the counted ones
         if step == 2:
             gc.collect()
             gc.disable()
-        engine.abort(running[(37 * step) % len(running)].request.request_id)
-        engine.add_request(list(prompts[seqs + step][:128]), params,
-                           on_output=stepper.outputs.append)
+        mixed.churn(step)
         if step < 2:
             stepper.step()
         else:

@@ -184,6 +184,40 @@ class DecodeStepper:
         return time.perf_counter() - start
 
 
+class MixedSteps:
+    """A loaded server's usual step, as the step benchmarks drive it: an engine's
+    `DecodeStepper` over the trace's first `num_seqs` prompts, and before each step (off
+    the clock, `churn`) `turnover` running requests aborted and, with arrivals, as many
+    of the trace's next prompts (their first `prompt` tokens) added, to be prefilled
+    within the step beside the decoding ones.
+
+    Attributes
+    ----------
+    stepper : DecodeStepper
+        The engine's stepper (``"engine"`` kind), room for ``3 * num_steps`` more steps.
+    """
+
+    def __init__(self, num_groups: int, num_seqs: int, num_steps: int, prompt: int = 128,
+                 turnover: int = 1) -> None:
+        self.num_seqs, self.prompt, self.turnover = num_seqs, prompt, turnover
+        self.prompts = trace_prompts(num_seqs + num_steps * turnover + 2)
+        self.stepper = DecodeStepper("engine", num_groups, self.prompts[:num_seqs],
+                                     3 * num_steps + 8)
+        self.params = SamplingParams(max_tokens=4 * num_steps, ignore_eos=True,
+                                     temperature=0.0)
+
+    def churn(self, step: int, arrivals: bool = True) -> None:
+        """Before step number `step`: `turnover` requests spread over the running set go
+        (and, with `arrivals`, as many new ones come)."""
+        engine, running = self.stepper.engine, self.stepper.scheduler.running
+        for k in range(self.turnover):
+            engine.abort(running[(37 * step + k * 101) % len(running)].request.request_id)
+            if arrivals:
+                new = self.prompts[self.num_seqs + step * self.turnover + k][:self.prompt]
+                engine.add_request(list(new), self.params,
+                                   on_output=self.stepper.outputs.append)
+
+
 def model_samples(plan: dict[Sequence, int]) -> Samples:
     """What the model and its sampler hand `Scheduler.update_from_output` after `plan`:
     a token for each sequence whose next token is due (`output_token_id` of its position),
