@@ -31,19 +31,55 @@ HOLD = 0.4  # s: long against a step of the test model (a few ms), so a held ste
 LONG = dataclasses.replace(CONFIG, max_position=4096)  # request 0 runs for seconds
 
 
+class _TimedCore(EngineCoreProc):
+    """An `EngineCoreProc` that notes when each step began and when it took each
+    announcement (`time.monotonic()`, on the core's thread). Counting the steps that began
+    after the core took an announcement measures the hold itself: counting the outputs the
+    front reads after sending one also counts steps that ended before the core took it,
+    whose outputs still sat in the socket."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_starts: list[float] = []
+        self.announced_at: list[float] = []
+
+    def _take(self, front, frame: bytes) -> None:
+        if isinstance(messages.decode_to_core(frame), messages.Arriving):
+            self.announced_at.append(time.monotonic())
+        super()._take(front, frame)
+
+    def step(self) -> bool:
+        self.step_starts.append(time.monotonic())
+        return super().step()
+
+    def steps_begun(self, after: float, within: float) -> int:
+        """Steps that began in the `within` s after `after` s past the first announcement."""
+        start = self.announced_at[0] + after
+        return sum(start < t <= start + within for t in list(self.step_starts))
+
+
+def _announce(front: _Front, core: _TimedCore) -> None:
+    """Send one announcement and wait (bounded) until the core has taken it."""
+    front.send(messages.Arriving())
+    deadline = time.monotonic() + 30
+    while not core.announced_at:
+        assert time.monotonic() < deadline, "the core never took the announcement"
+        front.recv()  # (reads the outputs meanwhile: a full socket would stall the core)
+
+
 @contextlib.contextmanager
 def _core(tmp_path, hold: float):
-    """A front socket on an `EngineCoreProc` (two running slots, `hold` s of arrival hold)
-    stepping on a thread."""
+    """A front socket on a `_TimedCore` (two running slots, `hold` s of arrival hold)
+    stepping on a thread; yields both."""
     model = TinyLlama(LONG, seed=1)
     engine = Engine(model, EngineConfig(cache=model.cache_config(num_blocks=600, block_size=8),
                                         max_num_seqs=2))
-    core = EngineCoreProc(engine, f"ipc://{tmp_path}/core", os.getppid(), arrival_hold_s=hold)
+    core = _TimedCore(engine, f"ipc://{tmp_path}/core", os.getppid(), arrival_hold_s=hold)
     thread = threading.Thread(target=core.run, daemon=True)
     thread.start()
     front = _Front(f"ipc://{tmp_path}/core")
     try:
-        yield front
+        yield front, core
     finally:
         front.sock.close()
         core.drain()
@@ -82,12 +118,13 @@ def _running(front: _Front) -> None:
 
 @pytest.mark.parametrize("hold", [0.0, HOLD])
 def test_a_step_waits_for_an_announced_request(tmp_path, hold):
-    with _core(tmp_path, hold) as front:
+    with _core(tmp_path, hold) as (front, core):
         _running(front)
-        front.send(messages.Arriving())
-        steps = _steps_within(front, HOLD / 2)  # the route is still reading it
+        _announce(front, core)
+        _steps_within(front, HOLD / 2)  # the route is still reading it
+        steps = core.steps_begun(0, HOLD / 2)
         if hold:  # the step in progress finishes; the next waits
-            assert steps <= 1, f"{steps} steps ran while an announced request was on its way"
+            assert steps == 0, f"{steps} steps began while an announced request was on its way"
         else:
             assert steps >= 3, f"without a hold the steps go on: {steps}"
         _add(front, 1, 2)
@@ -116,17 +153,17 @@ def test_without_a_hold_announcements_are_not_kept(tmp_path, hold):
 
 
 def test_an_announcement_never_followed_expires(tmp_path):
-    with _core(tmp_path, HOLD) as front:
+    with _core(tmp_path, HOLD) as (front, core):
         _running(front)
-        front.send(messages.Arriving())  # (its route refused it: no Add comes)
-        held = _steps_within(front, HOLD / 2)
-        resumed = _steps_within(front, HOLD * 3)
-        assert held <= 1 and resumed >= 3, (held, resumed)
+        _announce(front, core)  # (its route refused it: no Add comes)
+        _steps_within(front, HOLD * 3)
+        held, resumed = core.steps_begun(0, HOLD / 2), core.steps_begun(HOLD, HOLD * 2)
+        assert held == 0 and resumed >= 3, (held, resumed)
         front.send(messages.Abort(0))
 
 
 def test_a_stream_of_announcements_holds_a_step_no_longer_than_the_hold(tmp_path):
-    with _core(tmp_path, HOLD) as front:
+    with _core(tmp_path, HOLD) as (front, _):
         _running(front)
         stop = threading.Event()
 
