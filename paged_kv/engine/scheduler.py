@@ -56,6 +56,7 @@ class Scheduler(TierFetches):
         # cache's `rows_of` compares it by identity)
         self._last_batch: tuple[tuple[Sequence, ...], tuple[tuple[int, int], ...]] = ((), ())
         self._decode_rows = np.empty(0, dtype=np.int64)  # the last all-decode plan's rows
+        self._decode_batch: tuple[Sequence, ...] = ()  # and its sequences
         self.steady = SteadyDecode()  # the steady decode step's arrays, and their carry
         # request id -> request of n > 1 added whose samples may not all be forked yet
         # (pruned by `_num_slots`): while it is empty, the running sequences are the slots
@@ -90,7 +91,9 @@ class Scheduler(TierFetches):
             batch = tuple(running)
             if self.steady.start(batch, left) or self._all_decode():  # no per-sequence plan
                 plan, left = dict.fromkeys(running, 1), left - len(running)
-                self._decode_rows = self._rows_of(batch)
+                self._decode_batch = batch  # (a carry has their rows)
+                self._decode_rows = self.steady.rows if self.steady.carried else self._rows_of(
+                    batch)
                 needs = self.cache.num_blocks_needed(self._decode_rows)
                 self.steady.plan = plan
             else:
@@ -233,9 +236,20 @@ class Scheduler(TierFetches):
             seq.block_keys = admission.keys
         return admission
 
+    def _leave(self, seq: Sequence) -> bool:
+        """Take `seq` off the running list, telling the carry where it stood; False when
+        it was not running."""
+        try:
+            index = self.running.index(seq)
+        except ValueError:
+            return False
+        del self.running[index]
+        self.steady.left(index)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         """Make room: swap `seq` to the host pool, or free it to be recomputed later."""
-        self.running.remove(seq)
+        self._leave(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.preemption == "swap":
@@ -273,10 +287,11 @@ class Scheduler(TierFetches):
         decoding rows as a decode step's (their handles from its planning: a row stays
         where it is while others join); any other step through `prepare`."""
         if plan is self.steady.plan or list(plan.values()).count(1) == len(plan):  # all 1
-            rows = self._rows_of(tuple(plan))
+            seqs = self._decode_batch if plan is self.steady.plan else tuple(plan)
+            rows = self._decode_rows if plan is self.steady.plan else self._rows_of(seqs)
             tokens, positions = self.steady.arrays(plan)
             batch = self.cache.prepare_decode(rows, tokens)
-            self.steady.prepared(plan, tokens, positions)
+            self.steady.prepared(plan, seqs, rows, tokens, positions)
             return batch
         decoding = self.steady.decoding(plan)
         if decoding:  # the running sequences decoding, then new prompts: their rows as arrays
@@ -306,7 +321,7 @@ class Scheduler(TierFetches):
         ``max_tokens``; finished samples' blocks are freed. Returns the requests whose
         last sample this finished."""
         now, finished = time.perf_counter(), []
-        self.steady.carry_over(samples, self._last_batch[0])
+        self.steady.carry_over(samples)
         # a carried step's appends run in C, and only the samples that may stop come back
         stepped = self.steady.append(samples, now, eos_token_ids)
         for seq, token, logprobs in samples if stepped is None else stepped:
@@ -344,7 +359,8 @@ class Scheduler(TierFetches):
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire `seq` with `reason` and free its blocks."""
-        self.running.remove(seq)
+        if not self._leave(seq):
+            raise ValueError(f"finish(): sequence {seq.seq_id} is not running")
         self.cache.free(seq.seq_id, **seq.request.retain)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
@@ -362,7 +378,8 @@ class Scheduler(TierFetches):
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Retire `seq` wherever it is (waiting, running, swapped) and free its blocks;
         `reason` is "abort" (the client's) or "error" (the engine's)."""
-        for queue in (self.waiting, self.running, self.swapped, self.loading, self.failed):
+        self._leave(seq)
+        for queue in (self.waiting, self.swapped, self.loading, self.failed):
             if seq in queue:
                 queue.remove(seq)
         if seq.fetch is not None:

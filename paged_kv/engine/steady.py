@@ -8,6 +8,12 @@ or, when the step before was steady too and every one of its sequences got its o
 in order, carried over from it: the sampled tokens at the next positions, with no pass
 over the sequences at all.
 
+The carry outlives a change of the running set. Sequences that leave (finished, aborted,
+preempted: the scheduler tells `left` where each one stood) are dropped from it, and a
+mixed step's new prompts sampled in it join it, so a loaded server's steps (a few requests
+leaving and arriving every step) keep it too: vLLM's persistent input batch, which
+condenses its rows as requests leave, in the running order.
+
 A *mixed* step (the running sequences decoding, then new prompts' chunks behind them: a
 loaded server's usual step, as requests finish and arrive every step) takes its decoding
 part the same way: its tokens and positions as arrays, the cache's step as arrays
@@ -17,6 +23,7 @@ part the same way: its tokens and positions as arrays, the cache's step as array
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Ints  # (`Sequence` is the engine's)
@@ -24,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from .._checks import read_only
 from ..core.batch import StepBatch
 from .inputs import StepInputs
 from .request import Sequence
@@ -33,6 +41,12 @@ if TYPE_CHECKING:
 
 Plan = dict[Sequence, int]
 Sample = tuple[Sequence, int, dict[int, float] | None]
+# the next step's carry: (its sequences, [B] int32 tokens, [B] int64 positions, [B] int64
+# read-only rows)
+Carry = tuple[tuple[Sequence, ...], np.ndarray, np.ndarray, np.ndarray]
+
+_MAX_LEFT = 64  # departures a carry is aligned past; more, and it is dropped (rare)
+_NO_ROWS = read_only(np.empty(0, np.int64))
 
 
 class _Appends(NamedTuple):
@@ -62,7 +76,9 @@ class SteadyDecode:
     the scheduler is the one writer of their tokens and computed counts, and only
     `advance` and `update_from_output` change those without changing the running list (an
     admission, a fork, a finish, an abort or a preemption all do). `start` compares the
-    running sequences with the carried ones by identity, in C.
+    running sequences with the carried ones by identity, in C. Where they differ by
+    sequences that left (`left`), the carry drops those first (`_align`) and is compared
+    again: a carry is used only for exactly the running sequences.
     """
 
     def __init__(self) -> None:
@@ -70,25 +86,69 @@ class SteadyDecode:
         # the last mixed plan, and how many of its first sequences decode (`planned`)
         self._mixed: tuple[Plan | None, int] = (None, 0)
         self.carried = False  # that plan's arrays are the carry
-        # that plan once prepared: (plan, [B] int32 tokens, [B] int64 positions)
-        self._prepared: tuple[Plan | None, np.ndarray, np.ndarray] = (
-            None, np.empty(0, np.int32), np.empty(0, np.int64))
+        self.rows: np.ndarray = _NO_ROWS  # the carry's rows, when `carried`
+        # the last steady or mixed plan once prepared: (plan, its sequences in order, their
+        # rows, [D] int32 tokens and [D] int64 positions of its D decoding sequences)
+        self._prepared: tuple[Plan | None, tuple[Sequence, ...], np.ndarray, np.ndarray,
+                              np.ndarray] = (None, (), _NO_ROWS, np.empty(0, np.int32),
+                                             np.empty(0, np.int64))
         # any other plan once prepared, and its model inputs (made in the same pass as
         # the cache's mapping: `Scheduler.prepare`)
         self._general: tuple[Plan | None, StepInputs | None] = (None, None)
-        # the next step's: (its sequences, [B] int32 tokens, [B] int64 positions)
-        self._carry: tuple[tuple[Sequence, ...], np.ndarray, np.ndarray] | None = None
+        self._carry: Carry | None = None  # the next step's
+        # where each sequence that left the running list since the carry was made stood
+        # (its index then), in order (`left`)
+        self._left: list[int] = []
         self._appends: _Appends | None = None  # the last carried batch's lists
         self._sampled: Ints[int] = ()  # the tokens `carry_over` carried, as ints
         self._appended: Ints[int] | None = None  # the same, once `append` ran
 
     def start(self, batch: tuple[Sequence, ...], budget: int) -> bool:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
-        whether it is steady by the carry (else the scheduler checks the sequences)."""
-        self.plan = None
-        self.carried = (self._carry is not None and len(batch) <= budget
-                        and batch == self._carry[0])  # identities compared, in C
+        whether it is steady by the carry (else the scheduler checks the sequences); when
+        it is, `rows` are their row handles."""
+        self.plan, carry = None, self._carry
+        if carry is not None and batch != carry[0]:  # identities compared, in C
+            carry = self._align(batch)
+        self.carried = carry is not None and 0 < len(batch) <= budget
+        self.rows = carry[3] if self.carried else _NO_ROWS
         return self.carried
+
+    def left(self, index: int) -> None:
+        """The running sequence at `index` (of the running list as it is) left it: finished,
+        aborted or preempted. Noted while a carry waits for the next step."""
+        if self._carry is not None:
+            self._left.append(index)
+
+    def _align(self, batch: tuple[Sequence, ...]) -> Carry | None:
+        """The carry less the sequences that left since it was made (`left`), kept when
+        that is `batch`; else the carry is dropped (None)."""
+        seqs, tokens, positions, rows = self._carry
+        left, self._left, self._carry = self._left, [], None
+        if not left or len(left) > _MAX_LEFT or len(seqs) - len(left) != len(batch):
+            return None
+        gone: list[int] = []  # the carry's indexes of those that left, ascending
+        for index in left:  # (an index of the list as it was then: less those before it)
+            for earlier in gone:
+                if earlier > index:
+                    break
+                index += 1
+            bisect.insort(gone, index)
+        runs = zip([-1, *gone], [*gone, len(seqs)], strict=True)  # between them: copied whole
+        aligned = tuple(itertools.chain.from_iterable(seqs[start + 1: end] for start, end in runs))
+        if aligned != batch:  # (identities: the running list changed otherwise too)
+            return None
+        keep = np.ones(len(seqs), dtype=bool)
+        keep[gone] = False
+        kept = np.flatnonzero(keep)
+        self._carry = (aligned, tokens[kept], positions[kept], read_only(rows[kept]))
+        appends = self._appends
+        if appends is not None and appends.seqs is seqs and appends.plain \
+                and appends.listeners is not None:
+            self._appends = _kept_appends(appends, aligned, gone, kept)
+        else:  # made again when wanted: the one not plain may be among those that left
+            self._appends = None
+        return self._carry
 
     def planned(self, step: Plan) -> None:
         """The scheduler's whole plan `step`, whose first sequences are the running ones'
@@ -115,17 +175,18 @@ class SteadyDecode:
         inputs are kept for `inputs`: the decoding part made as a decode step's."""
         seqs = list(itertools.islice(plan, decoding))
         if self.carried:  # the running sequences are the carried ones
-            _, tokens, positions = self._carry
+            _, tokens, positions, _ = self._carry
         else:
             tokens, positions = _next_tokens(seqs), _computed(seqs)
         tail = dict(itertools.islice(plan.items(), decoding, None))
         rest = StepInputs.of(tail)
         counts = np.ones(len(plan), dtype=np.int64)
         counts[decoding:] = list(tail.values())
+        all_rows = read_only(np.concatenate((rows, cache.rows_of([seq.seq_id for seq in tail]))))
         batch = cache.prepare_decode(
-            np.concatenate((rows, cache.rows_of([seq.seq_id for seq in tail]))),
-            np.concatenate((tokens, rest.tokens.numpy().astype(np.int32))), counts)
+            all_rows, np.concatenate((tokens, rest.tokens.numpy().astype(np.int32))), counts)
         self._general = (plan, StepInputs.joined(seqs, tokens, positions, rest))
+        self._prepared = (plan, tuple(plan), all_rows, tokens, positions)
         return batch
 
     def arrays(self, plan: Plan) -> tuple[np.ndarray, np.ndarray | None]:
@@ -133,16 +194,18 @@ class SteadyDecode:
         computed), and ``[B]`` int64 positions when carried (else None: `prepared` makes
         them if the plan is steady)."""
         if plan is self.plan and self.carried:  # the last step's samples
-            _, tokens, positions = self._carry
+            _, tokens, positions, _ = self._carry
             return tokens, positions
         return _next_tokens(plan), None
 
-    def prepared(self, plan: Plan, tokens: np.ndarray, positions: np.ndarray | None) -> None:
-        """`plan` was prepared with `tokens` (`arrays`): kept for `inputs` when steady."""
+    def prepared(self, plan: Plan, batch: tuple[Sequence, ...], rows: np.ndarray,
+                 tokens: np.ndarray, positions: np.ndarray | None) -> None:
+        """`plan` (its sequences `batch`, in order, at `rows`) was prepared with `tokens`
+        (`arrays`): kept for `inputs` and the carry when steady."""
         if plan is self.plan:
             if positions is None:
                 positions = _computed(plan)
-            self._prepared = (plan, tokens, positions)
+            self._prepared = (plan, batch, rows, tokens, positions)
 
     def prepared_general(self, plan: Plan, inputs: StepInputs) -> None:
         """`plan`, not a decode step, is being prepared; `inputs` are its model inputs,
@@ -154,28 +217,36 @@ class SteadyDecode:
         """The model's inputs for `plan` (prepared last): a steady step's from its arrays
         (every sequence sampled, no per-sequence slicing), another step's as its
         preparation made them, any other plan's through `StepInputs.of`."""
-        prepared, tokens, positions = self._prepared
-        if plan is prepared:
+        prepared, _, _, tokens, positions = self._prepared
+        if plan is prepared and plan is self.plan:
             return StepInputs.decode(list(plan), tokens, positions)
         general, inputs = self._general
         self._general = (None, None)  # used once: the next plan is another
         return inputs if plan is general else StepInputs.of(plan)
 
-    def carry_over(self, samples: list[Sample], batch: tuple[Sequence, ...]) -> None:
-        """Carry this step's arrays to the next when its plan was steady and prepared as
-        such (its sequences `batch`, in row order) and `samples` are those sequences' one
-        sample each, in order; else drop the carry."""
-        plan, _, positions = self._prepared
-        self._carry = None
-        if samples and plan is not None and plan is self.plan and len(samples) == len(plan):
-            drawn = getattr(samples, "tokens", None)  # `draw.Samples`: kept as drawn
-            if drawn is not None and len(drawn) == len(samples):
-                seqs, tokens = tuple(samples.seqs), drawn
-            else:
-                seqs, tokens, _ = zip(*samples, strict=True)
-            if seqs == batch:
-                self._carry = (seqs, np.array(tokens, dtype=np.int32), positions + 1)
-                self._sampled = tokens
+    def carry_over(self, samples: list[Sample]) -> None:
+        """Carry this step's arrays to the next when its plan was steady or mixed and
+        prepared as such, and `samples` are its sequences' one sample each, in order (a
+        mixed step's new prompts all took their last prompt token: each is sampled, and
+        its next position is its computed count, read after `advance`); else drop the
+        carry."""
+        plan, batch, rows, _, positions = self._prepared
+        self._carry, self._left = None, []
+        if (not samples or plan is None or len(samples) != len(batch)
+                or (plan is not self.plan and plan is not self._mixed[0])):
+            return
+        drawn = getattr(samples, "tokens", None)  # `draw.Samples`: kept as drawn
+        if drawn is not None and len(drawn) == len(samples):
+            seqs, tokens = tuple(samples.seqs), drawn
+        else:
+            seqs, tokens, _ = zip(*samples, strict=True)
+        if seqs != batch:
+            return
+        positions = positions + 1
+        if len(positions) < len(batch):  # a mixed step's prompts (a few)
+            positions = np.concatenate((positions, _computed(batch[len(positions):])))
+        self._carry = (seqs, np.array(tokens, dtype=np.int32), positions, rows)
+        self._sampled = tokens
 
     def append(self, samples: list[Sample], now: float, eos_token_ids: frozenset[int],
                ) -> Iterable[Sample] | None:
@@ -186,17 +257,26 @@ class SteadyDecode:
         (the scheduler appends): one not carried, whose samples are not the carried batch's,
         or one asking for log-probabilities.
 
-        A carried step's sequences were all sampled in the step before, so each request's
-        first token time is set already."""
+        A carried step's decoding sequences were all sampled in the step before, so each
+        request's first token time is set already; a mixed step's new prompts (after them)
+        are sampled for the first time: theirs is set here."""
         carry, self._appended = self._carry, None
         if not self.carried or carry is None:  # (a carry is only made of a prepared plan)
             return None
-        seqs, tokens, positions = carry
-        appends = self._appends
+        seqs, tokens, positions, _ = carry
+        decoding, appends = len(self._prepared[4]), self._appends
         if appends is None or appends.seqs != seqs:
-            appends = self._appends = _appends_of(seqs)
+            appends = self._appends = (
+                _joined_appends(appends, _appends_of(seqs[decoding:]), seqs)
+                if decoding < len(seqs) and appends is not None
+                and appends.seqs == seqs[:decoding] else _appends_of(seqs))
+        elif appends.seqs is not seqs:  # the carry's own tuple: `_align` knows it by identity
+            appends = self._appends = appends._replace(seqs=seqs)
         if not appends.plain:
             return None
+        for seq in seqs[decoding:]:
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
         self._appended = appended = self._sampled
         list(map(list.append, appends.tokens, appended))
         list(map(list.append, appends.times, itertools.repeat(now)))
@@ -227,6 +307,31 @@ def _next_tokens(seqs: Collection[Sequence]) -> np.ndarray:
 def _computed(seqs: Collection[Sequence]) -> np.ndarray:
     """``[B]`` int64: each sequence's computed count (its next token's position)."""
     return np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
+
+
+def _kept_appends(appends: _Appends, seqs: tuple[Sequence, ...], gone: list[int],
+                  kept: np.ndarray) -> _Appends:
+    """`appends` of the carried batch less its entries at `gone` (ascending; `kept`: the
+    others), now of `seqs`: its lists edited in place (its own), its arrays indexed."""
+    lists = [appends.tokens, appends.times, *(appends.listeners or ())]
+    for index in reversed(gone):
+        for entries in lists:
+            del entries[index]
+    return appends._replace(seqs=seqs, max_len=appends.max_len[kept], eos=appends.eos[kept],
+                            stops=appends.stops[kept])
+
+
+def _joined_appends(first: _Appends, then: _Appends, seqs: tuple[Sequence, ...],
+                    ) -> _Appends:
+    """The appends of `first`'s batch followed by `then`'s: of `seqs`, both batches'."""
+    listeners = None
+    if first.listeners is not None and then.listeners is not None:
+        listeners = tuple(a + b for a, b in zip(first.listeners, then.listeners, strict=True))
+    return _Appends(seqs, first.tokens + then.tokens,
+                    first.times + then.times, np.concatenate((first.max_len, then.max_len)),
+                    np.concatenate((first.eos, then.eos)),
+                    np.concatenate((first.stops, then.stops)), first.plain and then.plain,
+                    listeners)
 
 
 def _appends_of(seqs: tuple[Sequence, ...]) -> _Appends:
