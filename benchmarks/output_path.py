@@ -55,7 +55,7 @@ def measure(streams: int, repeats: int) -> dict[str, float]:
                 for i in range(streams)]
     seqs = [Sequence(request, 0, [1, 2, 3], None) for request in requests]
     samples = [(seq, 7, None) for seq in seqs]
-    plain = ([sink.append] * streams, list(range(streams)), [0] * streams, (7,) * streams)
+    plain = ([sink.append] * streams, list(range(streams)), [0] * streams, (7,) * streams, [])
 
     core = EngineCoreProc.__new__(EngineCoreProc)  # its `_collect`'s state alone
     core._ids, core._unstarted, core._told, core._pending = {}, set(), {}, {}

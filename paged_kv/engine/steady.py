@@ -102,6 +102,7 @@ class SteadyDecode:
         self._appends: _Appends | None = None  # the last carried batch's lists
         self._sampled: Ints[int] = ()  # the tokens `carry_over` carried, as ints
         self._appended: Ints[int] | None = None  # the same, once `append` ran
+        self._checked: list[int] = []  # the indexes of the samples `append` handed back
 
     def start(self, batch: tuple[Sequence, ...], budget: int) -> bool:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
@@ -284,18 +285,21 @@ class SteadyDecode:
         may_stop = (positions + 1 >= appends.max_len) | appends.stops
         if eos_token_ids:
             may_stop |= appends.eos & np.isin(tokens, list(eos_token_ids))
-        return map(samples.__getitem__, np.flatnonzero(may_stop).tolist())
+        self._checked = checked = np.flatnonzero(may_stop).tolist()
+        return map(samples.__getitem__, checked)
 
     def outputs(self, finished: list,
-                ) -> tuple[list, list[int], list[int], Ints[int]] | None:
-        """``(listeners, request ids, sample indexes, tokens)`` of this step's samples, in
-        order, when `append` made its appends, every request has a listener and one
-        sample, and none finished (`finished`: the requests `update_from_output` returned):
-        each output is then plain (no finish reason, no request output); else None."""
+                ) -> tuple[list, list[int], list[int], Ints[int], list[int]] | None:
+        """``(listeners, request ids, sample indexes, tokens, checked)`` of this step's
+        samples, in order, when `append` made its appends and every request has a listener
+        and one sample; else None. Each output is plain (no finish reason, no request
+        output) but those at the indexes `checked` (ascending), which may have finished:
+        the samples `append` handed back to be checked when any request finished
+        (`finished`: the requests `update_from_output` returned), else none."""
         appends = self._appends
-        if self._appended is None or finished or appends.listeners is None:
+        if self._appended is None or appends.listeners is None:
             return None
-        return (*appends.listeners, self._appended)
+        return (*appends.listeners, self._appended, self._checked if finished else [])
 
 
 def _next_tokens(seqs: Collection[Sequence]) -> np.ndarray:

@@ -15,22 +15,34 @@ from .request import Request, Sequence
 
 
 def emit_samples(samples: list[Sample], finished: list[Request],
-                 plain: tuple[list, list[int], list[int], abc.Sequence[int]] | None = None,
-                 ) -> None:
+                 plain: tuple[list, list[int], list[int], abc.Sequence[int], list[int]]
+                 | None = None) -> None:
     """Stream each sample's new token, in order; a request this step finished (`finished`,
     as `Scheduler.update_from_output` returned it) carries its whole `RequestOutput` on the
     output of the sample that finished it (its last finished sample here), as if each
     sample had been updated and emitted in turn.
 
-    `plain`: ``(listeners, request ids, sample indexes, tokens)`` of the samples when
-    every output is plain (`SteadyDecode.outputs`): the outputs are then made and handed
-    over in C, with no pass over the samples in Python."""
+    `plain`: ``(listeners, request ids, sample indexes, tokens, checked)`` of the samples
+    when every request has a listener and one sample, and every output is plain but those
+    at `checked` (`SteadyDecode.outputs`): the plain runs between those are made and
+    handed over in C, with no pass over the samples in Python; each of `checked` as
+    below."""
     if plain is not None:
-        listeners, request_ids, indexes, tokens = plain
-        outputs = map(tuple.__new__, itertools.repeat(StepOutput), zip(
-            request_ids, indexes, map(list, zip(tokens)), itertools.repeat(None),
-            itertools.repeat(None)))
-        collections.deque(map(operator.call, listeners, outputs), maxlen=0)
+        listeners, request_ids, indexes, tokens, checked = plain
+        if not checked:
+            _emit_plain(listeners, request_ids, indexes, tokens)
+            return
+        ended, start, now = {request.request_id for request in finished}, 0, time.perf_counter()
+        for i in checked:  # (ascending)
+            _emit_plain(listeners[start:i], request_ids[start:i], indexes[start:i],
+                        tokens[start:i])
+            seq, token, _ = samples[i]
+            request = seq.request  # its one sample: it finished the request, or it is plain
+            listeners[i](StepOutput(request.request_id, seq.index, [token], seq.finish_reason,
+                                    request.output(now) if seq.finish_reason is not None
+                                    and request.request_id in ended else None))
+            start = i + 1
+        _emit_plain(listeners[start:], request_ids[start:], indexes[start:], tokens[start:])
         return
     last = {}  # request id -> the index of its sample that finished it
     if finished:
@@ -45,6 +57,16 @@ def emit_samples(samples: list[Sample], finished: list[Request],
                 request.request_id, seq.index, [token], seq.finish_reason,
                 request.output(now) if last and last.get(request.request_id) == i
                 else None)))
+
+
+def _emit_plain(listeners: list, request_ids: list[int], indexes: list[int],
+                tokens: abc.Sequence[int]) -> None:
+    """Hand each listener its plain output (one token, no finish reason, no request
+    output), made and called in C."""
+    outputs = map(tuple.__new__, itertools.repeat(StepOutput), zip(
+        request_ids, indexes, map(list, zip(tokens)), itertools.repeat(None),
+        itertools.repeat(None)))
+    collections.deque(map(operator.call, listeners, outputs), maxlen=0)
 
 
 def emit(seq: Sequence, new_token_ids: list[int]) -> None:
