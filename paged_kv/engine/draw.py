@@ -8,6 +8,7 @@ import itertools
 from collections import abc
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .request import Sequence
@@ -49,7 +50,8 @@ class Setup(NamedTuple):
 class DrawSetup:
     """What drawing a batch of sequences needs from them (`Setup`), kept for the next
     batch of the same sequences in the same order (a steady decode step draws the same
-    running sequences every step).
+    running sequences every step), and carried past the sequences that left the batch
+    and the new ones behind them (`of`'s ``dropped``: a loaded server's step).
 
     Valid for the same sequences because `SamplingParams` is frozen and a sequence's
     request and generator never change; the batch is compared by identity, in C.
@@ -59,19 +61,65 @@ class DrawSetup:
         self._seqs: list[Sequence] = []
         self._setup: Setup | None = None
 
-    def of(self, seqs: list[Sequence], vocab: int) -> Setup:
+    def of(self, seqs: list[Sequence], vocab: int,
+           dropped: tuple[abc.Sequence[Sequence], list[int]] | None = None) -> Setup:
         """The setup of `seqs` drawn from `vocab` tokens: the last one when `seqs` are the
-        same sequences in the same order, else made now (and kept)."""
+        same sequences in the same order, else made now (and kept).
+
+        ``dropped = (batch, gone)``: `seqs` may be `batch` less the sequences at the
+        indexes `gone` (ascending), then others (`SteadyDecode.dropped`). When the last
+        setup is `batch`'s, it is cut to match and only the others are read."""
         setup = self._setup
-        if setup is None or setup.vocab != vocab or seqs != self._seqs:
-            params = [seq.request.params for seq in seqs]
-            generators = [seq.generator for seq in seqs]
-            setup = self._setup = Setup(vocab, params, generators,
-                                        all(p.logprobs is None for p in params),
-                                        sample_groups(params, vocab),
-                                        [g for g in generators if g is not None])
-            self._seqs = list(seqs)
-        return setup
+        if setup is not None and setup.vocab == vocab and seqs == self._seqs:
+            return setup
+        cut = None
+        if dropped is not None and setup is not None and setup.vocab == vocab \
+                and self._seqs == list(dropped[0]):
+            cut = _cut(setup, seqs, *dropped)
+        self._setup = cut if cut is not None else _setup_of(seqs, vocab)
+        self._seqs = list(seqs)
+        return self._setup
+
+
+def _setup_of(seqs: abc.Sequence[Sequence], vocab: int) -> Setup:
+    """The setup of `seqs`, read from each one."""
+    params = [seq.request.params for seq in seqs]
+    generators = [seq.generator for seq in seqs]
+    return Setup(vocab, params, generators, all(p.logprobs is None for p in params),
+                 sample_groups(params, vocab), [g for g in generators if g is not None])
+
+
+def _cut(setup: Setup, seqs: list[Sequence], batch: abc.Sequence[Sequence],
+         gone: list[int]) -> Setup | None:
+    """`setup` (of `batch`) less the rows at `gone`, then `_setup_of` the sequences of
+    `seqs` after those left of `batch`; None when `seqs` does not start with those."""
+    runs = list(zip([-1, *gone], [*gone, len(batch)], strict=True))  # between those gone
+
+    def kept(entries: abc.Sequence) -> list:
+        return list(itertools.chain.from_iterable(entries[a + 1: b] for a, b in runs))
+
+    count = len(batch) - len(gone)
+    if not setup.plain or len(seqs) < count or seqs[:count] != kept(batch):
+        return None  # (a batch asking for log-probabilities is read again: rare)
+    params, generators = kept(setup.params), kept(setup.generators)
+    groups = {}
+    for top_k, rows in setup.groups.items():  # each row less those gone before it
+        left = np.asarray(rows)
+        left = left[~np.isin(left, gone)]
+        if left.size:
+            groups[top_k] = (left - np.searchsorted(gone, left)).tolist()
+    seeded = setup.seeded if len(setup.seeded) == 0 else [g for g in generators if g is not None]
+    plain = True
+    if count < len(seqs):  # the new ones behind
+        then = _setup_of(seqs[count:], setup.vocab)
+        params, generators = params + then.params, generators + then.generators
+        for top_k, rows in then.groups.items():
+            groups.setdefault(top_k, []).extend(row + count for row in rows)
+        plain, seeded = then.plain, seeded + then.seeded
+    # in the order of their first rows, as `sample_groups` makes them: the groups draw in
+    # turn from the global generator for their unseeded rows
+    groups = dict(sorted(groups.items(), key=lambda group: group[1][0]))
+    return Setup(setup.vocab, params, generators, plain, groups, list(seeded))
 
 
 def draw_rows(logits: torch.Tensor, seqs: abc.Sequence[Sequence],

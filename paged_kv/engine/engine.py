@@ -347,7 +347,8 @@ class Engine:
         """The tokens of `seqs` from their `logits` rows (`rows`; None: row i for the i-th)
         in one batched call; when the call fails, request by request, failing only the
         requests whose own call fails."""
-        setup = self._draw_setup.of(seqs, logits.shape[-1])  # kept: no pass a step
+        # kept: no pass a step, nor past the sequences that left it
+        setup = self._draw_setup.of(seqs, logits.shape[-1], self.scheduler.steady.dropped)
         states = [(generator, generator.get_state()) for generator in setup.seeded]
         try:
             return draw_rows(logits, seqs, rows, setup)

@@ -87,6 +87,9 @@ class SteadyDecode:
         self._mixed: tuple[Plan | None, int] = (None, 0)
         self.carried = False  # that plan's arrays are the carry
         self.rows: np.ndarray = _NO_ROWS  # the carry's rows, when `carried`
+        # (the carried batch, the indexes of those that left it) when `start` last dropped
+        # them from the carry: for the sampler's setup (`draw.DrawSetup.of`)
+        self.dropped: tuple[tuple[Sequence, ...], list[int]] | None = None
         # the last steady or mixed plan once prepared: (plan, its sequences in order, their
         # rows, [D] int32 tokens and [D] int64 positions of its D decoding sequences)
         self._prepared: tuple[Plan | None, tuple[Sequence, ...], np.ndarray, np.ndarray,
@@ -108,7 +111,7 @@ class SteadyDecode:
         """A new plan of the running sequences `batch` (in order) within `budget` tokens:
         whether it is steady by the carry (else the scheduler checks the sequences); when
         it is, `rows` are their row handles."""
-        self.plan, carry = None, self._carry
+        self.plan, self.dropped, carry = None, None, self._carry
         if carry is not None and batch != carry[0]:  # identities compared, in C
             carry = self._align(batch)
         self.carried = carry is not None and 0 < len(batch) <= budget
@@ -143,6 +146,7 @@ class SteadyDecode:
         keep[gone] = False
         kept = np.flatnonzero(keep)
         self._carry = (aligned, tokens[kept], positions[kept], read_only(rows[kept]))
+        self.dropped = (seqs, gone)
         appends = self._appends
         if appends is not None and appends.seqs is seqs and appends.plain \
                 and appends.listeners is not None:

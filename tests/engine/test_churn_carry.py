@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from paged_kv.config import CacheConfig
 from paged_kv.core.cache import PagedKVCache
 from paged_kv.engine import SamplingParams
-from paged_kv.engine.draw import Samples
+from paged_kv.engine.draw import DrawSetup, Samples
 from paged_kv.engine.request import Request, Sequence
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.steady import SteadyDecode
@@ -226,3 +226,64 @@ def test_a_running_list_changed_otherwise_drops_the_carry():
     steady, seqs = _carried(3)
     assert not steady.start((seqs[0], seqs[2]), 1 << 20)  # nobody told it seqs[1] left
     assert steady._carry is None
+
+
+def _sample_seq(request_id: int, data) -> Sequence:
+    """A sequence of random sampling parameters: greedy or not, a top-k or not, seeded or
+    not, asking for log-probabilities or not."""
+    temperature = data.draw(st.sampled_from((0.0, 0.0, 0.7)))
+    params = SamplingParams(max_tokens=4, temperature=temperature,
+                            top_k=data.draw(st.sampled_from((0, 0, 3, 5))),
+                            logprobs=data.draw(st.sampled_from((None, None, None, 1))))
+    generator = torch.Generator().manual_seed(request_id) if data.draw(st.booleans()) else None
+    return Sequence(Request(request_id, [1, 2], params, 0.0), 0, [1, 2], generator)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(1, 12), new=st.integers(0, 3))
+def test_the_sampler_setup_cut_past_departures_is_made_afresh(data, n, new):
+    """`DrawSetup.of` with ``dropped``: the last batch's setup less the rows that left,
+    then the new sequences' (a mixed step's prompts), is the setup made from the
+    sequences afresh, field by field and its groups in the same order (they draw in turn
+    from the global generator)."""
+    batch = [_sample_seq(i, data) for i in range(n)]
+    gone = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n)))
+    seqs = [seq for i, seq in enumerate(batch) if i not in gone]
+    seqs += [_sample_seq(100 + i, data) for i in range(new)]
+    kept = DrawSetup()
+    kept.of(batch, 16)
+    setup = kept.of(seqs, 16, (tuple(batch), gone))
+    fresh = DrawSetup().of(seqs, 16)
+    assert setup.plain == fresh.plain and setup.vocab == fresh.vocab
+    assert setup.params == fresh.params
+    assert all(a is b for a, b in zip(setup.generators, fresh.generators, strict=True))
+    assert list(setup.groups.items()) == list(fresh.groups.items())
+    assert all(a is b for a, b in zip(setup.seeded, fresh.seeded, strict=True))
+    assert len(setup.seeded) == len(fresh.seeded)
+
+
+def test_the_sampler_setup_is_cut_not_made_again():
+    """A plain batch less one sequence, with one new one behind: the kept setup is cut
+    (the new one's parameters read alone), not made from every sequence again."""
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_k=3)
+    batch = [Sequence(Request(i, [1], params, 0.0), 0, [1], None) for i in range(4)]
+    kept = DrawSetup()
+    kept.of(batch, 16)
+    newcomer = Sequence(Request(9, [1], SamplingParams(max_tokens=4), 0.0), 0, [1], None)
+    for seq in batch:  # read again, they would fail: they are not
+        seq.request.params = None
+    setup = kept.of([batch[0], batch[2], batch[3], newcomer], 16, (tuple(batch), [1]))
+    assert setup.groups == {3: [0, 1, 2]} and setup.params[:3] == [params] * 3
+    assert setup.params[3] is newcomer.request.params
+
+
+def test_the_cut_setup_keeps_the_groups_in_order_of_their_first_rows():
+    """Rows of top-k 0, 3, 0; the first leaves: the top-k 3 group now comes first, as a
+    setup made afresh orders it (the groups draw in turn from the global generator)."""
+    batch = [Sequence(Request(i, [1], SamplingParams(max_tokens=4, temperature=0.7,
+                                                     top_k=k), 0.0), 0, [1], None)
+             for i, k in enumerate((0, 3, 0))]
+    kept = DrawSetup()
+    kept.of(batch, 16)
+    setup = kept.of(batch[1:], 16, (tuple(batch), [0]))
+    assert list(setup.groups.items()) == [(3, [0]), (0, [1])]
