@@ -16,7 +16,10 @@ calls `functools.reduce` too, and those calls would be counted.
 ``--kind mixed`` counts a loaded server's usual step instead of the steady one: the
 engine's step after one running request was aborted and one 128-token prompt arrived (off
 the count; `benchmarks/step_churn.py`'s "in and gone" step), each step inside a
-`functools.reduce` of its own.
+`functools.reduce` of its own. ``--kind turnover`` counts the engine's step in a loaded
+server's steady state, requests finishing inside it (~1 in 120 a step, lengths
+staggered) and as many new 128-token prompts prefilled in it
+(`step_scale.TurnoverSteps`, after 170 warm-up steps: ~1 minute more at 1,024).
 
 Runs of one tree agree to about +-0.5 M instructions at 1,024 sequences (object addresses
 move dict and set probing): compare trees by more than that, or by several runs. Another
@@ -38,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 
-KINDS = ("cache", "scheduler", "engine", "mixed")
+KINDS = ("cache", "scheduler", "engine", "mixed", "turnover")
 
 
 def _steps(kind: str, groups: int, seqs: int, steps: int) -> None:
@@ -48,6 +51,9 @@ def _steps(kind: str, groups: int, seqs: int, steps: int) -> None:
 
     if kind == "mixed":
         _mixed_steps(groups, seqs, steps)
+        return
+    if kind == "turnover":
+        _turnover_steps(groups, seqs, steps)
         return
     stepper = DecodeStepper(kind, groups, trace_prompts(seqs), steps + 4)
     stepper.step()
@@ -75,6 +81,21 @@ def _mixed_steps(groups: int, seqs: int, steps: int) -> None:
             stepper.step()
         else:
             functools.reduce(lambda acc, _: stepper.step(), range(1), 0)
+
+
+def _turnover_steps(groups: int, seqs: int, steps: int) -> None:
+    """The ``turnover`` kind: the engine's step in a loaded server's steady state
+    (`step_scale.TurnoverSteps`: ~1 in 120 requests finishing inside each step, as many
+    new 128-token prompts prefilled in it), after its warm-up; the arrivals off the count,
+    each step inside a one-item `functools.reduce` of its own."""
+    from paged_kv.bench.workloads.step_scale import TurnoverSteps
+
+    turnover = TurnoverSteps(groups, seqs)
+    gc.collect()
+    gc.disable()
+    for _ in range(steps):
+        turnover.refill()
+        functools.reduce(lambda acc, _: turnover.step(), range(1), 0)
 
 
 def count(kind: str, groups: int, seqs: int, steps: int) -> float:

@@ -14,6 +14,7 @@ from paged_kv.bench.workloads.step_scale import (
     KINDS,
     LAYOUTS,
     DecodeStepper,
+    TurnoverSteps,
     growth_rows,
     measure,
     trace_prompts,
@@ -66,3 +67,20 @@ def test_the_steppers_of_one_size_do_the_same_work():
     scheduler = steppers[1].scheduler
     assert all(n == 1 for n in scheduler.schedule().values())
     assert np.array_equal(np.sort(steppers[0].rows), np.sort(steppers[1].rows))
+
+
+@pytest.mark.parametrize("groups", sorted(LAYOUTS))
+def test_the_turnover_driver_finishes_and_admits_inside_its_steps(groups):
+    """`TurnoverSteps` (``step_instructions.py --kind turnover``): after its warm-up, steps
+    finish requests inside them and the refills keep the engine full, each step carried
+    past the departures and arrivals."""
+    turnover = TurnoverSteps(groups, 16)
+    engine, finished, carried = turnover.engine, 0, 0
+    for _ in range(40):
+        turnover.refill()
+        assert len(engine.scheduler.running) + len(engine.scheduler.waiting) == 16
+        before = len(engine.unfinished_request_ids())
+        assert turnover.step() > 0
+        finished += before - len(engine.unfinished_request_ids())
+        carried += engine.scheduler.steady.carried
+    assert finished >= 3 and carried >= 30, (finished, carried)

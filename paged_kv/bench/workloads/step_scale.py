@@ -218,6 +218,57 @@ class MixedSteps:
                                    on_output=self.stepper.outputs.append)
 
 
+class TurnoverSteps:
+    """A loaded server in its steady state: `num_seqs` running requests of staggered
+    lengths (``20 + 37 i mod 200`` tokens: ~120 on average), so about ``num_seqs / 120``
+    finish inside each step, and before each step (`refill`, off the clock) as many of
+    the trace's next prompts (their first `prompt` tokens, of staggered lengths too) as
+    keep `num_seqs` requests in the engine, to be prefilled within it. Requests leave and
+    join every step, as in `MixedSteps`, but by finishing inside the step, as they do.
+
+    Attributes
+    ----------
+    engine : Engine
+        Over `NullModel`, its pool sized for `num_seqs` sequences and `warm` steps.
+    model : NullModel
+    """
+
+    WARM = 170  # steps before the turnover settles: the prompts prefilled, lengths spread
+
+    def __init__(self, num_groups: int, num_seqs: int, prompt: int = 128) -> None:
+        self.num_seqs, self.prompt, self.next = num_seqs, prompt, num_seqs
+        self.prompts = trace_prompts(num_seqs * 8)
+        self.model, self.outputs = NullModel(), collections.deque(maxlen=1)
+        config = bookkeeping_config(num_groups, self.prompts[:num_seqs], 400)
+        self.engine = Engine(self.model, EngineConfig(
+            cache=config, max_num_seqs=num_seqs, max_num_batched_tokens=PREFILL_TOKENS,
+            num_threads=1))
+        for i in range(num_seqs):
+            self._add(list(self.prompts[i]), i)
+        for _ in range(self.WARM):
+            self.refill()
+            self.engine.step()
+
+    def _add(self, prompt: list[int], i: int) -> None:
+        params = SamplingParams(max_tokens=20 + 37 * i % 200, ignore_eos=True,
+                                temperature=0.0)
+        self.engine.add_request(prompt, params, on_output=self.outputs.append)
+
+    def refill(self) -> None:
+        """New requests up to `num_seqs` in the engine (before a step, off the clock)."""
+        scheduler = self.engine.scheduler
+        while len(scheduler.running) + len(scheduler.waiting) < self.num_seqs:
+            self._add(list(self.prompts[self.next % len(self.prompts)][:self.prompt]),
+                      self.next)
+            self.next += 1
+
+    def step(self) -> float:
+        """One engine step; seconds of its bookkeeping (less the model's own time)."""
+        before, start = self.model.seconds, time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - start - (self.model.seconds - before)
+
+
 def model_samples(plan: dict[Sequence, int]) -> Samples:
     """What the model and its sampler hand `Scheduler.update_from_output` after `plan`:
     a token for each sequence whose next token is due (`output_token_id` of its position),
