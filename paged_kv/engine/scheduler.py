@@ -285,15 +285,18 @@ class Scheduler(TierFetches):
         the same handle while the set is unchanged); a mixed step (the running sequences'
         decode, then new prompts' chunks) through `prepare_decode` with counts, its
         decoding rows as a decode step's (their handles from its planning: a row stays
-        where it is while others join); any other step through `prepare`."""
-        if plan is self.steady.plan or list(plan.values()).count(1) == len(plan):  # all 1
+        where it is while others join, even when each joining one takes one token too: a
+        sequence swapped back in, a prompt cached but for its last token); any other step
+        through `prepare`."""
+        decoding = self.steady.decoding(plan)
+        if plan is self.steady.plan or (not decoding and list(plan.values()).count(1)
+                                        == len(plan)):  # all 1
             seqs = self._decode_batch if plan is self.steady.plan else tuple(plan)
             rows = self._decode_rows if plan is self.steady.plan else self._rows_of(seqs)
             tokens, positions = self.steady.arrays(plan)
             batch = self.cache.prepare_decode(rows, tokens)
             self.steady.prepared(plan, seqs, rows, tokens, positions)
             return batch
-        decoding = self.steady.decoding(plan)
         if decoding:  # the running sequences decoding, then new prompts: their rows as arrays
             return self.steady.prepare_mixed(self.cache, plan, decoding, self._decode_rows)
         new_tokens: dict = {}  # the model's inputs and the cache's mapping in one pass

@@ -49,12 +49,12 @@ class _Counted(SteadyDecode):
         _Counted.mixed += self._carry is not None and self._prepared[0] is self._mixed[0]
 
 
-def _scheduler(reference: bool, num_blocks: int) -> Scheduler:
+def _scheduler(reference: bool, num_blocks: int, preemption: str = "recompute") -> Scheduler:
     cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4,
                                      num_blocks=num_blocks, dtype=torch.float32,
-                                     max_num_seqs=8))
+                                     max_num_seqs=8, num_host_blocks=32))
     scheduler = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64,
-                          preemption="recompute")
+                          preemption=preemption)
     scheduler.steady = _NoCarry() if reference else _Counted()
     return scheduler
 
@@ -63,8 +63,8 @@ class _Run:
     """One scheduler and what it streamed: (request id, sample index, tokens, finish
     reason, whether the request's output came with it), in order."""
 
-    def __init__(self, reference: bool, num_blocks: int) -> None:
-        self.scheduler = _scheduler(reference, num_blocks)
+    def __init__(self, reference: bool, num_blocks: int, preemption: str) -> None:
+        self.scheduler = _scheduler(reference, num_blocks, preemption)
         self.streamed: list[tuple] = []
 
     def add(self, request_id: int, prompt: list[int], params: SamplingParams) -> None:
@@ -107,30 +107,35 @@ class _Run:
                 sorted(r.request_id for r in finished))
 
     def state(self) -> list:
+        scheduler = self.scheduler
         return [(s.seq_id, list(s.token_ids), s.num_computed, s.status,
-                 s.request.first_token_time is None) for s in self.scheduler.running]
+                 s.request.first_token_time is None)
+                for s in (*scheduler.running, *scheduler.waiting, *scheduler.swapped)]
 
 
 def test_a_carry_kept_through_churn_changes_nothing():
     """Random arrivals (some of two samples, forked when their prompt is computed),
-    aborts of running and waiting requests, steps sampled through `Samples` or a plain
-    list; a pool of 24 blocks preempts. After every event both schedulers agree."""
+    aborts of running, waiting and swapped requests, steps sampled through `Samples` or a
+    plain list; pools of 10 to 24 blocks preempt, by recomputation or by a swap to the host
+    pool (a sequence swapped back in joins a mixed step behind the decoding ones). After
+    every event both schedulers agree."""
     _Counted.aligned = _Counted.mixed = 0
 
     @settings(max_examples=150, deadline=None)
     @given(draws=st.lists(st.integers(0, 40), min_size=1, max_size=16),
            events=st.lists(st.sampled_from(("step",) * 6 + ("add",) * 3 + ("abort",)),
                            min_size=5, max_size=50),
-           small_pool=st.booleans(), data=st.data())
-    def check(draws, events, small_pool, data):
-        runs = [_Run(reference, 24 if small_pool else 256) for reference in (False, True)]
+           pool=st.sampled_from((10, 14, 24, 256)), swap=st.booleans(), data=st.data())
+    def check(draws, events, pool, swap, data):
+        runs = [_Run(reference, pool, "swap" if swap else "recompute")
+                for reference in (False, True)]
         next_id = 0
         for event in ("add", "add", "add", *events):
             if event == "add":
                 length = data.draw(st.integers(1, 14))
                 prompt = [(next_id * 7 + i) % 50 + 10 for i in range(length)]
                 params = SamplingParams(
-                    max_tokens=data.draw(st.integers(1, 12)),
+                    max_tokens=data.draw(st.integers(1, 20)),
                     stop_token_ids=[STOP] if data.draw(st.booleans()) else (),
                     ignore_eos=data.draw(st.booleans()),
                     n=data.draw(st.sampled_from((1, 1, 1, 2))))
@@ -138,13 +143,15 @@ def test_a_carry_kept_through_churn_changes_nothing():
                     run.add(next_id, prompt, params)
                 next_id += 1
             elif event == "abort":
-                live = [*runs[0].scheduler.running, *runs[0].scheduler.waiting]
+                live = [*runs[0].scheduler.running, *runs[0].scheduler.waiting,
+                        *runs[0].scheduler.swapped]
                 if live:
                     victim = data.draw(st.sampled_from(live)).seq_id
                     for run in runs:
                         scheduler = run.scheduler
                         scheduler.abort(next(s for s in (*scheduler.running,
-                                                         *scheduler.waiting)
+                                                         *scheduler.waiting,
+                                                         *scheduler.swapped)
                                              if s.seq_id == victim))
             else:
                 drawn = data.draw(st.booleans())
@@ -287,3 +294,28 @@ def test_the_cut_setup_keeps_the_groups_in_order_of_their_first_rows():
     kept.of(batch, 16)
     setup = kept.of(batch[1:], 16, (tuple(batch), [0]))
     assert list(setup.groups.items()) == [(3, [0]), (0, [1])]
+
+
+def test_a_sequence_swapped_back_in_joins_the_carry():
+    """A decoding sequence swapped out between steps (as a preemption does) leaves the
+    carry; swapped back in by the next schedule, it joins that mixed step behind the
+    decoding ones, is carried from then on, and every step matches a scheduler that
+    never carries."""
+    runs = [_Run(reference, 256, "swap") for reference in (False, True)]
+    for request_id in range(3):
+        for run in runs:
+            run.add(request_id, [5, 6, 7, 8, 9], SamplingParams(max_tokens=12, ignore_eos=True))
+    carried = []
+    for step in range(9):
+        if step == 3:
+            for run in runs:  # the last running sequence, swapped to the host pool
+                run.scheduler._preempt(run.scheduler.running[-1])
+                assert run.scheduler.swapped
+        steps = [run.step([11, 12, 13], drawn=True) for run in runs]
+        assert steps[0] == steps[1]
+        assert runs[0].state() == runs[1].state() and runs[0].streamed == runs[1].streamed
+        carried.append(runs[0].scheduler.steady.carried)
+    # prefill, a decode step, then carried: after the swap-out, through the mixed step
+    # that swapped it in, and after it
+    assert carried == [False, False] + [True] * 7, carried
+    assert not runs[0].scheduler.swapped and len(runs[0].scheduler.running) == 3
