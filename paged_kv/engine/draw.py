@@ -13,6 +13,7 @@ import torch
 
 from .request import Sequence
 from .sampling import SamplingParams, sample_groups, sample_rows, token_logprobs
+from .steady import without
 
 # one sampled token: its sequence, the token, its log-probabilities (when asked for)
 Sample = tuple[Sequence, int, dict[int, float] | None]
@@ -93,15 +94,10 @@ def _cut(setup: Setup, seqs: list[Sequence], batch: abc.Sequence[Sequence],
          gone: list[int]) -> Setup | None:
     """`setup` (of `batch`) less the rows at `gone`, then `_setup_of` the sequences of
     `seqs` after those left of `batch`; None when `seqs` does not start with those."""
-    runs = list(zip([-1, *gone], [*gone, len(batch)], strict=True))  # between those gone
-
-    def kept(entries: abc.Sequence) -> list:
-        return list(itertools.chain.from_iterable(entries[a + 1: b] for a, b in runs))
-
     count = len(batch) - len(gone)
-    if not setup.plain or len(seqs) < count or seqs[:count] != kept(batch):
+    if not setup.plain or len(seqs) < count or seqs[:count] != list(without(batch, gone)):
         return None  # (a batch asking for log-probabilities is read again: rare)
-    params, generators = kept(setup.params), kept(setup.generators)
+    params, generators = list(without(setup.params, gone)), list(without(setup.generators, gone))
     groups = {}
     for top_k, rows in setup.groups.items():  # each row less those gone before it
         left = np.asarray(rows)

@@ -138,8 +138,7 @@ class SteadyDecode:
                     break
                 index += 1
             bisect.insort(gone, index)
-        runs = zip([-1, *gone], [*gone, len(seqs)], strict=True)  # between them: copied whole
-        aligned = tuple(itertools.chain.from_iterable(seqs[start + 1: end] for start, end in runs))
+        aligned = tuple(without(seqs, gone))
         if aligned != batch:  # (identities: the running list changed otherwise too)
             return None
         keep = np.ones(len(seqs), dtype=bool)
@@ -315,6 +314,14 @@ def _next_tokens(seqs: Collection[Sequence]) -> np.ndarray:
 def _computed(seqs: Collection[Sequence]) -> np.ndarray:
     """``[B]`` int64: each sequence's computed count (its next token's position)."""
     return np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
+
+
+def without(entries: Ints, gone: list[int]) -> Iterable:
+    """`entries` less those at the indexes `gone` (ascending), in order: the runs between
+    them sliced whole, in C (a carry's sequences, and the sampler's setup of them, less
+    those that left: `SteadyDecode._align`, `draw.DrawSetup.of`)."""
+    runs = zip([-1, *gone], [*gone, len(entries)], strict=True)
+    return itertools.chain.from_iterable(entries[start + 1: end] for start, end in runs)
 
 
 def _kept_appends(appends: _Appends, seqs: tuple[Sequence, ...], gone: list[int],
