@@ -57,7 +57,7 @@ def test_evict_retier_matches_evict_below_then_retier(ops):
     for op in ops:
         results = [_apply(policy, op, combined) for combined, policy in enumerate(pair)]
         assert results[0] == results[1]
-        assert pair[0]._heap == pair[1]._heap and pair[0]._rank == pair[1]._rank
+        assert pair[0].entries() == pair[1].entries() and pair[0].ranks() == pair[1].ranks()
     # and they evict alike from here on
     orders = []
     for policy in pair:

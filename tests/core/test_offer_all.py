@@ -2,7 +2,9 @@
 each in order: the same slots, index, tiers, ranks, pending and newest checkpoints, events
 and counts, with slots free or all taken (each offer then evicts below its tier), keys
 repeated in a batch or indexed before it, several offers of one row in a batch, junctions,
-rows confirmed, served, freed and taking live slots between the batches."""
+rows confirmed, served, freed and taking live slots between the batches. Batches of
+distinct keys go through the compiled loop (`StateSlots.offer_arrays`), others offer by
+offer."""
 
 from __future__ import annotations
 
@@ -27,14 +29,16 @@ _op = st.one_of(
 
 def _state(slots: StateSlots) -> tuple:
     policy = slots.policy
-    return (slots.snapshot(), tuple(slots.events), sorted(policy._rank.items()),
+    return (slots.snapshot(), tuple(slots.events), sorted(policy.ranks().items()),
             slots.policy.victim())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(num_slots=st.integers(ROWS + 1, ROWS + 6), interval=st.sampled_from([0, 32]),
-       ops=st.lists(_op, max_size=16))
-def test_offer_all_matches_offer_in_order(num_slots, interval, ops):
+       ops=st.lists(_op, max_size=16), distinct=st.booleans())
+def test_offer_all_matches_offer_in_order(num_slots, interval, ops, distinct):
+    """`distinct`: each batch's keys made distinct (its first offer of a key kept), so the
+    batch goes through the compiled loop (`offer_arrays`) rather than offer by offer."""
     pair = [StateSlots(num_slots, interval=interval) for _ in range(2)]
     for batched, slots in enumerate(pair):
         for row in range(ROWS):  # every row resident at first (offers are a live row's)
@@ -45,6 +49,11 @@ def test_offer_all_matches_offer_in_order(num_slots, interval, ops):
                     slots.confirm(list(slots._live))
                 offers = [(key, 16 * position, row, shared, 0)  # a resident row's
                           for key, position, row, shared in arg if row in slots._live]
+                if distinct:  # the first offer of each key, in order
+                    first: dict[bytes, tuple] = {}
+                    for offer in offers:
+                        first.setdefault(offer[0], offer)
+                    offers = list(first.values())
                 taken = (slots.offer_all(offers) if batched
                          else [slots.offer(*offer) for offer in offers])
                 slots.events.append(("taken", -1, repr(taken).encode()))

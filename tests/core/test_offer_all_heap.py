@@ -31,7 +31,7 @@ def _drained(slots: StateSlots) -> list[int]:
     which must be the order of their ranks: a heap entry lost (a checkpoint the heap no
     longer finds) or a stale one taken shows as a difference."""
     policy, order = copy.deepcopy(slots.policy), []
-    by_rank = [slot for _, slot in sorted((rank, slot) for slot, rank in policy._rank.items())]
+    by_rank = [slot for _, slot in sorted((rank, slot) for slot, rank in policy.ranks().items())]
     while (slot := policy.evict_below(SHARED)) is not None:
         order.append(slot)
     assert order == by_rank

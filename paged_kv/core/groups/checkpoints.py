@@ -3,26 +3,39 @@
 A checkpoint's *tier* says what it is likely worth to a later prompt; the policy keeps the
 higher tiers under pressure (Marconi's admission by likely reuse) and, within a tier, the
 most recently used. `StateSlots` (`paged_kv.core.groups.state`) is its only caller.
+
+The ranks and their heap live in int64 arrays, and the heap's loops are functions over
+them in `paged_kv.core.groups.slot_loops` (compiled by numba where the ``fast`` extra is
+installed, plain Python otherwise, with the same results): a decode step offers a
+checkpoint for every block that fills (~64 a step at 1,024 rows), and `StateSlots`' offer
+loop, compiled beside them, calls them without going back to Python.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import numpy as np
 
-# a checkpoint's tier: what it is likely worth to a later prompt (the policy keeps the
-# higher tiers under pressure; Marconi's admission by likely reuse)
-DENSE = 0     # an interior boundary, taken only because a slot was free
-INTERVAL = 1  # an interior boundary on the sparse interval (a later prompt that shares
-#               a prefix nobody has met at yet still hits near its junction)
-LATEST = 2    # a sequence's last boundary (a finished request's next turn starts there),
-#               or one served to a hit
-SHARED = 3    # a junction: where a prompt's attention blocks hit past its state
-
-# the fields of a rank (`CheckpointPolicy`): slot, last use, tier, from the low bits up
-_USE, _TIER = 32, 96
-_SLOT = (1 << _USE) - 1
-_USE_AND_SLOT = (1 << _TIER) - 1
+from .slot_loops import (  # noqa: F401  (the tiers are named here, where the policy is)
+    CLOCK,
+    COMPILED,
+    COUNT,
+    DENSE,
+    INTERVAL,
+    LATEST,
+    MAX_SLOTS,
+    SHARED,
+    SIZE,
+    SLOT_MASK,
+    TIER_SHIFT,
+    USE_LIMIT,
+    add_all,
+    evict_retier,
+    pop,
+    push,
+    rebuild,
+    retier_written,
+    victim,
+)
 
 
 class CheckpointPolicy:
@@ -32,46 +45,91 @@ class CheckpointPolicy:
     A heap with lazy deletion: O(log n) a choice.
 
     The one place the ranking lives: `StateSlots` calls `add`, `touch`, `retier`,
-    `remove`, `victim` and `admits` only.
+    `remove`, `victim` and `admits` only, or the compiled functions above on the arrays
+    (`rank`, `heap`, `meta`) of a policy of exactly this class.
 
     Every checkpoint saves one state's bytes of memory for the prefill it spares, so
     among its tier the one least likely to be reused goes first: a boundary inside one
     request's own suffix (`DENSE`) before any request's last one (`LATEST`, a multi-turn
     conversation's next turn), and both before a boundary two prompts shared (`SHARED`).
+
+    Attributes
+    ----------
+    rank : np.ndarray
+        ``[capacity]`` int64: each slot's rank, or -1 (not ranked).
+    heap : np.ndarray
+        int64 ranks, a heap in its first ``meta[SIZE]`` entries, some stale.
+    meta : np.ndarray
+        ``[3]`` int64: the heap's size, the use clock, the ranked slots.
     """
 
     def __init__(self) -> None:
-        # a rank is one int, ``tier << 96 | last use << 32 | slot``: it orders as the tuple
-        # (tier, last use, slot) does, and a heap of ints compares in C where one of
-        # tuples compared element by element (~3x slower a step's ~64 evictions)
-        self._rank: dict[int, int] = {}  # slot -> its rank
-        self._heap: list[int] = []       # ranks, some stale
-        self._clock = itertools.count()
+        self.rank = np.full(0, -1, dtype=np.int64)
+        # compiled: an array (room reserved ahead); else a list heapq keeps (`slot_loops`)
+        self.heap = np.zeros(64, dtype=np.int64) if COMPILED else []
+        self.meta = np.zeros(3, dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self._rank)
+        return int(self.meta[COUNT])
 
     def __contains__(self, slot: object) -> bool:
-        return slot in self._rank
+        return (isinstance(slot, (int, np.integer)) and 0 <= slot < self.rank.size
+                and self.rank[slot] >= 0)
+
+    def ranks(self) -> dict[int, int]:
+        """``{slot: rank}`` of every ranked slot (for checks and tests)."""
+        ranked = np.flatnonzero(self.rank >= 0)
+        return dict(zip(ranked.tolist(), self.rank[ranked].tolist(), strict=True))
+
+    def entries(self) -> list[int]:
+        """The heap's entries, stale ones included, in heap order (for tests)."""
+        return [int(entry) for entry in self.heap[:self.meta[SIZE]]]
+
+    def reserve(self, num_slots: int, pushes: int) -> None:
+        """Room for slots below `num_slots` and `pushes` more heap entries (stale ones
+        dropped first when they are most of it), and uses for as many: called before
+        any function above that ranks or pushes."""
+        if num_slots > MAX_SLOTS:
+            raise ValueError(f"a checkpoint policy ranks at most {MAX_SLOTS} slots, "
+                             f"got {num_slots}")
+        if num_slots > self.rank.size:
+            rank = np.full(max(num_slots, 2 * self.rank.size), -1, dtype=np.int64)
+            rank[:self.rank.size] = self.rank
+            self.rank = rank
+        meta = self.meta
+        if meta[CLOCK] + pushes >= USE_LIMIT:
+            rebuild(self.rank, self.heap, meta, True)
+        if COMPILED and meta[SIZE] + pushes > self.heap.size:
+            if meta[SIZE] > 2 * meta[COUNT] + 64:
+                rebuild(self.rank, self.heap, meta, False)
+            if meta[SIZE] + pushes > self.heap.size:
+                heap = np.zeros(max(2 * self.heap.size, meta[SIZE] + pushes), dtype=np.int64)
+                heap[:meta[SIZE]] = self.heap[:meta[SIZE]]
+                self.heap = heap
 
     def add(self, slot: int, tier: int) -> None:
         """Make `slot`, a written checkpoint of `tier`, evictable (the most recent)."""
         self.add_all([slot], [tier])
 
-    def add_all(self, slots: list[int], tiers: list[int]) -> None:
+    def add_all(self, slots, tiers) -> None:
         """`add` of each of `slots` (distinct) at its tier in `tiers`, in order: the same
         ranks (and so the same victims) in one call."""
-        clock, rank, heap = self._clock, self._rank, self._heap
-        for slot, tier in zip(slots, tiers, strict=True):
-            rank[slot] = entry = tier << _TIER | next(clock) << _USE | slot
-            heapq.heappush(heap, entry)
-        if len(heap) > 2 * len(rank) + 64:  # drop the stale entries
-            self._heap = list(rank.values())
-            heapq.heapify(self._heap)
+        slots = np.asarray(slots, dtype=np.int64)
+        tiers = np.asarray(tiers, dtype=np.int64)
+        if slots.size != tiers.size:
+            raise ValueError(f"add_all: {slots.size} slots but {tiers.size} tiers")
+        if not slots.size:
+            return
+        self.reserve(int(slots.max()) + 1, slots.size)
+        add_all(self.rank, self.heap, self.meta, slots, tiers)
+        if self.meta[SIZE] > 2 * self.meta[COUNT] + 64:  # drop the stale entries
+            rebuild(self.rank, self.heap, self.meta, False)
 
     def tier_of(self, slot: int) -> int:
-        """`slot`'s tier."""
-        return self._rank[slot] >> _TIER
+        """`slot`'s tier (KeyError when the policy does not rank it)."""
+        if slot not in self:
+            raise KeyError(slot)
+        return int(self.rank[slot] >> TIER_SHIFT)
 
     def touch(self, slot: int) -> None:
         """`slot` was served: it is now the most recently used of its tier."""
@@ -79,80 +137,58 @@ class CheckpointPolicy:
 
     def retier(self, slot: int, tier: int) -> None:
         """`slot` moves to `tier` (its use unchanged)."""
-        self._rank[slot] = entry = tier << _TIER | self._rank[slot] & _USE_AND_SLOT
-        self._push(entry)
+        if slot not in self:
+            raise KeyError(slot)
+        self.retier_written(slot, tier)
 
     def retier_written(self, slot: int, tier: int) -> None:
         """`retier` of `slot` if it is a written checkpoint (the policy's); else nothing."""
-        entry = self._rank.get(slot)
-        if entry is not None:
-            self._rank[slot] = entry = tier << _TIER | entry & _USE_AND_SLOT
-            self._push(entry)
-
-    def _push(self, entry: int) -> None:
-        """Put `entry` on the heap, in the top's place when that one is stale (one sift,
-        not a pop and a push): a step's checkpoint offer evicts (`evict_below` leaves the
-        victim's entry on top), then re-ranks the row's newest checkpoint, ~64 times a
-        decode step at 1,024 rows."""
-        heap = self._heap
-        if heap and self._rank.get(heap[0] & _SLOT) != heap[0]:
-            heapq.heapreplace(heap, entry)
-        else:
-            heapq.heappush(heap, entry)
+        self.reserve(0, 1)
+        retier_written(self.rank, self.heap, self.meta, slot, tier)
 
     def remove(self, slot: int) -> None:
         """`slot` is no checkpoint any more."""
-        del self._rank[slot]
+        if slot not in self:
+            raise KeyError(slot)
+        self.rank[slot] = -1
+        self.meta[COUNT] -= 1
 
     def victim(self, exclude: int | None = None, allowed=None) -> int | None:
         """The checkpoint to evict first (never `exclude`; with `allowed`, ``slot ->
         bool``, only one it allows: a tenant's share), or None when there is none."""
-        heap, held, found = self._heap, [], None
-        while heap:
-            entry = heap[0]
-            slot = entry & _SLOT
-            if self._rank.get(slot) != entry:
-                heapq.heappop(heap)  # stale: removed, touched or re-tiered since
-            elif slot == exclude or (allowed is not None and not allowed(slot)):
-                held.append(heapq.heappop(heap))
+        rank, heap, meta = self.rank, self.heap, self.meta
+        if allowed is None:
+            self.reserve(0, 1)
+            found = victim(rank, heap, meta, -1 if exclude is None else exclude)
+            return None if found < 0 else int(found)
+        held, found = [], None
+        while meta[SIZE]:
+            entry = int(heap[0])
+            slot = entry & SLOT_MASK
+            if rank[slot] != entry:
+                pop(heap, meta)  # stale: removed, touched or re-tiered since
+            elif slot == exclude or not allowed(slot):
+                held.append(int(pop(heap, meta)))
             else:
                 found = slot
                 break
         for entry in held:
-            heapq.heappush(heap, entry)
+            push(heap, meta, entry)
         return found
 
     def evict_below(self, tier: int) -> int | None:
         """`victim` (no exclusion), removed when a new checkpoint of `tier` ranks above it
-        (`admits`); else None (no checkpoint, or none ranks at or below `tier`). The same
-        heap and ranks as those three calls, in one: a step offers a checkpoint per block
-        that fills (~64 a decode step at 1,024 rows), each evicting one: `evict_retier`
-        with no checkpoint to lower."""
+        (`admits`); else None (no checkpoint, or none ranks at or below `tier`)."""
         return self.evict_retier(tier, -1, 0)
 
     def evict_retier(self, tier: int, previous: int, lower: int) -> int | None:
         """`evict_below(tier)`, then, when it evicted and `previous` (-1: none) is another
         written checkpoint, `retier_written(previous, lower)`: the same heap and ranks as
-        those two calls, in one. A decode step's offer evicts for its row's new newest
-        checkpoint and lowers the row's one before (~64 a step at 1,024 rows): one call,
-        and the re-ranked entry takes the victim's (stale) place on top without a test."""
-        heap, rank = self._heap, self._rank
-        while heap:
-            entry = heap[0]
-            slot = entry & _SLOT
-            if rank.get(slot) != entry:
-                heapq.heappop(heap)  # stale: removed, touched or re-tiered since
-            elif entry >> _TIER > tier:
-                return None
-            else:
-                del rank[slot]  # so a `previous` that is the victim is re-ranked no more
-                if (ranked := rank.get(previous)) is not None:
-                    rank[previous] = entry = lower << _TIER | ranked & _USE_AND_SLOT
-                    heapq.heapreplace(heap, entry)  # the top is the victim's: stale now
-                return slot
-        return None
+        those two calls, in one (the module function `evict_retier`)."""
+        found = evict_retier(self.rank, self.heap, self.meta, tier, previous, lower)
+        return None if found < 0 else int(found)
 
     def admits(self, tier: int, victim: int) -> bool:
         """Whether a new checkpoint of `tier` ranks above `victim` (so `victim` may go for
         it): a higher tier, or the same tier and newer (it always is)."""
-        return self._rank[victim] >> _TIER <= tier
+        return self.tier_of(victim) <= tier

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from ...errors import OutOfBlocksError, PagedKVError, ensure
-from .checkpoints import DENSE, INTERVAL, LATEST, SHARED, CheckpointPolicy
+from .checkpoints import DENSE, INTERVAL, LATEST, MAX_SLOTS, SHARED, CheckpointPolicy
+from .slot_loops import offer_rows, warm
 from .state_checks import SlotChecks
 from .state_tenants import CheckpointShares
 
@@ -65,22 +67,26 @@ class StateSlots(SlotChecks):
 
     def __init__(self, num_slots: int, policy: CheckpointPolicy | None = None,
                  interval: int = 0, shares: CheckpointShares | None = None) -> None:
+        ensure(num_slots <= MAX_SLOTS, f"num_state_slots: at most {MAX_SLOTS}, got {num_slots}")
         self.num_slots, self.interval, self.shares = num_slots, interval, shares
+        warm()
         self.policy = CheckpointPolicy() if policy is None else policy
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, ...
         self._live: dict[int, int] = {}                  # row -> its live slot
-        # the same by row as an array (-1: none), so a step reads every row's at once
+        # by row (-1: none), so a step reads every row's at once: its live slot, and its
+        # newest checkpoint's slot (a decode step's offers lower the one before)
         self._live_by_row = np.full(64, -1, dtype=np.int64)
+        self._latest = np.full(64, -1, dtype=np.int64)
         # the last read-only rows array a confirm was given, and its rows as a set
         self._stepped_of: tuple[np.ndarray | None, frozenset[int]] = (None, frozenset())
         self._slot_of: dict[bytes, int] = {}             # checkpoint key -> slot
         self._key_of: dict[int, tuple[bytes, int]] = {}  # checkpoint slot -> (key, position)
         self._pending: dict[int, list[bytes]] = {}       # row -> keys its last commit took
-        # checkpoint slot -> its tier, and that slot -> the row it is newest of (-1: none
-        # / not a checkpoint); lists by slot, not dicts: an offer reads and writes both
-        self._tier: list[int] = [-1] * num_slots
-        self._latest: dict[int, int] = {}                # row -> its newest checkpoint slot
-        self._latest_of: list[int] = [-1] * num_slots
+        # by checkpoint slot: its tier (-1: not a checkpoint), the row it is newest of (-1:
+        # none) and its position (as in `_key_of`); arrays, which the offers' loop updates
+        self._tier = np.full(num_slots, -1, dtype=np.int8)
+        self._latest_of = np.full(num_slots, -1, dtype=np.int64)
+        self._position = np.zeros(num_slots, dtype=np.int64)
         self.num_written = self.num_hits = self.num_evicted = 0  # checkpoints, so far
         # ("stored" | "removed", slot, key): a checkpoint became servable or went, for the
         # tiers and KV events (bounded as the allocator's events: a user who never drains
@@ -142,19 +148,25 @@ class StateSlots(SlotChecks):
             ensure(slot is not None, "no state slot to take (obtainable() was not checked)")
             self._evict(slot)
         self._live[row] = slot
-        if row >= len(self._live_by_row):
-            grown = np.full(max(2 * len(self._live_by_row), row + 1), -1, dtype=np.int64)
-            grown[:len(self._live_by_row)] = self._live_by_row
-            self._live_by_row = grown
+        self._grow_rows(row + 1)
         self._live_by_row[row] = slot
         return slot
+
+    def _grow_rows(self, num_rows: int) -> None:
+        """The by-row arrays hold at least `num_rows` rows."""
+        size = len(self._live_by_row)
+        if num_rows > size:
+            for name in ("_live_by_row", "_latest"):
+                grown = np.full(max(2 * size, num_rows), -1, dtype=np.int64)
+                grown[:size] = getattr(self, name)
+                setattr(self, name, grown)
 
     def release_live(self, row: int) -> None:
         """`row` is gone (or swapped out): its live slot is free; its newest checkpoint
         keeps the `LATEST` tier (a finished request's next turn starts there)."""
         self._free.append(self._live.pop(row))
         self._live_by_row[row] = -1
-        slot = self._latest.pop(row, -1)
+        slot, self._latest[row] = self._latest[row], -1
         if slot >= 0:
             self._latest_of[slot] = -1
 
@@ -190,8 +202,9 @@ class StateSlots(SlotChecks):
             self._pending[row] = [key]
         else:
             pending.append(key)
-        previous = self._latest.get(row)
-        if previous is not None:
+        self._grow_rows(row + 1)
+        previous = int(self._latest[row])
+        if previous >= 0:
             if self._tier[previous] == LATEST:
                 sparse = self.interval and self._key_of[previous][1] % self.interval == 0
                 self._retier(previous, INTERVAL if sparse else DENSE)
@@ -203,60 +216,86 @@ class StateSlots(SlotChecks):
     def offer_all(self, offers: list[tuple[bytes, int, int, bool, int]],
                   ) -> list[int | None]:
         """`offer` of each ``(key, position, row, shared, tenant)`` in order; each one's
-        slot or None. The same slots, ranks, evictions, events and counts as one `offer`
-        after another, in one call with their work inlined: a step offers one per block
-        that filled, ~64 a decode step at 1,024 rows, and through `offer` (a victim, an
-        eviction, a re-rank: ~10 calls) each cost ~3-4 us. With tenants (quotas, shares)
-        each goes through `offer`."""
-        if self.shares is not None:
+        slot or None: the same slots, ranks, evictions, events and counts as one `offer`
+        after another (through `offer_arrays` where there are no tenants)."""
+        if self.shares is not None or not offers:
             return [self.offer(*offer) for offer in offers]
-        taken, evicted = self._offer_each(offers)
-        self.num_written += len(taken) - taken.count(None)
-        self.num_evicted += evicted
+        keys, positions, rows, shared, _ = zip(*offers, strict=True)
+        taken = self.offer_arrays(list(keys), np.array(positions, dtype=np.int64),
+                                  np.array(rows, dtype=np.int64), np.array(shared, dtype=bool))
+        return [None if slot < 0 else slot for slot in taken.tolist()]
+
+    def offer_arrays(self, keys: list[bytes], positions: np.ndarray, rows: np.ndarray,
+                     shared: np.ndarray) -> np.ndarray:
+        """`offer_all` without tenants, in arrays: ``[N]`` int64 each offer's slot, or -1.
+
+        Parameters
+        ----------
+        keys : list of bytes
+            ``[N]`` the checkpoints' keys.
+        positions, rows : np.ndarray
+            ``[N]`` int64: tokens each one's state has consumed, and the row taking it.
+        shared : np.ndarray
+            ``[N]`` bool: a junction where prompts met (`SHARED`).
+
+        A step offers one per block that filled, ~64 a decode step at 1,024 rows: the
+        slot bookkeeping runs in one compiled loop (`slot_loops.offer_rows`), the key
+        index, events and pending keys in bulk here (~0.3 us an offer, ~2 us through
+        `offer`). Keys repeated in the call, or a policy of another class, go through
+        `offer` one by one.
+        """
+        n, policy = len(keys), self.policy
+        ensure(self.shares is None, "offer_arrays: checkpoints with tenants go through offer")
+        if type(policy) is not CheckpointPolicy or len(set(keys)) < n:
+            taken = [self.offer(*offer, 0) for offer in zip(
+                keys, positions.tolist(), rows.tolist(), shared.tolist(), strict=True)]
+            return np.array([-1 if slot is None else slot for slot in taken], dtype=np.int64)
+        # C-contiguous, writable and of one dtype each: the types the loop was compiled for
+        rows, positions = _plain(rows, np.int64), _plain(positions, np.int64)
+        shared = _plain(shared, np.bool_)
+        slot_of, free = self._slot_of, self._free
+        known = np.fromiter(map(slot_of.get, keys, itertools.repeat(-1)), np.int64, n)
+        free_tail = np.array(free[max(len(free) - n, 0):], dtype=np.int64)
+        self._grow_rows(int(rows.max()) + 1 if n else 0)
+        policy.reserve(self.num_slots, n)
+        taken, victims = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        used, evicted = offer_rows(rows, shared, known, positions, free_tail, self._tier,
+                                   self._latest, self._latest_of, self._position,
+                                   self.interval, policy.rank, policy.heap, policy.meta,
+                                   taken, victims)
+        if used:
+            del free[len(free) - used:]
+        if evicted:
+            self._evicted_all(victims[victims >= 0].tolist())
+        self._indexed_all(keys, positions, rows, taken)
         return taken
 
-    def _offer_each(self, offers: list[tuple[bytes, int, int, bool, int]],
-                    ) -> tuple[list[int | None], int]:
-        """`offer_all`'s loop without tenants: each offer's slot or None, and how many
-        checkpoints it evicted (the counts are the caller's)."""
-        free, slot_of, key_of, tiers = self._free, self._slot_of, self._key_of, self._tier
-        pending, latest, latest_of = self._pending, self._latest, self._latest_of
-        evict_retier, retier = self.policy.evict_retier, self.policy.retier_written
-        interval, taken, events, evicted = self.interval, [], self.events, 0
-        for key, position, row, shared, _ in offers:
-            if key in slot_of:
-                taken.append(None)
-                continue
-            # the row's newest checkpoint drops a tier (found first: an eviction re-ranks
-            # it in the same policy call, unless it is the victim)
-            tier, previous, lower = SHARED if shared else LATEST, latest.get(row, -1), -1
-            if previous >= 0 and tiers[previous] == LATEST:
-                lower = INTERVAL if interval and key_of[previous][1] % interval == 0 else DENSE
-            if free:
-                slot = free.pop()
-                if lower >= 0:
-                    retier(previous, lower)
-            else:  # `_slot_for` then `_evicted`, inlined (the policy removed it already)
-                slot = evict_retier(tier, previous if lower >= 0 else -1, lower)
-                if slot is None:
-                    taken.append(None)
-                    continue
-                old, _ = key_of.pop(slot)
-                del slot_of[old]  # its tier and newest-of entries are written below
-                events.append(("removed", slot, old))
-                if (owner := latest_of[slot]) >= 0:
-                    del latest[owner]
-                evicted += 1
-                previous = -1 if slot == previous else previous
-            slot_of[key], key_of[slot], tiers[slot] = slot, (key, position), tier
-            pending.setdefault(row, []).append(key)
-            if previous >= 0:
-                if lower >= 0:
-                    tiers[previous] = lower
-                latest_of[previous] = -1
-            latest[row], latest_of[slot] = slot, row
-            taken.append(slot)
-        return taken, evicted
+    def _evicted_all(self, slots: list[int]) -> None:
+        """The offers' loop evicted `slots` (their tiers and newest-of entries are written
+        already): their keys leave the index, in order, each announced."""
+        keys = list(map(operator.itemgetter(0), map(self._key_of.pop, slots)))
+        collections.deque(map(self._slot_of.__delitem__, keys), 0)
+        self.events.extend(zip(itertools.repeat("removed"), slots, keys))
+        self.num_evicted += len(slots)
+
+    def _indexed_all(self, keys: list[bytes], positions: np.ndarray, rows: np.ndarray,
+                     taken: np.ndarray) -> None:
+        """The keys of the offers that took a slot (``taken >= 0``) enter the index and
+        their rows' pending keys, in order."""
+        took = taken >= 0
+        if not took.all():
+            keys = list(itertools.compress(keys, took.tolist()))
+            positions, rows, taken = positions[took], rows[took], taken[took]
+        slots, rows_ = taken.tolist(), rows.tolist()
+        self._slot_of.update(zip(keys, slots, strict=True))
+        self._key_of.update(zip(slots, zip(keys, positions.tolist(), strict=True), strict=True))
+        pending = self._pending
+        if len(set(rows_)) == len(rows_) and pending.keys().isdisjoint(rows_):
+            pending.update(zip(rows_, map(list, zip(keys)), strict=True))  # one key a row
+        else:
+            for row, key in zip(rows_, keys, strict=True):
+                pending.setdefault(row, []).append(key)
+        self.num_written += len(slots)
 
     def _retier(self, slot: int, tier: int) -> None:
         self._tier[slot] = tier
@@ -302,7 +341,7 @@ class StateSlots(SlotChecks):
     def _servable_all(self, slots: list[int], keys: list[bytes]) -> None:
         """`_servable` of each of `slots` (under `keys`), in order, in one call each to
         the policy and the events."""
-        self.policy.add_all(slots, list(map(self._tier.__getitem__, slots)))
+        self.policy.add_all(slots, self._tier[np.asarray(slots, dtype=np.int64)])
         self.events.extend(zip(itertools.repeat("stored"), slots, keys))
 
     def adopt(self, key: bytes, position: int, tenant: int = 0) -> int | None:
@@ -335,7 +374,7 @@ class StateSlots(SlotChecks):
 
     def _index(self, slot: int, key: bytes, position: int, tier: int, tenant: int) -> None:
         self._slot_of[key], self._key_of[slot] = slot, (key, position)
-        self._tier[slot] = tier
+        self._tier[slot], self._position[slot] = tier, position
         if self.shares is not None:
             self.shares.add(slot, tenant)
 
@@ -389,4 +428,13 @@ class StateSlots(SlotChecks):
         """`slot` is no checkpoint now: no row's newest."""
         row, self._latest_of[slot] = self._latest_of[slot], -1
         if row >= 0:
-            del self._latest[row]
+            self._latest[row] = -1
+
+
+def _plain(values: np.ndarray, dtype: type) -> np.ndarray:
+    """`values` as a C-contiguous, writable array of `dtype` (a copy only where it is not
+    one already)."""
+    flags = values.flags
+    if values.dtype == dtype and flags.c_contiguous and flags.writeable:
+        return values
+    return np.array(values, dtype=dtype, order="C")

@@ -32,9 +32,10 @@ class SlotChecks:
     _slot_of: dict[bytes, int]
     _key_of: dict[int, tuple[bytes, int]]
     _pending: dict[int, list[bytes]]
-    _tier: list[int]
-    _latest: dict[int, int]
-    _latest_of: list[int]
+    _tier: np.ndarray
+    _latest: np.ndarray
+    _latest_of: np.ndarray
+    _position: np.ndarray
 
     def check(self, rows: Sequence[int]) -> None:
         """Live slots are exactly `rows`' (the resident rows), one each; the checkpoint
@@ -58,10 +59,14 @@ class SlotChecks:
         ensure(tiers.keys() == self._key_of.keys()
                and all(tiers[slot] == self.policy.tier_of(slot) for slot in written),
                "a checkpoint's tier is lost or out of step with the policy")
-        latest_of = {slot: row for slot, row in enumerate(self._latest_of) if row >= 0}
-        ensure(all(latest_of.get(slot) == row for row, slot in self._latest.items())
-               and len(self._latest) == len(latest_of)
-               and set(self._latest) <= set(self._live)
+        ensure(all(self._position[slot] == position
+                   for slot, (_, position) in self._key_of.items()),
+               "a checkpoint's position is out of step with its key's")
+        latest_of = _by_index(self._latest_of)
+        latest = _by_index(self._latest)
+        ensure(all(latest_of.get(slot) == row for row, slot in latest.items())
+               and len(latest) == len(latest_of)
+               and set(latest) <= set(self._live)
                and set(latest_of) <= set(self._key_of), "newest checkpoints out of step")
         every = self._free + live + list(self._key_of)
         ensure(len(every) == len(set(every)) == self.num_slots,
@@ -71,14 +76,20 @@ class SlotChecks:
 
     def _tiers(self) -> dict[int, int]:
         """``{slot: tier}`` of every checkpoint (pending ones included)."""
-        return {slot: tier for slot, tier in enumerate(self._tier) if tier >= 0}
+        return _by_index(self._tier)
 
     def snapshot(self) -> tuple:
         """Comparable copy of the bookkeeping (for tests of rejected calls)."""
         return (tuple(self._free), tuple(sorted(self._live.items())),
                 tuple(sorted(self._key_of.items())), tuple(sorted(self._tiers().items())),
-                tuple(sorted(self._latest.items())),
+                tuple(sorted(_by_index(self._latest).items())),
                 tuple(sorted((row, tuple(keys)) for row, keys in self._pending.items())),
                 tuple(sorted(s for s in self._key_of if s in self.policy)),
                 self.num_written, self.num_hits, self.num_evicted,
                 None if self.shares is None else self.shares.snapshot())
+
+
+def _by_index(values: np.ndarray) -> dict[int, int]:
+    """``{index: value}`` of the entries of `values` that are not negative (-1: none)."""
+    indices = np.flatnonzero(values >= 0)
+    return dict(zip(indices.tolist(), values[indices].tolist(), strict=True))

@@ -30,6 +30,8 @@ place. Its rules:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from typing import ClassVar
 
 import numpy as np
@@ -195,37 +197,56 @@ class StateGroup(CheckpointExport, LayerGroup):
                filled: list[Filled], decode: bool = False) -> StateBatch:
         """The `StateBatch` of `rows` (their tokens packed in order, ``counts`` each after
         ``old``; `decode`: one each), offering a checkpoint after each block in `filled`."""
-        block_size, suffix = self.tables.block_size, group_suffix(self.index)
-        junction, tenant = self.junction, self.tenant
-        offers = [(key + suffix, (column + 1) * block_size, row,
-                   junction.get(row) == (column + 1) * block_size, tenant.get(row, 0))
-                  for row, column, key, _, _ in filled]
-        # the rows that took one, its position, its slot (one batched offer a step)
-        slots = self.slots.offer_all(offers)
-        if None in slots:
-            kept = [i for i, slot in enumerate(slots) if slot is not None]
-            offers, slots = [offers[i] for i in kept], [slots[i] for i in kept]
-        taken = [offer[2] for offer in offers]
-        ends = [offer[1] for offer in offers]
+        taken, slots, ends = self._offer(filled)
         tensors = (torch.from_numpy(self.slots.live_of(rows)),
-                   torch.from_numpy(self._position_of(rows).take(taken) if decode and taken
+                   torch.from_numpy(self._position_of(rows).take(taken) if decode and taken.size
                                     # a block fills at a row's one token: its place
                                     else self._emit_tokens(rows, old, counts, taken, ends)),
-                   torch.from_numpy(np.array(slots, dtype=np.int64)))
+                   torch.from_numpy(slots))
         device = self.slab.device
         if device.type != "cpu":  # shipped once, as `StepBatch.from_host` ships its own
             tensors = tuple(tensor.to(device) for tensor in tensors)
         return StateBatch(*tensors)
 
+    def _offer(self, filled: list[Filled]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Offer a checkpoint after each block in `filled`, in one batch:
+        ``(rows, slots, ends)``, ``[E]`` int64 each, of the offers that took a slot, in
+        order (``ends``: the position the checkpoint is at)."""
+        block_size, suffix = self.tables.block_size, group_suffix(self.index)
+        junction = self.junction
+        if self.slots.shares is not None:  # tenants: each through `offer`, with its tenant
+            offers = [(key + suffix, (column + 1) * block_size, row,
+                       junction.get(row) == (column + 1) * block_size, self.tenant.get(row, 0))
+                      for row, column, key, _, _ in filled]
+            found = self.slots.offer_all(offers)
+            took = [i for i, slot in enumerate(found) if slot is not None]
+            return (np.array([offers[i][2] for i in took], dtype=np.int64),
+                    np.array([found[i] for i in took], dtype=np.int64),
+                    np.array([offers[i][1] for i in took], dtype=np.int64))
+        n = len(filled)
+        rows = np.fromiter(map(operator.itemgetter(0), filled), np.int64, n)
+        ends = (np.fromiter(map(operator.itemgetter(1), filled), np.int64, n) + 1) * block_size
+        keys = list(map(operator.add, map(operator.itemgetter(2), filled),
+                        itertools.repeat(suffix)))
+        shared = np.zeros(n, dtype=bool)
+        if junction and not junction.keys().isdisjoint(rows.tolist()):
+            shared[:] = [junction.get(row) == end
+                         for row, end in zip(rows.tolist(), ends.tolist(), strict=True)]
+        slots = self.slots.offer_arrays(keys, ends, rows, shared)
+        took = slots >= 0
+        if took.all():
+            return rows, slots, ends
+        return rows[took], slots[took], ends[took]
+
     def _emit_tokens(self, rows: np.ndarray, old: np.ndarray, counts: np.ndarray,
-                     taken: list[int], ends: list[int]) -> np.ndarray:
+                     taken: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``[E]`` int64 index in the step's packed tokens (``counts`` per row of `rows`,
         after ``old``) of the token before position ``ends[i]`` of row ``taken[i]``: in
         arrays, once a step (numpy scalars per block cost ~2 us each)."""
-        if not taken:
+        if not taken.size:
             return np.zeros(0, dtype=np.int64)
         i = self._position_of(rows)[taken]  # each row's place in the step
-        return (np.cumsum(counts) - counts)[i] + np.array(ends, dtype=np.int64) - 1 - old[i]
+        return (np.cumsum(counts) - counts)[i] + ends - 1 - old[i]
 
     def _position_of(self, rows: np.ndarray) -> np.ndarray:
         """``[rows.max() + 1]`` int64: each of `rows`' index in it (garbage elsewhere).
