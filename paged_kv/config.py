@@ -9,6 +9,10 @@ import torch
 
 from .tenants.policy import TenantPolicy
 
+# slots of the state slab a checkpoint policy ranks (`paged_kv.core.groups.slot_loops`'s
+# MAX_SLOTS, which its tests compare with this)
+MAX_STATE_SLOTS = 1 << 21
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the torch dtype each page format needs, by attribute name (float8 types are optional): an
 # 8-bit format's page element type; a 4-bit one's (`PACKED_FORMATS`) scale type
@@ -234,7 +238,8 @@ class CacheConfig:
         Slots of the state slab beside the pool (docs/architecture.md, "Recurrent state"):
         one slot holds every recurrent layer's states of one sequence
         (`state_bytes_per_slot`), as a resident sequence's live state or as a prefix
-        checkpoint. At least 1 when `layer_kinds` has recurrent layers; 0 otherwise.
+        checkpoint. At least 1 when `layer_kinds` has recurrent layers (at most
+        `MAX_STATE_SLOTS`, 2,097,152); 0 otherwise.
     reuse_block_tables : bool
         Keep each step's block tables and update them by the next step's changes (vLLM's
         persistent block table; `paged_kv.core.step_table`) instead of giving every batch
@@ -350,6 +355,10 @@ class CacheConfig:
                              f"their states in slots of the state slab: expected >= 1 "
                              f"(one per resident sequence, more for prefix checkpoints), "
                              f"got {self.num_state_slots}")
+        if self.num_state_slots > MAX_STATE_SLOTS:
+            raise ValueError(f"CacheConfig.num_state_slots: at most {MAX_STATE_SLOTS} (a "
+                             f"checkpoint's rank holds its slot in 21 bits), got "
+                             f"{self.num_state_slots}")
         if not recurrent and self.num_state_slots:
             raise ValueError(f"CacheConfig.num_state_slots: no recurrent layer keeps a state: "
                              f"expected 0, got {self.num_state_slots}")

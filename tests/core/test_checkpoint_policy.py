@@ -17,8 +17,10 @@ import textwrap
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import given, settings
 
+from paged_kv.config import MAX_STATE_SLOTS, CacheConfig, LayerKind, StateSpec
 from paged_kv.core.groups import slot_loops
 from paged_kv.core.groups.checkpoints import (
     CLOCK,
@@ -160,6 +162,14 @@ def test_a_long_run_compacts_the_heap_and_keeps_the_order():
 def test_a_policy_refuses_more_slots_than_a_rank_holds():
     with pytest.raises(ValueError, match="at most"):
         CheckpointPolicy().reserve(slot_loops.MAX_SLOTS + 1, 0)
+    # and a config asking for more is refused by name, before any cache is built
+    assert MAX_STATE_SLOTS == slot_loops.MAX_SLOTS
+    kinds = (LayerKind(), LayerKind.recurrent((StateSpec("ssm", (1,), torch.float32),)))
+    fields = dict(num_layers=2, num_kv_heads=1, head_dim=1, block_size=16, num_blocks=8,
+                  layer_kinds=kinds)
+    CacheConfig(**fields, num_state_slots=MAX_STATE_SLOTS)
+    with pytest.raises(ValueError, match="num_state_slots: at most"):
+        CacheConfig(**fields, num_state_slots=MAX_STATE_SLOTS + 1)
 
 
 _SCRIPT = textwrap.dedent("""
