@@ -218,11 +218,13 @@ def evict_retier(rank, heap, meta, tier, previous, lower):
 @jit
 def rebuild(rank, heap, meta, renumber):
     """The heap made again of the ranked entries alone (the stale ones dropped); with
-    `renumber`, their uses first renumbered 0, 1, ... in their order (the clock then
-    starts after them), so the ranks fit their bits however long the policy runs."""
+    `renumber`, their uses first renumbered 0, 1, ... in the order of their uses, whatever
+    their tiers (a re-tier keeps a use: the order of uses is the policy's, across tiers),
+    the clock then starting after them, so the ranks fit their bits however long the
+    policy runs."""
     ranked = np.nonzero(rank >= 0)[0]
     if renumber:
-        order = ranked[np.argsort(rank[ranked])]
+        order = ranked[np.argsort(rank[ranked] & USE_AND_SLOT)]
         for use in range(order.size):
             slot = order[use]
             rank[slot] = rank[slot] >> TIER_SHIFT << TIER_SHIFT | np.int64(use) << USE_SHIFT | slot
@@ -241,26 +243,30 @@ def _lowered(tiers, position, interval, previous):
 
 
 @jit
-def offer_rows(rows, shared, known, positions, free_tail, tiers, latest, latest_of,
+def offer_rows(rows, shared, keys, key_slot, positions, free_tail, tiers, latest, latest_of,
                position, interval, rank, heap, meta, taken, victims):
     """Offer a checkpoint for each ``(rows[i], positions[i], shared[i])`` in order.
 
-    `known` is the slot each offer's key was indexed in before the call (-1: none; keys
-    distinct): a key still indexed is not offered again. Slots come from the end of
+    ``keys[i]`` numbers offer i's key among the call's distinct keys, and ``key_slot[k]``
+    is the slot key k is indexed in (-1: none), updated here: an offer whose key is
+    indexed (before the call, or by an earlier offer of it) is not offered again, and a
+    victim's key, if one of the call's, is indexed no more. Slots come from the end of
     `free_tail` (the free stack's top), then from the policy's victims below the new
     checkpoint's tier. Updates ``tiers`` / ``position`` / ``latest_of`` (by slot),
     ``latest`` (by row: its newest checkpoint) and the policy's arrays; writes each
     offer's slot into `taken` and the slot it evicted into `victims` (-1: none). Returns
     ``(free slots used, checkpoints evicted)``.
     """
-    gone = np.zeros(tiers.size, dtype=np.bool_)  # slots evicted in this call
+    key_of = np.full(tiers.size, -1, dtype=np.int64)  # slot -> the call's key it holds
+    for key in range(key_slot.size):
+        if key_slot[key] >= 0:
+            key_of[key_slot[key]] = key
     used = evicted = 0
     for i in range(rows.size):
         taken[i] = victims[i] = -1
-        if known[i] >= 0 and not gone[known[i]]:
+        if key_slot[keys[i]] >= 0:
             continue
         row = rows[i]
-        tier = SHARED if shared[i] else LATEST
         previous = latest[row]
         lower = _lowered(tiers, position, interval, previous)
         if used < free_tail.size:
@@ -269,20 +275,24 @@ def offer_rows(rows, shared, known, positions, free_tail, tiers, latest, latest_
             if lower >= 0:
                 retier_written(rank, heap, meta, previous, lower)
         else:
+            tier = SHARED if shared[i] else LATEST
             slot = evict_retier(rank, heap, meta, tier, previous if lower >= 0 else -1, lower)
             if slot < 0:
                 continue
-            victims[i], gone[slot], evicted = slot, True, evicted + 1
+            victims[i], evicted = slot, evicted + 1
+            if key_of[slot] >= 0:  # the victim held a key offered later in the call
+                key_slot[key_of[slot]] = -1
             if latest_of[slot] >= 0:  # the victim was some row's newest
                 latest[latest_of[slot]] = -1
             if slot == previous:
                 previous = -1
-        tiers[slot], position[slot] = tier, positions[i]
+        tiers[slot], position[slot] = SHARED if shared[i] else LATEST, positions[i]
         if previous >= 0:
             if lower >= 0:
                 tiers[previous] = lower
             latest_of[previous] = -1
         latest[row], latest_of[slot], taken[i] = slot, row, slot
+        key_slot[keys[i]], key_of[slot] = slot, keys[i]
     return used, evicted
 
 
@@ -307,5 +317,6 @@ def warm() -> None:
     rebuild(rank, heap, meta, True)
     one = np.zeros(1, dtype=np.int64)
     tiers, latest = np.full(4, -1, dtype=np.int8), np.full(4, -1, dtype=np.int64)
-    offer_rows(one, np.zeros(1, dtype=bool), one - 1, one, one, tiers, latest, latest.copy(),
-               np.zeros(4, dtype=np.int64), 16, rank, heap, meta, one.copy(), one.copy())
+    offer_rows(one, np.zeros(1, dtype=bool), one.copy(), one - 1, one, one, tiers, latest,
+               latest.copy(), np.zeros(4, dtype=np.int64), 16, rank, heap, meta, one.copy(),
+               one.copy())

@@ -241,12 +241,13 @@ class StateSlots(SlotChecks):
         A step offers one per block that filled, ~64 a decode step at 1,024 rows: the
         slot bookkeeping runs in one compiled loop (`slot_loops.offer_rows`), the key
         index, events and pending keys in bulk here (~0.3 us an offer, ~2 us through
-        `offer`). Keys repeated in the call, or a policy of another class, go through
-        `offer` one by one.
+        `offer`). A key repeated in the call is offered again only while no earlier offer
+        of it holds a slot, as `offer` after `offer` would. A policy of another class
+        (its own ranking) goes through `offer` one by one.
         """
         n, policy = len(keys), self.policy
         ensure(self.shares is None, "offer_arrays: checkpoints with tenants go through offer")
-        if type(policy) is not CheckpointPolicy or len(set(keys)) < n:
+        if type(policy) is not CheckpointPolicy:
             taken = [self.offer(*offer, 0) for offer in zip(
                 keys, positions.tolist(), rows.tolist(), shared.tolist(), strict=True)]
             return np.array([-1 if slot is None else slot for slot in taken], dtype=np.int64)
@@ -254,13 +255,15 @@ class StateSlots(SlotChecks):
         rows, positions = _plain(rows, np.int64), _plain(positions, np.int64)
         shared = _plain(shared, np.bool_)
         slot_of, free = self._slot_of, self._free
-        known = np.fromiter(map(slot_of.get, keys, itertools.repeat(-1)), np.int64, n)
+        numbered, distinct = _numbered(keys)
+        key_slot = np.fromiter(map(slot_of.get, distinct, itertools.repeat(-1)), np.int64,
+                               len(distinct))
         free_tail = np.array(free[max(len(free) - n, 0):], dtype=np.int64)
         self._grow_rows(int(rows.max()) + 1 if n else 0)
         policy.reserve(self.num_slots, n)
         taken, victims = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-        used, evicted = offer_rows(rows, shared, known, positions, free_tail, self._tier,
-                                   self._latest, self._latest_of, self._position,
+        used, evicted = offer_rows(rows, shared, numbered, key_slot, positions, free_tail,
+                                   self._tier, self._latest, self._latest_of, self._position,
                                    self.interval, policy.rank, policy.heap, policy.meta,
                                    taken, victims)
         if used:
@@ -438,3 +441,13 @@ def _plain(values: np.ndarray, dtype: type) -> np.ndarray:
     if values.dtype == dtype and flags.c_contiguous and flags.writeable:
         return values
     return np.array(values, dtype=dtype, order="C")
+
+
+def _numbered(keys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
+    """``[N]`` int64 each key's number among `keys`' distinct ones, in first-seen order, and
+    those keys (a decode step's keys are distinct: numbered in order, no pass)."""
+    if len(set(keys)) == len(keys):
+        return np.arange(len(keys), dtype=np.int64), keys
+    numbers: dict[bytes, int] = {}
+    numbered = [numbers.setdefault(key, len(numbers)) for key in keys]
+    return np.array(numbered, dtype=np.int64), list(numbers)
