@@ -267,6 +267,8 @@ def offer_rows(rows, shared, keys, key_slot, positions, free_tail, tiers, latest
         if key_slot[keys[i]] >= 0:
             continue
         row = rows[i]
+        # the row's newest checkpoint drops a tier (found first: an eviction re-ranks it
+        # in the same policy call, unless it is the victim)
         previous = latest[row]
         lower = _lowered(tiers, position, interval, previous)
         if used < free_tail.size:
