@@ -13,16 +13,9 @@ import torch
 from paged_kv import CacheConfig, LayerKind, OutOfBlocksError, PagedKVCache, PagedKVError
 from paged_kv.config import StateSpec, group_layers
 from paged_kv.core.cache import snapshot
+from paged_kv.core.groups.checkpoints import DENSE, INTERVAL, LATEST, SHARED, CheckpointPolicy
 from paged_kv.core.groups.rules import group_key
-from paged_kv.core.groups.state import (
-    DENSE,
-    INTERVAL,
-    LATEST,
-    SHARED,
-    CheckpointPolicy,
-    OutOfStateSlotsError,
-    StateSlots,
-)
+from paged_kv.core.groups.state import OutOfStateSlotsError, StateSlots
 from paged_kv.integrations.recurrent import StateSpec as ReExported
 
 from ..conftest import assert_same_snapshot

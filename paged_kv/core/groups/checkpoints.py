@@ -45,7 +45,7 @@ class CheckpointPolicy:
     A heap with lazy deletion: O(log n) a choice.
 
     The one place the ranking lives: `StateSlots` calls `add`, `touch`, `retier`,
-    `remove`, `victim` and `admits` only, or the compiled functions above on the arrays
+    `remove`, `victim` and `admits` only, or `slot_loops`' functions on the arrays
     (`rank`, `heap`, `meta`) of a policy of exactly this class.
 
     Every checkpoint saves one state's bytes of memory for the prefill it spares, so
@@ -100,8 +100,7 @@ class CheckpointPolicy:
         if meta[CLOCK] + pushes >= USE_LIMIT:
             rebuild(self.rank, self.heap, meta, True)
         if COMPILED and meta[SIZE] + pushes > self.heap.size:
-            if meta[SIZE] > 2 * meta[COUNT] + 64:
-                rebuild(self.rank, self.heap, meta, False)
+            self._drop_stale()
             if meta[SIZE] + pushes > self.heap.size:
                 heap = np.zeros(max(2 * self.heap.size, meta[SIZE] + pushes), dtype=np.int64)
                 heap[:meta[SIZE]] = self.heap[:meta[SIZE]]
@@ -122,7 +121,11 @@ class CheckpointPolicy:
             return
         self.reserve(int(slots.max()) + 1, slots.size)
         add_all(self.rank, self.heap, self.meta, slots, tiers)
-        if self.meta[SIZE] > 2 * self.meta[COUNT] + 64:  # drop the stale entries
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """The heap made again of the ranked entries when stale ones are most of it."""
+        if self.meta[SIZE] > 2 * self.meta[COUNT] + 64:
             rebuild(self.rank, self.heap, self.meta, False)
 
     def tier_of(self, slot: int) -> int:

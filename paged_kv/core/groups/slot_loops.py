@@ -162,10 +162,16 @@ def add_all(rank, heap, meta, slots, tiers):
 
 
 @jit
+def retiered(entry, tier):
+    """The rank `entry` at `tier` instead, its use and slot unchanged."""
+    return np.int64(tier) << TIER_SHIFT | entry & USE_AND_SLOT
+
+
+@jit
 def retier_written(rank, heap, meta, slot, tier):
     """`slot` moves to `tier`, its use unchanged, if the policy ranks it; else nothing."""
     if 0 <= slot < rank.size and rank[slot] >= 0:
-        entry = np.int64(tier) << TIER_SHIFT | rank[slot] & USE_AND_SLOT
+        entry = retiered(rank[slot], tier)
         rank[slot] = entry
         place(rank, heap, meta, entry)
 
@@ -208,7 +214,7 @@ def evict_retier(rank, heap, meta, tier, previous, lower):
             rank[slot] = -1  # so a `previous` that is the victim is re-ranked no more
             meta[COUNT] -= 1
             if 0 <= previous < rank.size and rank[previous] >= 0:
-                ranked = np.int64(lower) << TIER_SHIFT | rank[previous] & USE_AND_SLOT
+                ranked = retiered(rank[previous], lower)
                 rank[previous] = ranked
                 replace_top(heap, meta, ranked)  # the top is the victim's: stale now
             return slot
@@ -233,7 +239,7 @@ def rebuild(rank, heap, meta, renumber):
 
 
 @jit
-def _lowered(tiers, position, interval, previous):
+def lowered(tiers, position, interval, previous):
     """The tier a row's newest checkpoint `previous` (-1: none) drops to when the row
     takes a newer one: `INTERVAL` on the sparse interval, else `DENSE`; -1 when it
     stays (none, or not `LATEST`: a junction keeps `SHARED`)."""
@@ -270,14 +276,14 @@ def offer_rows(rows, shared, keys, key_slot, positions, free_tail, tiers, latest
         # the row's newest checkpoint drops a tier (found first: an eviction re-ranks it
         # in the same policy call, unless it is the victim)
         previous = latest[row]
-        lower = _lowered(tiers, position, interval, previous)
+        lower = lowered(tiers, position, interval, previous)
+        tier = SHARED if shared[i] else LATEST
         if used < free_tail.size:
             used += 1
             slot = free_tail[free_tail.size - used]
             if lower >= 0:
                 retier_written(rank, heap, meta, previous, lower)
         else:
-            tier = SHARED if shared[i] else LATEST
             slot = evict_retier(rank, heap, meta, tier, previous if lower >= 0 else -1, lower)
             if slot < 0:
                 continue
@@ -288,7 +294,7 @@ def offer_rows(rows, shared, keys, key_slot, positions, free_tail, tiers, latest
                 latest[latest_of[slot]] = -1
             if slot == previous:
                 previous = -1
-        tiers[slot], position[slot] = SHARED if shared[i] else LATEST, positions[i]
+        tiers[slot], position[slot] = tier, positions[i]
         if previous >= 0:
             if lower >= 0:
                 tiers[previous] = lower
@@ -319,6 +325,7 @@ def warm() -> None:
     rebuild(rank, heap, meta, True)
     one = np.zeros(1, dtype=np.int64)
     tiers, latest = np.full(4, -1, dtype=np.int8), np.full(4, -1, dtype=np.int64)
+    lowered(tiers, one, 16, 0)  # `StateSlots.offer` calls it from Python
     offer_rows(one, np.zeros(1, dtype=bool), one.copy(), one - 1, one, one, tiers, latest,
                latest.copy(), np.zeros(4, dtype=np.int64), 16, rank, heap, meta, one.copy(),
                one.copy())

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import OutOfBlocksError, PagedKVError, ensure
-from .checkpoints import DENSE, INTERVAL, LATEST, MAX_SLOTS, SHARED, CheckpointPolicy
-from .slot_loops import offer_rows, warm
+from .checkpoints import DENSE, LATEST, MAX_SLOTS, SHARED, CheckpointPolicy
+from .slot_loops import lowered, offer_rows, warm
 from .state_checks import SlotChecks
 from .state_tenants import CheckpointShares
 
@@ -205,9 +205,9 @@ class StateSlots(SlotChecks):
         self._grow_rows(row + 1)
         previous = int(self._latest[row])
         if previous >= 0:
-            if self._tier[previous] == LATEST:
-                sparse = self.interval and self._key_of[previous][1] % self.interval == 0
-                self._retier(previous, INTERVAL if sparse else DENSE)
+            lower = lowered(self._tier, self._position, self.interval, previous)
+            if lower >= 0:
+                self._retier(previous, lower)
             self._latest_of[previous] = -1
         self._latest[row], self._latest_of[slot] = slot, row
         self.num_written += 1
@@ -251,9 +251,10 @@ class StateSlots(SlotChecks):
             taken = [self.offer(*offer, 0) for offer in zip(
                 keys, positions.tolist(), rows.tolist(), shared.tolist(), strict=True)]
             return np.array([-1 if slot is None else slot for slot in taken], dtype=np.int64)
-        # C-contiguous, writable and of one dtype each: the types the loop was compiled for
-        rows, positions = _plain(rows, np.int64), _plain(positions, np.int64)
-        shared = _plain(shared, np.bool_)
+        # C-contiguous, writable and of one dtype each (copied only where they are not):
+        # the types the loop was compiled for
+        rows, positions = np.require(rows, np.int64, "CW"), np.require(positions, np.int64, "CW")
+        shared = np.require(shared, np.bool_, "CW")
         slot_of, free = self._slot_of, self._free
         numbered, distinct = _numbered(keys)
         key_slot = np.fromiter(map(slot_of.get, distinct, itertools.repeat(-1)), np.int64,
@@ -432,15 +433,6 @@ class StateSlots(SlotChecks):
         row, self._latest_of[slot] = self._latest_of[slot], -1
         if row >= 0:
             self._latest[row] = -1
-
-
-def _plain(values: np.ndarray, dtype: type) -> np.ndarray:
-    """`values` as a C-contiguous, writable array of `dtype` (a copy only where it is not
-    one already)."""
-    flags = values.flags
-    if values.dtype == dtype and flags.c_contiguous and flags.writeable:
-        return values
-    return np.array(values, dtype=dtype, order="C")
 
 
 def _numbered(keys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:

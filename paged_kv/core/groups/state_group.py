@@ -213,17 +213,7 @@ class StateGroup(CheckpointExport, LayerGroup):
         ``(rows, slots, ends)``, ``[E]`` int64 each, of the offers that took a slot, in
         order (``ends``: the position the checkpoint is at)."""
         block_size, suffix = self.tables.block_size, group_suffix(self.index)
-        junction = self.junction
-        if self.slots.shares is not None:  # tenants: each through `offer`, with its tenant
-            offers = [(key + suffix, (column + 1) * block_size, row,
-                       junction.get(row) == (column + 1) * block_size, self.tenant.get(row, 0))
-                      for row, column, key, _, _ in filled]
-            found = self.slots.offer_all(offers)
-            took = [i for i, slot in enumerate(found) if slot is not None]
-            return (np.array([offers[i][2] for i in took], dtype=np.int64),
-                    np.array([found[i] for i in took], dtype=np.int64),
-                    np.array([offers[i][1] for i in took], dtype=np.int64))
-        n = len(filled)
+        junction, n = self.junction, len(filled)
         rows = np.fromiter(map(operator.itemgetter(0), filled), np.int64, n)
         ends = (np.fromiter(map(operator.itemgetter(1), filled), np.int64, n) + 1) * block_size
         keys = list(map(operator.add, map(operator.itemgetter(2), filled),
@@ -232,7 +222,13 @@ class StateGroup(CheckpointExport, LayerGroup):
         if junction and not junction.keys().isdisjoint(rows.tolist()):
             shared[:] = [junction.get(row) == end
                          for row, end in zip(rows.tolist(), ends.tolist(), strict=True)]
-        slots = self.slots.offer_arrays(keys, ends, rows, shared)
+        if self.slots.shares is None:
+            slots = self.slots.offer_arrays(keys, ends, rows, shared)
+        else:  # tenants: each through `offer`, with its row's tenant
+            tenants = [self.tenant.get(row, 0) for row in rows.tolist()]
+            found = self.slots.offer_all(list(zip(keys, ends.tolist(), rows.tolist(),
+                                                  shared.tolist(), tenants, strict=True)))
+            slots = np.array([-1 if slot is None else slot for slot in found], dtype=np.int64)
         took = slots >= 0
         if took.all():
             return rows, slots, ends
