@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections import deque
 
+import numpy as np
 import torch
 
 from ...config import CacheConfig, LayerKind, StateSpec
@@ -83,10 +84,16 @@ class RecencyPolicy(CheckpointPolicy):
     whatever its position, and a new one always displaces it (the cache's own policy ranks
     by position first)."""
 
-    def add(self, slot: int, value: int) -> None:
-        super().add(slot, 0)
+    def add_all(self, slots, tiers) -> None:
+        """`add_all` with every checkpoint in one tier: its use alone ranks it. (`add`,
+        `touch` and a step's confirm all come here.)"""
+        super().add_all(slots, np.zeros(len(slots), dtype=np.int64))
 
-    def admits(self, value: int, victim: int) -> bool:
+    def retier(self, slot: int, tier: int) -> None:
+        """No tiers: a checkpoint keeps its rank."""
+
+    def admits(self, tier: int, victim: int) -> bool:
+        """A new checkpoint always displaces the victim."""
         return True
 
 
