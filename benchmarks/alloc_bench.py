@@ -67,20 +67,28 @@ Metrics (per replay; reported as min / median over repeats):
 
 Usage:
   python alloc_bench.py --anchors $ANCHORS [--repeats 5] [--json out.json]
+  python alloc_bench.py --anchors $ANCHORS --impls null,vllm,paged_kv_arrays_kept \
+      --scenarios share --instructions      # each step's instructions (valgrind), not time
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
 import math
 import operator
 import os
+import pathlib
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 
@@ -592,8 +600,10 @@ ADAPTERS = {
 # --------------------------------------------------------------------------
 # Replay
 # --------------------------------------------------------------------------
-def replay(adapter, trace):
-    """Replay `trace`; returns a dict of raw measurements."""
+def replay(adapter, trace, counted=False):
+    """Replay `trace`; returns a dict of raw measurements. `counted`: each full decode step
+    runs inside a one-item `functools.reduce`, the call `--instructions` has callgrind
+    count inside (and nothing else: the rest of the replay is off the count)."""
     pc = time.perf_counter
     prompts, outputs, C = trace.prompts, trace.outputs, trace.concurrency
     waiting = deque(range(len(prompts)))
@@ -621,14 +631,11 @@ def replay(adapter, trace):
         # decode step: pass 1 = schedule/allocate, pass 2 = post-model append/hash
         full = len(running) == C
         t0 = pc()
-        if dstep is not None:
-            dstep([ent[0] for ent in running])
+        if counted and full:
+            functools.reduce(lambda _, __: decode_once(running, outputs, dstep, dsched, dpost),
+                             range(1), None)
         else:
-            for ent in running:
-                dsched(ent[0])
-        for ent in running:
-            dpost(ent[0], outputs[ent[1]][ent[2]])
-            ent[2] += 1
+            decode_once(running, outputs, dstep, dsched, dpost)
         t1 = pc()
         if full:
             step_times.append(t1 - t0)
@@ -660,6 +667,79 @@ def replay(adapter, trace):
         "decode_tokens": decode_tokens,
         "admissions": len(admit_times),
     }
+
+
+def decode_once(running, outputs, dstep, dsched, dpost):
+    """One decode step of `running`: pass 1 = schedule/allocate, pass 2 = post-model
+    append/hash."""
+    if dstep is not None:
+        dstep([ent[0] for ent in running])
+    else:
+        for ent in running:
+            dsched(ent[0])
+    for ent in running:
+        dpost(ent[0], outputs[ent[1]][ent[2]])
+        ent[2] += 1
+
+
+def count_instructions(args, impls, scen):
+    """`--instructions`: each (scenario, impl) replayed in a process of its own under
+    valgrind's callgrind, after one uncounted replay (imports, numba's compiled loops,
+    the anchors' first calls), with the cyclic GC off and ``PYTHONHASHSEED=0``; prints the
+    instructions of one full decode step (the same two passes `step_us` times), the mean
+    over the replay's full steps. A count does not move with the machine's load, as wall
+    time does (up to 2x between processes on a shared machine)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("alloc_bench: --instructions needs valgrind on the PATH "
+                         "(Debian: apt-get install valgrind)")
+    counts = {s: {} for s in scen}
+    for s in scen:
+        for impl in impls:
+            counts[s][impl] = _count_one(valgrind, impl, s)
+    print(f"\ninstructions per full decode step ({args.concurrency} sequences), callgrind; "
+          "ratios against vllm (net: both less the null harness's own)")
+    for s in scen:
+        found = counts[s]
+        base, floor = found.get("vllm"), found.get("null", 0.0)
+        for impl, per_step in found.items():
+            ratio = f"{per_step / base:6.3f}x" if base else "      -"
+            net = (f"{(per_step - floor) / (base - floor):6.3f}x"
+                   if base and "null" in found and impl != "null" else "      -")
+            print(f"{s:8} {impl:22} {per_step / 1e6:8.3f} M  {ratio}  net {net}")
+
+
+def _count_one(valgrind, impl, scenario):
+    """The mean instructions of one full decode step of `impl` in `scenario`: this script
+    again under callgrind (`counted_run`), collecting inside `functools.reduce` alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "callgrind.out"
+        argv = [a for a in sys.argv[1:] if a != "--instructions"]
+        run = subprocess.run(
+            [valgrind, "--tool=callgrind", "--collect-atstart=no",
+             "--toggle-collect=functools_reduce", f"--callgrind-out-file={out}",
+             sys.executable, os.path.abspath(__file__), *argv, "--impls", impl,
+             "--scenarios", scenario, "--counted-run"],
+            capture_output=True, text=True, check=False,
+            env={**os.environ, "PYTHONHASHSEED": "0"})
+        steps = re.search(r"^counted full steps: (\d+)$", run.stdout, re.M)
+        total = (re.search(r"^(?:summary|totals): (\d+)", out.read_text(), re.M)
+                 if out.exists() else None)
+        if run.returncode or steps is None or total is None:
+            raise SystemExit(f"alloc_bench: the counted run of {impl} failed:\n"
+                             f"{run.stderr[-3000:]}")
+    return int(total.group(1)) / int(steps.group(1))
+
+
+def counted_run(args, impls, scen, mods, traces, num_blocks):
+    """The process `count_instructions` runs under callgrind: one uncounted replay, then
+    one whose full decode steps are counted."""
+    impl, trace = impls[0], traces[scen[0]]
+    replay(ADAPTERS[impl](mods, num_blocks, args.block_size), trace)
+    gc.collect()
+    gc.disable()
+    result = replay(ADAPTERS[impl](mods, num_blocks, args.block_size), trace, counted=True)
+    print(f"counted full steps: {result['full_steps']}")
 
 
 # --------------------------------------------------------------------------
@@ -731,6 +811,10 @@ def main():
                     help="also print each impl's wall time over the first impl's, paired by repeat "
                          "(adjacent replays: drift and a neighbour's load cancel more than in a "
                          "ratio of medians)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="instead of timing, count the instructions of one full decode step "
+                         "of each impl under valgrind's callgrind (one process each)")
+    ap.add_argument("--counted-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     impls = [s for s in args.impls.split(",") if s]
@@ -756,6 +840,12 @@ def main():
     print(f"peak blocks in use (noshare) = {peak}; pool num_blocks = {num_blocks} "
           f"(vLLM: +1 null block); block_size = {args.block_size}; concurrency = {args.concurrency}")
 
+    if args.instructions:
+        count_instructions(args, impls, scen)
+        return
+    if args.counted_run:
+        counted_run(args, impls, scen, mods, traces, num_blocks)
+        return
     results = {s: {i: [] for i in impls} for s in scen}
 
     def one(impl, s):

@@ -26,6 +26,15 @@ move dict and set probing): compare trees by more than that, or by several runs.
 tree (a ``git worktree``): ``PYTHONPATH=TREE python TREE/benchmarks/step_instructions.py``.
 Needs valgrind on the PATH (Debian: ``apt-get install valgrind``); ~4 minutes at 1,024
 sequences.
+
+``--inside MODULE:QUALNAME`` counts only the instructions inside one function's calls in
+the same steps (e.g. ``paged_kv.core.groups.layout:GroupLayout.forecast``, or
+``paged_kv.core.step.commit:index_filled_blocks``), a part's share of the step: each call
+runs inside a one-item `functools.reduce` of its own and the steps outside one. A method
+of a class counts that class's calls (a subclass's override is not it); a function is
+replaced wherever a ``paged_kv`` module imported it by name. A function that calls itself,
+or one under another counted function, is not counted twice: collection toggles off in the
+inner call.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib
 import os
 import pathlib
 import re
@@ -40,30 +50,73 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 KINDS = ("cache", "scheduler", "engine", "mixed", "turnover")
 
 
-def _steps(kind: str, groups: int, seqs: int, steps: int) -> None:
+def _counted(step: Callable[[], object], count: int = 1) -> None:
+    """`count` calls of `step` inside the one-item `functools.reduce` that switches
+    callgrind's collection on (or, with ``--inside``, plainly: `_count_inside` put the
+    reduce around the named function's calls instead)."""
+    if _INSIDE:
+        for _ in range(count):
+            step()
+    else:
+        functools.reduce(lambda acc, _: step(), range(count), 0)
+
+
+_INSIDE: list[str] = []  # the ``--inside`` target, when given
+
+
+def _count_inside(target: str) -> None:
+    """Run each call of `target` (``MODULE:QUALNAME``) inside a one-item `functools.reduce`:
+    only those calls are counted."""
+    module_name, _, qualname = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        found = []
+        functools.reduce(lambda acc, _: found.append(original(*args, **kwargs)), range(1), 0)
+        return found[0]
+
+    setattr(owner, name, counted)
+    if not path:  # a module's function: also where other modules imported it by name
+        for module in list(sys.modules.values()):
+            if (getattr(module, "__name__", "").startswith("paged_kv")
+                    and getattr(module, name, None) is original):
+                setattr(module, name, counted)
+    _INSIDE.append(target)
+
+
+def _steps(kind: str, groups: int, seqs: int, steps: int, inside: str | None = None) -> None:
     """The counted run (inside callgrind): setup, two untimed steps, then `steps` steps
-    inside the one `functools.reduce` that switches collection on."""
+    inside the one `functools.reduce` that switches collection on (with `inside`: see
+    `_count_inside`)."""
     from paged_kv.bench.workloads.step_scale import DecodeStepper, trace_prompts
 
     if kind == "mixed":
-        _mixed_steps(groups, seqs, steps)
+        _mixed_steps(groups, seqs, steps, inside)
         return
     if kind == "turnover":
-        _turnover_steps(groups, seqs, steps)
+        _turnover_steps(groups, seqs, steps, inside)
         return
     stepper = DecodeStepper(kind, groups, trace_prompts(seqs), steps + 4)
     stepper.step()
     stepper.step()
+    if inside:
+        _count_inside(inside)
     gc.collect()
     gc.disable()
-    functools.reduce(lambda acc, _: stepper.step(), range(steps), 0)
+    _counted(stepper.step, steps)
 
 
-def _mixed_steps(groups: int, seqs: int, steps: int) -> None:
+def _mixed_steps(groups: int, seqs: int, steps: int, inside: str | None = None) -> None:
     """The ``mixed`` kind: the engine's step (as ``engine``) after one running request was
     aborted and one 128-token prompt of the trace arrived (`benchmarks/step_churn.py`'s
     "in and gone" step, a loaded server's usual one): the abort and the arrival off the
@@ -74,16 +127,18 @@ def _mixed_steps(groups: int, seqs: int, steps: int) -> None:
     stepper = mixed.stepper
     for step in range(steps + 2):  # two untimed, then the counted ones
         if step == 2:
+            if inside:
+                _count_inside(inside)
             gc.collect()
             gc.disable()
         mixed.churn(step)
         if step < 2:
             stepper.step()
         else:
-            functools.reduce(lambda acc, _: stepper.step(), range(1), 0)
+            _counted(stepper.step)
 
 
-def _turnover_steps(groups: int, seqs: int, steps: int) -> None:
+def _turnover_steps(groups: int, seqs: int, steps: int, inside: str | None = None) -> None:
     """The ``turnover`` kind: the engine's step in a loaded server's steady state
     (`step_scale.TurnoverSteps`: ~1 in 120 requests finishing inside each step, as many
     new 128-token prompts prefilled in it), after its warm-up; the arrivals off the count,
@@ -91,16 +146,18 @@ def _turnover_steps(groups: int, seqs: int, steps: int) -> None:
     from paged_kv.bench.workloads.step_scale import TurnoverSteps
 
     turnover = TurnoverSteps(groups, seqs)
+    if inside:
+        _count_inside(inside)
     gc.collect()
     gc.disable()
     for _ in range(steps):
         turnover.refill()
-        functools.reduce(lambda acc, _: turnover.step(), range(1), 0)
+        _counted(turnover.step)
 
 
-def count(kind: str, groups: int, seqs: int, steps: int) -> float:
+def count(kind: str, groups: int, seqs: int, steps: int, inside: str | None = None) -> float:
     """Instructions per step of `steps` decode steps of `seqs` sequences (see the module
-    docstring)."""
+    docstring); `inside`: only those inside that function's calls."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("step_instructions: valgrind not found on the PATH")
@@ -112,8 +169,8 @@ def count(kind: str, groups: int, seqs: int, steps: int) -> float:
         subprocess.run([valgrind, "--tool=callgrind", "--collect-atstart=no",
                         "--toggle-collect=functools_reduce", f"--callgrind-out-file={out}",
                         sys.executable, __file__, "--child", kind, str(groups), str(seqs),
-                        str(steps)], check=True, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+                        str(steps), *([inside] if inside else [])], check=True, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         totals = re.search(r"^(?:totals|summary):\s+(\d+)", out.read_text(), re.MULTILINE)
     if totals is None:
         raise SystemExit("step_instructions: no totals line in callgrind's output")
@@ -123,17 +180,22 @@ def count(kind: str, groups: int, seqs: int, steps: int) -> float:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         kind, groups, seqs, steps = sys.argv[2], *map(int, sys.argv[3:6])
-        _steps(kind, groups, seqs, steps)
+        _steps(kind, groups, seqs, steps, *sys.argv[6:7])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", choices=KINDS, default="engine")
     parser.add_argument("--groups", type=int, choices=(1, 3), default=3)
     parser.add_argument("--seqs", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--inside", metavar="MODULE:QUALNAME",
+                        help="count only inside this function's calls (see the docstring)")
     args = parser.parse_args()
-    per_step = count(args.kind, args.groups, args.seqs, args.steps)
+    if args.inside is not None and ":" not in args.inside:
+        parser.error(f"--inside: expected MODULE:QUALNAME, got {args.inside!r}")
+    per_step = count(args.kind, args.groups, args.seqs, args.steps, args.inside)
+    where = f" inside {args.inside}" if args.inside else ""
     print(f"{args.kind}, {args.groups} group{'s' if args.groups > 1 else ''}, "
-          f"{args.seqs} sequences: {per_step / 1e6:.3f} M instructions a step "
+          f"{args.seqs} sequences: {per_step / 1e6:.3f} M instructions a step{where} "
           f"(over {args.steps} steps)")
 
 
