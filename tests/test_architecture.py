@@ -273,7 +273,8 @@ def test_owner_mutation_check_finds_direct_and_aliased_calls():
 # (the longest prefix names a module's floor; docs/architecture.md draws them)
 FLOORS = {
     # 0, the base: shapes, errors, keys, kernels, policies and the parts' interface
-    "paged_kv.errors": 0, "paged_kv.config": 0, "paged_kv.keys": 0, "paged_kv._checks": 0,
+    "paged_kv.errors": 0, "paged_kv.config": 0, "paged_kv.layer_kinds": 0, "paged_kv.keys": 0,
+    "paged_kv._checks": 0,
     "paged_kv.kernels": 0, "paged_kv.tenants": 0, "paged_kv.parts": 0,
     # 1-4, the cache core: owners, then the step over them, then layer groups, then the facade
     "paged_kv.core": 1, "paged_kv.core.step": 2, "paged_kv.core.groups": 3,

@@ -37,7 +37,7 @@ Filled = tuple[int, int, bytes, bytes, bytes]
 
 @dataclasses.dataclass
 class LayerGroup:
-    """One layer group of a cache (see `paged_kv.config.group_layers`); a uniform model's
+    """One layer group of a cache (see `paged_kv.layer_kinds.group_layers`); a uniform model's
     cache is one full-attention group. A subclass per layer kind
     (`paged_kv.core.groups.kinds`) says what its rows give back (`skipped_tokens`) and so
     which blocks a prefix hit needs (`accepted_hit`); the rest is shared.

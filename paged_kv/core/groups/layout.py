@@ -1,7 +1,7 @@
 """`GroupLayout`: the lifecycle of a cache over several layer groups, or over one group that
 gives blocks back (a model whose every layer has a window).
 
-Layers are grouped by kind into groups of one size (`paged_kv.config.group_layers`); a
+Layers are grouped by kind into groups of one size (`paged_kv.layer_kinds.group_layers`); a
 block spans one group's layers, so one pool and one allocator serve every group, each
 group with its own block tables. A group whose kind gives blocks back (a window or a chunk)
 does so before each step, by `LayerGroup.skipped_blocks` of the tokens its row holds, so a

@@ -1,6 +1,6 @@
 """`StateGroup`: the recurrent layers' group, whose rows hold a state slot, not blocks.
 
-Every recurrent layer of a model is in one group (`paged_kv.config.group_layers`), placed
+Every recurrent layer of a model is in one group (`paged_kv.layer_kinds.group_layers`), placed
 after the attention groups. Its rows follow theirs (same sequences, same rows, same token
 counts), but a row holds no block: it holds a live slot of the state slab
 (`paged_kv.core.groups.state`), which every step of the sequence reads and writes in
