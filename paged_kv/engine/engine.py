@@ -298,14 +298,17 @@ class Engine:
         for part in self.parts if finished else ():  # e.g. a prefill's lease, before the
             for request in finished:  # request's last output is emitted
                 part.finished(request)
-        emit_samples(samples, finished, self.scheduler.steady.outputs(finished))
+        # each finished request's output made once: its listener's and the step's return
+        outputs = {request.request_id: request.output(request.finish_time)
+                   for request in finished}
+        emit_samples(samples, finished, self.scheduler.steady.outputs(finished), outputs)
         watching = [part for part in self.parts if part.wants_events]
         if watching:  # e.g. the blocks this step wrote, copied out; the index's changes
             events = self.cache.take_events()
             for part in watching:
                 part.after_step(events)
         self.metrics.after_step(self.stats, len(samples))
-        return [request.output(request.finish_time) for request in finished
+        return [outputs[request.request_id] for request in finished
                 if self._requests.pop(request.request_id, None)]
 
     def _run(self, plan: dict[Sequence, int]) -> list[ModelStep]:

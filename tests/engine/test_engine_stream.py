@@ -34,6 +34,29 @@ def test_step_outputs_stream_the_generated_tokens(model):
         assert [c.token_ids for c in finals[0].outputs] == [c.token_ids for c in want.outputs]
 
 
+def test_final_output_made_once_for_listener_and_step(model):
+    """A finished request's `RequestOutput` is made once a step: its listener's final
+    output is the object the step returns, and it holds what the request says."""
+    engine = make_engine(model, num_blocks=64, block_size=8)
+    streams: dict[int, list[StepOutput]] = {}
+    ids = [engine.add_request(prompt(12 + i, 10 + i, VOCAB), SamplingParams(max_tokens=3 + i),
+                              on_output=lambda out: streams.setdefault(out.request_id,
+                                                                        []).append(out))
+           for i in range(3)]
+    requests = {rid: engine._requests[rid] for rid in ids}
+    returned = {}
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            returned[output.request_id] = output
+    assert sorted(returned) == sorted(ids)
+    for rid in ids:
+        final = streams[rid][-1].output
+        assert final is returned[rid]
+        request = requests[rid]
+        assert final == request.output(request.finish_time)
+        assert len(final.token_latencies) == len(final.outputs[0].token_ids) - 1
+
+
 def test_abort_frees_blocks_and_reports_abort(model):
     engine = make_engine(model, num_blocks=64, block_size=8)
     seen: list[StepOutput] = []
