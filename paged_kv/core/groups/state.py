@@ -87,6 +87,7 @@ class StateSlots(SlotChecks):
         self._tier = np.full(num_slots, -1, dtype=np.int8)
         self._latest_of = np.full(num_slots, -1, dtype=np.int64)
         self._position = np.zeros(num_slots, dtype=np.int64)
+        self._key_scratch = np.full(num_slots, -1, dtype=np.int64)  # the loop's, -1 between
         self.num_written = self.num_hits = self.num_evicted = 0  # checkpoints, so far
         # ("stored" | "removed", slot, key): a checkpoint became servable or went, for the
         # tiers and KV events (bounded as the allocator's events: a user who never drains
@@ -263,10 +264,10 @@ class StateSlots(SlotChecks):
         self._grow_rows(int(rows.max()) + 1 if n else 0)
         policy.reserve(self.num_slots, n)
         taken, victims = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-        used, evicted = offer_rows(rows, shared, numbered, key_slot, positions, free_tail,
-                                   self._tier, self._latest, self._latest_of, self._position,
-                                   self.interval, policy.rank, policy.heap, policy.meta,
-                                   taken, victims)
+        used, evicted = offer_rows(rows, shared, numbered, key_slot, self._key_scratch,
+                                   positions, free_tail, self._tier, self._latest,
+                                   self._latest_of, self._position, self.interval,
+                                   policy.rank, policy.heap, policy.meta, taken, victims)
         if used:
             del free[len(free) - used:]
         if evicted:

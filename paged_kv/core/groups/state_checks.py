@@ -36,6 +36,7 @@ class SlotChecks:
     _latest: np.ndarray
     _latest_of: np.ndarray
     _position: np.ndarray
+    _key_scratch: np.ndarray
 
     def check(self, rows: Sequence[int]) -> None:
         """Live slots are exactly `rows`' (the resident rows), one each; the checkpoint
@@ -62,6 +63,7 @@ class SlotChecks:
         ensure(all(self._position[slot] == position
                    for slot, (_, position) in self._key_of.items()),
                "a checkpoint's position is out of step with its key's")
+        ensure(bool((self._key_scratch == -1).all()), "the offers' scratch was left set")
         latest_of = _by_index(self._latest_of)
         latest = _by_index(self._latest)
         ensure(all(latest_of.get(slot) == row for row, slot in latest.items())
