@@ -55,18 +55,15 @@ from collections.abc import Callable
 KINDS = ("cache", "scheduler", "engine", "mixed", "turnover")
 
 
-def _counted(step: Callable[[], object], count: int = 1) -> None:
+def _counted(step: Callable[[], object], inside: str | None, count: int = 1) -> None:
     """`count` calls of `step` inside the one-item `functools.reduce` that switches
-    callgrind's collection on (or, with ``--inside``, plainly: `_count_inside` put the
-    reduce around the named function's calls instead)."""
-    if _INSIDE:
+    callgrind's collection on (or, with `inside`, plainly: `_count_inside` put the reduce
+    around that function's calls instead)."""
+    if inside:
         for _ in range(count):
             step()
     else:
         functools.reduce(lambda acc, _: step(), range(count), 0)
-
-
-_INSIDE: list[str] = []  # the ``--inside`` target, when given
 
 
 def _count_inside(target: str) -> None:
@@ -91,7 +88,6 @@ def _count_inside(target: str) -> None:
             if (getattr(module, "__name__", "").startswith("paged_kv")
                     and getattr(module, name, None) is original):
                 setattr(module, name, counted)
-    _INSIDE.append(target)
 
 
 def _steps(kind: str, groups: int, seqs: int, steps: int, inside: str | None = None) -> None:
@@ -113,7 +109,7 @@ def _steps(kind: str, groups: int, seqs: int, steps: int, inside: str | None = N
         _count_inside(inside)
     gc.collect()
     gc.disable()
-    _counted(stepper.step, steps)
+    _counted(stepper.step, inside, steps)
 
 
 def _mixed_steps(groups: int, seqs: int, steps: int, inside: str | None = None) -> None:
@@ -135,7 +131,7 @@ def _mixed_steps(groups: int, seqs: int, steps: int, inside: str | None = None) 
         if step < 2:
             stepper.step()
         else:
-            _counted(stepper.step)
+            _counted(stepper.step, inside)
 
 
 def _turnover_steps(groups: int, seqs: int, steps: int, inside: str | None = None) -> None:
@@ -152,7 +148,7 @@ def _turnover_steps(groups: int, seqs: int, steps: int, inside: str | None = Non
     gc.disable()
     for _ in range(steps):
         turnover.refill()
-        _counted(turnover.step)
+        _counted(turnover.step, inside)
 
 
 def count(kind: str, groups: int, seqs: int, steps: int, inside: str | None = None) -> float:

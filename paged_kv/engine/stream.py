@@ -29,7 +29,7 @@ def emit_samples(samples: list[Sample], finished: list[Request],
     below.
 
     `outputs`: each finished request's `RequestOutput` by request id, when the caller made
-    them (the engine returns the same objects from its step: one made a request, ~20-45 us
+    them (the engine returns the same objects from its step: one made a request, ~11-45 us
     for a 128-1,024-token answer); None: made here."""
     if outputs is None:
         now = time.perf_counter()
