@@ -171,6 +171,27 @@ def test_a_batch_made_before_a_change_of_rows_keeps_its_table():
     assert torch.equal(second.block_tables, kept)  # the batch before keeps its table
 
 
+def test_a_longer_row_widens_the_kept_table_without_a_gather():
+    """Once the longest row outgrew a kept table, the new one keeps spare columns: as the
+    row opens more blocks, the batch's table widens over them, in the same memory, with
+    no gather, and is the table a fresh gather gives (zero past each row's blocks)."""
+    cache = _cache("one group", 64, True)
+    for seq, length in (("a", 2 * BLOCK - 1), ("b", 2)):
+        cache.admit(seq, [ord(seq) * 1000 + i for i in range(length)], max_tokens=4 * BLOCK)
+    rows = cache.rows_of(["a", "b"])
+    cache.prepare_decode(rows, np.array([7, 8]))  # a's second block fills: two columns
+    outgrown = cache.prepare_decode(rows, np.array([9, 9]))  # a opens a third: gathered
+    assert tuple(outgrown.block_tables.shape) == (2, 3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepTable, "_renew", lambda *args: pytest.fail("gathered afresh"))
+        for token in range(BLOCK):  # a fills its third block, then opens a fourth
+            batch = cache.prepare_decode(rows, np.array([token, token]))
+    assert tuple(batch.block_tables.shape) == (2, 4)
+    assert batch.block_tables.data_ptr() == outgrown.block_tables.data_ptr()
+    assert np.array_equal(batch.block_tables.numpy(), cache.tables.gather(rows, 4))
+    assert batch.block_tables[0, 3].item() != 0 and batch.block_tables[1, 3].item() == 0
+
+
 def test_the_switch_takes_a_bool_and_default_batches_own_their_tables():
     with pytest.raises(ValueError, match="reuse_block_tables: expected a bool"):
         _cache("one group", 64, "yes")
