@@ -104,9 +104,19 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     return sample_rows(logits[None], [params], [generator])[0]
 
 
+class Drawn(list):
+    """A batch's drawn tokens as `sample_rows` returns them: the list of ints every
+    consumer reads, and ``array``, the same tokens as the ``[rows]`` int64 array they were
+    drawn into (the argmax's own), so a consumer wanting an array (the scheduler's steady
+    carry) need not convert the list back: ~17 us at 1,024 rows, against ~0.4 us for a
+    cast. Made once and read only."""
+
+    __slots__ = ("array",)
+
+
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None],
-                groups: dict[int, list[int]] | None = None) -> list[int]:
+                groups: dict[int, list[int]] | None = None) -> Drawn:
     """Pick one token per row of ``logits [rows, vocab]``, row i as ``params[i]`` says
     (`groups`: `sample_groups` of `params` and the vocabulary, when the caller kept it).
 
@@ -117,13 +127,16 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     Rows with a top-k carry only their k largest candidates past it, in groups of equal k
     (the same arithmetic whatever else is in the batch).
     """
-    picked = greedy_tokens(logits)
+    array = _greedy(logits)
+    picked = Drawn(array.tolist())
     if groups is None:
         groups = sample_groups(params, logits.shape[-1])
     for top_k, rows in groups.items():
-        for i, token in zip(rows, _sample_group(logits, rows, top_k, params, generators),
-                            strict=True):
+        tokens = _sample_group(logits, rows, top_k, params, generators)
+        for i, token in zip(rows, tokens, strict=True):
             picked[i] = token
+        array[rows] = tokens
+    picked.array = array
     return picked
 
 
@@ -231,9 +244,14 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
     On the CPU numpy's vectorised argmax is 10-30x faster than torch's for these shapes.
     """
+    return _greedy(logits).tolist()
+
+
+def _greedy(logits: torch.Tensor) -> np.ndarray:
+    """`greedy_tokens` as a new ``[rows]`` int64 array (the caller's to write)."""
     if _on_host(logits) and logits.dtype in (torch.float32, torch.float64):
-        return logits.detach().numpy().argmax(-1).tolist()
-    return logits.argmax(-1).tolist()
+        return logits.detach().numpy().argmax(-1)
+    return logits.argmax(-1).cpu().numpy()
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:

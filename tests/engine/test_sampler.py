@@ -89,6 +89,20 @@ def test_a_seeded_row_does_not_depend_on_its_batch(rows, hot, seed):
             assert batch[i] == int(logits[i].argmax())
 
 
+@settings(max_examples=30, deadline=None)
+@given(kinds=st.lists(st.sampled_from(["greedy", "sampled", "top-k"]), min_size=1,
+                      max_size=12), seed=st.integers(0, 2**31))
+def test_the_drawn_array_holds_the_drawn_tokens(kinds, seed):
+    """`sample_rows`' tokens come with the same tokens as an int64 array, greedy and drawn
+    rows alike (the scheduler's carry takes the array)."""
+    logits = torch.randn(len(kinds), 61, generator=torch.Generator().manual_seed(seed))
+    params = [SamplingParams() if kind == "greedy" else
+              SamplingParams(temperature=1.3, top_k=5 if kind == "top-k" else 0)
+              for kind in kinds]
+    picked = sample_rows(logits, params, [torch.Generator().manual_seed(seed)] * len(kinds))
+    assert picked.array.dtype == np.int64 and picked.array.tolist() == list(picked)
+
+
 def test_top_k_past_the_vocabulary_keeps_every_token():
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, top_k=5000), SamplingParams(temperature=1.0,

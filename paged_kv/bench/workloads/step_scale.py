@@ -46,7 +46,7 @@ from ...engine.config import EngineConfig
 from ...engine.draw import Samples
 from ...engine.engine import Engine
 from ...engine.request import Request, Sequence
-from ...engine.sampling import SamplingParams
+from ...engine.sampling import Drawn, SamplingParams
 from ...engine.scheduler import Scheduler
 from ..results import Plot, Series
 from ..timing import Figure, Stat
@@ -272,10 +272,13 @@ class TurnoverSteps:
 def model_samples(plan: dict[Sequence, int]) -> Samples:
     """What the model and its sampler hand `Scheduler.update_from_output` after `plan`:
     a token for each sequence whose next token is due (`output_token_id` of its position),
-    as the engine's sampler hands them (`Samples`: the sequences and tokens beside)."""
+    as the engine's sampler hands them (`Samples`: the sequences and tokens beside, the
+    tokens a `Drawn` list with their array)."""
     seqs = [seq for seq in plan if seq.num_computed == len(seq.token_ids)]
-    return Samples.of(seqs, [output_token_id(seq.request.request_id, len(seq.token_ids))
-                             for seq in seqs])
+    tokens = Drawn([output_token_id(seq.request.request_id, len(seq.token_ids))
+                    for seq in seqs])
+    tokens.array = np.array(tokens, dtype=np.int64)
+    return Samples.of(seqs, tokens)
 
 
 def time_steps(stepper: DecodeStepper, num_steps: int) -> float:
