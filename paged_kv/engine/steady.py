@@ -249,9 +249,9 @@ class SteadyDecode:
         positions = positions + 1
         if len(positions) < len(batch):  # a mixed step's prompts (a few)
             positions = np.concatenate((positions, _computed(batch[len(positions):])))
-        drawn = getattr(tokens, "array", None)  # `sampling.Drawn`: the array as drawn
-        self._carry = (seqs, np.array(tokens, dtype=np.int32) if drawn is None
-                       else drawn.astype(np.int32), positions, rows)
+        as_drawn = getattr(tokens, "array", None)  # `sampling.Drawn`: the array as drawn
+        self._carry = (seqs, np.array(tokens, dtype=np.int32) if as_drawn is None
+                       else as_drawn.astype(np.int32), positions, rows)
         self._sampled = tokens
 
     def append(self, samples: list[Sample], now: float, eos_token_ids: frozenset[int],
