@@ -52,10 +52,9 @@ def emit_samples(samples: list[Sample], finished: list[Request],
         _emit_plain(listeners[start:], request_ids[start:], indexes[start:], tokens[start:])
         return
     last = {}  # request id -> the index of its sample that finished it
-    if finished:
-        ended = {request.request_id for request in finished}
+    if outputs:  # (keyed by the finished requests' ids)
         last = {seq.request.request_id: i for i, (seq, _, _) in enumerate(samples)
-                if seq.finish_reason is not None and seq.request.request_id in ended}
+                if seq.finish_reason is not None and seq.request.request_id in outputs}
     make = tuple.__new__  # a StepOutput in 60% of its call's time
     for i, (seq, token, _) in enumerate(samples):
         request = seq.request
